@@ -1,0 +1,34 @@
+# Two entry points for a fresh machine: `make run` (the service) and `make test` (the suite).
+# Both create .venv when it is missing and are safe to run again.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: run test migrate bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.installed-run: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+migrate: $(VENV)/.installed-run
+	$(PY) manage.py migrate --noinput
+
+run: migrate
+	$(PY) manage.py telemachus_demo
+	HOST=$(HOST) PORT=$(PORT) PY=$(PY) bin/run
+
+test: $(VENV)/.installed-dev
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) var .pytest_cache

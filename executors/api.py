@@ -1,0 +1,121 @@
+from typing import Any
+
+from django.db.models import QuerySet
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers, status
+from rest_framework.generics import ListAPIView
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from executors.models import Executor
+from executors.registry import known_kinds
+from executors.services import executor_create, executor_delete, executor_update
+from scheduler.api.serializers import StrictSerializer
+from telemachus import rbac
+from telemachus.errors import NotFound
+from telemachus.models import Team
+
+HTTP_KINDS = ("local-model", "remote-model")
+
+
+class CapabilitiesInput(serializers.Serializer):
+    models = serializers.ListField(child=serializers.CharField(max_length=200), allow_empty=True)
+    memory_mb = serializers.IntegerField(min_value=0, required=False)
+
+    def get_fields(self) -> dict[str, serializers.Field]:
+        fields = super().get_fields()
+        fields["class"] = serializers.ChoiceField(choices=("cpu", "gpu"), required=False)
+        return fields
+
+    def to_internal_value(self, data: Any) -> dict[str, Any]:
+        if not isinstance(data, dict):
+            raise serializers.ValidationError("Expected an object.")
+        return {**data, **super().to_internal_value(data)}
+
+
+class ExecutorInput(StrictSerializer):
+    name = serializers.SlugField(max_length=64)
+    kind = serializers.CharField(max_length=32)
+    team = serializers.SlugRelatedField(slug_field="slug", queryset=Team.objects.all(), allow_null=True, required=False)
+    endpoint = serializers.URLField(max_length=500, allow_null=True, required=False)
+    capabilities = CapabilitiesInput()
+    max_concurrency = serializers.IntegerField(min_value=0, max_value=100_000, default=4)
+    enabled = serializers.BooleanField(default=True)
+    weight = serializers.IntegerField(min_value=0, max_value=1_000_000, default=1)
+    transport = serializers.DictField(required=False)
+    meta = serializers.DictField(required=False)
+
+    def validate_kind(self, kind: str) -> str:
+        if kind not in known_kinds():
+            raise serializers.ValidationError(f"Unknown kind; known kinds: {', '.join(known_kinds())}.")
+        return kind
+
+    def validate_endpoint(self, endpoint: str | None) -> str | None:
+        if endpoint and not endpoint.startswith(("http://", "https://")):
+            raise serializers.ValidationError("Endpoint must be an http(s) URL.")
+        return endpoint
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        kind = attrs.get("kind", getattr(self.instance, "kind", None))
+        endpoint = attrs["endpoint"] if "endpoint" in attrs else getattr(self.instance, "endpoint", None)
+        if kind in HTTP_KINDS and not endpoint:
+            raise serializers.ValidationError({"endpoint": [f"A {kind} executor needs an endpoint."]})
+        name = attrs.get("name")
+        if name and Executor.objects.filter(name=name).exclude(pk=getattr(self.instance, "pk", None)).exists():
+            raise serializers.ValidationError({"name": [f"An executor named {name!r} already exists."]})
+        return attrs
+
+
+class ExecutorOutput(serializers.ModelSerializer):
+    team = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+
+    class Meta:
+        model = Executor
+        fields = [
+            "id", "name", "kind", "team", "endpoint", "capabilities", "max_concurrency", "enabled", "health",
+            "last_seen", "weight", "transport", "meta",
+        ]
+        read_only_fields = fields
+
+
+def managed_executor(request: Request, executor_id: int) -> Executor:
+    rbac.require_operator(request.user)
+    executor = Executor.objects.select_related("team").filter(pk=executor_id).first()
+    if executor is None:
+        raise NotFound(f"Executor {executor_id} not found.")
+    return executor
+
+
+class ExecutorListCreateApi(ListAPIView):
+    serializer_class = ExecutorOutput
+
+    def get_queryset(self) -> QuerySet[Executor]:
+        rbac.require_operator(self.request.user)
+        return Executor.objects.select_related("team")
+
+    @extend_schema(request=ExecutorInput, responses={201: ExecutorOutput})
+    def post(self, request: Request) -> Response:
+        rbac.require_operator(request.user)
+        data = ExecutorInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        executor = executor_create(**data.validated_data)
+        return Response(ExecutorOutput(executor).data, status=status.HTTP_201_CREATED)
+
+
+class ExecutorDetailApi(APIView):
+    @extend_schema(responses=ExecutorOutput)
+    def get(self, request: Request, executor_id: int) -> Response:
+        return Response(ExecutorOutput(managed_executor(request, executor_id)).data)
+
+    @extend_schema(request=ExecutorInput, responses=ExecutorOutput)
+    def patch(self, request: Request, executor_id: int) -> Response:
+        executor = managed_executor(request, executor_id)
+        data = ExecutorInput(executor, data=request.data, partial=True)
+        data.is_valid(raise_exception=True)
+        return Response(ExecutorOutput(executor_update(executor=executor, **data.validated_data)).data)
+
+    @extend_schema(responses={204: None})
+    def delete(self, request: Request, executor_id: int) -> Response:
+        executor_delete(executor=managed_executor(request, executor_id))
+        return Response(status=status.HTTP_204_NO_CONTENT)

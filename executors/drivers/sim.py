@@ -1,0 +1,63 @@
+"""The `sim` executor: an honest, labelled simulator that runs in the worker process.
+
+It makes no model call. It waits a configurable latency, reports token counts derived from the
+request, and fails at a configurable rate, so demos, tests and capacity planning can exercise the
+whole scheduler without a model server. Every result says `"simulated": true`.
+
+Knobs, read from the executor's `meta`:
+    latency_ms        mean time per dispatch (default 50)
+    jitter_ms         uniform ± spread around the mean (default 0)
+    tokens_per_s      if set, adds completion_tokens / tokens_per_s seconds of generation time
+    output_tokens     completion tokens per reply, capped by the request's max_tokens (default 16)
+    fail_rate         probability in [0, 1] that a dispatch fails (default 0)
+"""
+
+import asyncio
+import random
+from typing import Any
+
+from executors.contract import DispatchError, DispatchRequest, DispatchResult, ExecutorDriver
+
+
+def count_prompt_tokens(messages: list[dict[str, Any]]) -> int:
+    """A stand-in tokenizer: one token per whitespace-separated word, plus 4 per message for the
+    role framing, which is close to what OpenAI-style servers report for short English prompts."""
+    return sum(4 + len(str(m.get("content", "")).split()) for m in messages)
+
+
+class SimDriver(ExecutorDriver):
+    kind = "sim"
+
+    def _knob(self, name: str, default: float) -> float:
+        value = self.executor.meta.get(name, default)
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return default
+
+    async def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        messages = request.input.get("messages") or []
+        max_tokens = int(request.input.get("max_tokens") or 1_000_000)
+        completion = min(int(self._knob("output_tokens", 16)), max_tokens)
+        latency = self._knob("latency_ms", 50) / 1000
+        jitter = self._knob("jitter_ms", 0) / 1000
+        tokens_per_s = self._knob("tokens_per_s", 0)
+        delay = max(0.0, latency + random.uniform(-jitter, jitter))
+        if tokens_per_s > 0:
+            delay += completion / tokens_per_s
+        if delay:
+            await asyncio.sleep(delay)
+        if random.random() < self._knob("fail_rate", 0):
+            raise DispatchError("simulated failure (sim executor fail_rate)", retryable=False)
+        last = str(messages[-1].get("content", "")) if messages else ""
+        reply = f"[simulated reply from {self.executor.name}] {last[:200]}".strip()
+        return DispatchResult(
+            output={
+                "simulated": True,
+                "model": request.model,
+                "message": {"role": "assistant", "content": reply},
+                "finish_reason": "length" if completion == max_tokens else "stop",
+            },
+            prompt_tokens=count_prompt_tokens(messages),
+            completion_tokens=completion,
+        )

@@ -1,0 +1,41 @@
+from django.db import models
+
+from telemachus.models import Team
+
+
+class Executor(models.Model):
+    """A place where work runs. The scheduler reads only capabilities, capacity and health; the driver
+    named by `kind` does the rest (see executors/contract.py)."""
+
+    class Health(models.TextChoices):
+        OK = "ok"
+        DEGRADED = "degraded"
+        DOWN = "down"
+
+    team = models.ForeignKey(
+        Team, null=True, blank=True, on_delete=models.CASCADE, related_name="executors",
+        help_text="Owning team; empty means shared by every team.",
+    )
+    kind = models.CharField(max_length=32)
+    name = models.SlugField(max_length=64, unique=True)
+    endpoint = models.URLField(max_length=500, null=True, blank=True)
+    capabilities = models.JSONField(default=dict, blank=True, help_text='{"models": [...], "class": "gpu"}')
+    max_concurrency = models.PositiveIntegerField(default=4)
+    enabled = models.BooleanField(default=True)
+    health = models.CharField(max_length=16, choices=Health.choices, default=Health.OK)
+    last_seen = models.DateTimeField(null=True, blank=True)
+    weight = models.PositiveIntegerField(default=1)
+    transport = models.JSONField(default=dict, blank=True)
+    meta = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def offered_models(self) -> list[str]:
+        return list(self.capabilities.get("models") or [])

@@ -1,0 +1,61 @@
+"""From an executor's `kind` to its driver class, and one driver instance per executor row.
+
+Built-in kinds are listed here; a deployment adds kinds without touching the scheduler through
+TELEMACHUS_EXECUTOR_DRIVERS = "kind=dotted.path.Class,...". """
+
+from functools import cache
+
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.module_loading import import_string
+
+from executors.contract import ExecutorDriver
+from executors.models import Executor
+
+BUILTIN_DRIVERS = {
+    "sim": "executors.drivers.sim.SimDriver",
+    "local-model": "executors.drivers.openai.LocalModelDriver",
+}
+
+
+@cache
+def driver_classes() -> dict[str, type[ExecutorDriver]]:
+    paths = dict(BUILTIN_DRIVERS)
+    for entry in settings.TELEMACHUS_EXECUTOR_DRIVERS:
+        kind, sep, path = entry.partition("=")
+        if not sep or not kind.strip() or not path.strip():
+            raise ImproperlyConfigured(f"TELEMACHUS_EXECUTOR_DRIVERS entry {entry!r} is not kind=dotted.path")
+        paths[kind.strip()] = path.strip()
+    return {kind: import_string(path) for kind, path in paths.items()}
+
+
+def known_kinds() -> list[str]:
+    return sorted(driver_classes())
+
+
+def driver_class(kind: str) -> type[ExecutorDriver]:
+    try:
+        return driver_classes()[kind]
+    except KeyError:
+        raise ImproperlyConfigured(f"No driver registered for executor kind {kind!r}") from None
+
+
+class DriverPool:
+    """One driver per executor row, rebuilt when the row changes (an operator edited the endpoint
+    or meta), so connection pools are reused across dispatches. Owned by one worker process."""
+
+    def __init__(self) -> None:
+        self._drivers: dict[int, tuple[object, ExecutorDriver]] = {}
+
+    def get(self, executor: Executor) -> tuple[ExecutorDriver, ExecutorDriver | None]:
+        """The driver for this version of the row, and the replaced driver (to close) if any."""
+        version = (executor.kind, executor.updated_at)
+        cached = self._drivers.get(executor.pk)
+        if cached is not None and cached[0] == version:
+            return cached[1], None
+        driver = driver_class(executor.kind)(executor)
+        self._drivers[executor.pk] = (version, driver)
+        return driver, cached[1] if cached is not None else None
+
+    def all(self) -> list[ExecutorDriver]:
+        return [driver for _, driver in self._drivers.values()]

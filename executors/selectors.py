@@ -1,0 +1,31 @@
+from dataclasses import dataclass
+
+from django.db.models import Q
+
+from executors.models import Executor
+from quotas.concurrency import concurrency_caps, executor_limit
+from scheduler.models import Job, Slot
+from telemachus.models import Team
+
+
+@dataclass(frozen=True)
+class Capacity:
+    limit: int
+    in_use: int
+    queued: int
+
+
+def executors_usable_by(*, team: Team | int, model: str | None = None) -> list[Executor]:
+    """Enabled executors shared with every team or owned by this one, optionally only those that
+    offer `model`. Filtered in Python: executors are few, and JSON containment is not portable."""
+    team_id = team.pk if isinstance(team, Team) else team
+    candidates = Executor.objects.filter(enabled=True).filter(Q(team__isnull=True) | Q(team_id=team_id))
+    return [e for e in candidates if model is None or model in e.offered_models]
+
+
+def executor_capacity(*, executor: Executor) -> Capacity:
+    return Capacity(
+        limit=executor_limit(name=executor.name, max_concurrency=executor.max_concurrency, caps=concurrency_caps()),
+        in_use=Slot.objects.filter(executor=executor).count(),
+        queued=Job.objects.filter(status=Job.Status.QUEUED, model__in=executor.offered_models).count(),
+    )

@@ -1,0 +1,103 @@
+from typing import Any
+
+from django.db.models import QuerySet
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers, status
+from rest_framework.generics import ListAPIView
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from quotas.models import QuotaPolicy
+from quotas.rules import quota_rule_errors
+from quotas.services import quota_policy_create, quota_policy_delete, quota_policy_update
+from scheduler.api.serializers import StrictSerializer
+from telemachus import rbac
+from telemachus.errors import NotFound
+
+
+
+class QuotaPolicyInput(StrictSerializer):
+    scope = serializers.ChoiceField(choices=QuotaPolicy.Scope.choices)
+    subject = serializers.CharField(max_length=150, allow_null=True, required=False)
+    dimension = serializers.ChoiceField(choices=QuotaPolicy.Dimension.choices)
+    limit = serializers.IntegerField(min_value=0, max_value=2**62)
+    window = serializers.ChoiceField(choices=QuotaPolicy.Window.choices, allow_null=True, required=False)
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        """Checks the rule as a whole (merged over the instance for a partial update) and returns the
+        fields in storage form: "" for the global subject and for a concurrency rule's window."""
+        stored = {**attrs}
+        for name in ("subject", "window"):
+            if name in stored:
+                stored[name] = stored[name] or ""
+        rule = {name: stored.get(name, getattr(self.instance, name, "")) for name in ("scope", "subject", "dimension", "window")}
+        errors = quota_rule_errors(**rule, exclude_pk=getattr(self.instance, "pk", None))
+        if errors:
+            raise serializers.ValidationError(errors)
+        return stored
+
+
+class QuotaPolicyOutput(serializers.ModelSerializer):
+    subject = serializers.SerializerMethodField()
+    window = serializers.SerializerMethodField()
+
+    class Meta:
+        model = QuotaPolicy
+        fields = ["id", "scope", "subject", "dimension", "limit", "window"]
+        read_only_fields = fields
+
+    def get_subject(self, policy: QuotaPolicy) -> str | None:
+        return policy.subject or None
+
+    def get_window(self, policy: QuotaPolicy) -> str | None:
+        return policy.window or None
+
+
+def managed_policy(request: Request, policy_id: int) -> QuotaPolicy:
+    rbac.require_operator(request.user)
+    policy = QuotaPolicy.objects.filter(pk=policy_id).first()
+    if policy is None:
+        raise NotFound(f"Quota policy {policy_id} not found.")
+    return policy
+
+
+class QuotaPolicyListCreateApi(ListAPIView):
+    serializer_class = QuotaPolicyOutput
+
+    def get_queryset(self) -> QuerySet[QuotaPolicy]:
+        rbac.require_operator(self.request.user)
+        return QuotaPolicy.objects.all()
+
+    @extend_schema(request=QuotaPolicyInput, responses={201: QuotaPolicyOutput})
+    def post(self, request: Request) -> Response:
+        rbac.require_operator(request.user)
+        data = QuotaPolicyInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        policy = quota_policy_create(**data.validated_data)
+        return Response(QuotaPolicyOutput(policy).data, status=status.HTTP_201_CREATED)
+
+
+class QuotaPolicyDetailApi(APIView):
+    @extend_schema(responses=QuotaPolicyOutput)
+    def get(self, request: Request, policy_id: int) -> Response:
+        return Response(QuotaPolicyOutput(managed_policy(request, policy_id)).data)
+
+    @extend_schema(request=QuotaPolicyInput, responses=QuotaPolicyOutput)
+    def put(self, request: Request, policy_id: int) -> Response:
+        return self.update(request, policy_id, partial=False)
+
+    @extend_schema(request=QuotaPolicyInput, responses=QuotaPolicyOutput)
+    def patch(self, request: Request, policy_id: int) -> Response:
+        return self.update(request, policy_id, partial=True)
+
+    def update(self, request: Request, policy_id: int, *, partial: bool) -> Response:
+        policy = managed_policy(request, policy_id)
+        data = QuotaPolicyInput(policy, data=request.data, partial=partial)
+        data.is_valid(raise_exception=True)
+        return Response(QuotaPolicyOutput(quota_policy_update(policy=policy, **data.validated_data)).data)
+
+    @extend_schema(responses={204: None})
+    def delete(self, request: Request, policy_id: int) -> Response:
+        quota_policy_delete(policy=managed_policy(request, policy_id))
+        return Response(status=status.HTTP_204_NO_CONTENT)

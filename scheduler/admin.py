@@ -1,0 +1,84 @@
+from django.contrib import admin, messages
+from django.http import HttpRequest
+
+from scheduler.models import Job, JobEvent, QueuePolicy, Slot
+from scheduler.services.cancel import job_cancel
+from telemachus.errors import DomainError
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """State changes go through services; the admin shows rows and offers service-backed actions."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj=None) -> bool:
+        return False
+
+
+class JobEventInline(admin.TabularInline):
+    model = JobEvent
+    fields = ["at", "event", "executor", "meta"]
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+
+    def has_add_permission(self, request: HttpRequest, obj=None) -> bool:
+        return False
+
+
+@admin.register(Job)
+class JobAdmin(ReadOnlyAdmin):
+    list_display = ["id", "type", "team", "user", "priority", "status", "model", "executor", "attempts", "tokens_used", "submitted_at", "finished_at"]
+    list_filter = ["status", "type", "team", "executor"]
+    search_fields = ["id", "model", "user__username", "team__slug", "error"]
+    list_select_related = ["team", "user", "executor"]
+    date_hierarchy = "submitted_at"
+    inlines = [JobEventInline]
+    actions = ["cancel"]
+
+    @admin.action(description="Cancel the selected jobs")
+    def cancel(self, request: HttpRequest, queryset) -> None:
+        canceled = 0
+        for job in queryset.exclude(status__in=Job.TERMINAL):
+            try:
+                job_cancel(job_id=job.pk, by=request.user)
+                canceled += 1
+            except DomainError as exc:
+                self.message_user(request, f"Job {job.pk}: {exc.detail}", messages.WARNING)
+        self.message_user(request, f"Canceled {canceled} job(s).")
+
+
+@admin.register(JobEvent)
+class JobEventAdmin(ReadOnlyAdmin):
+    list_display = ["id", "at", "event", "job", "executor"]
+    list_filter = ["event", "executor"]
+    search_fields = ["job__id"]
+    list_select_related = ["executor"]
+    date_hierarchy = "at"
+
+
+@admin.register(Slot)
+class SlotAdmin(ReadOnlyAdmin):
+    list_display = ["id", "job", "executor", "team", "user", "worker", "acquired_at", "lease_expires_at"]
+    list_filter = ["executor", "team", "worker"]
+    search_fields = ["worker", "job__id", "user__username"]
+    list_select_related = ["job", "executor", "team", "user"]
+
+    @admin.display(description="lease expires")
+    def lease_expires_at(self, slot: Slot):
+        return slot.job.lease_expires_at
+
+
+@admin.register(QueuePolicy)
+class QueuePolicyAdmin(admin.ModelAdmin):
+    list_display = ["__str__", "placement", "recovery", "max_attempts", "default_weight", "updated_at"]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return not QueuePolicy.objects.exists()
+
+    def has_delete_permission(self, request: HttpRequest, obj=None) -> bool:
+        return False

@@ -1,0 +1,94 @@
+from django.db.models import QuerySet
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import status
+from rest_framework.generics import ListAPIView
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from scheduler.api.serializers import JobEventOutput, JobListFilter, JobOutput, JobSubmitInput
+from scheduler.models import Job, JobEvent
+from scheduler.selectors import queue_snapshot
+from scheduler.services.cancel import job_cancel
+from scheduler.services.submit import job_submit
+from telemachus import rbac
+from telemachus.errors import NotFound
+from telemachus.pagination import NewestFirstCursorPagination
+
+
+def visible_job(request: Request, job_id: int) -> Job:
+    job = rbac.visible_jobs(request.user).select_related("team", "user", "executor").filter(pk=job_id).first()
+    if job is None:
+        raise NotFound(f"Job {job_id} not found.")
+    return job
+
+
+class JobListCreateApi(ListAPIView):
+    """GET lists the jobs the caller may see, newest first; POST submits a job."""
+
+    serializer_class = JobOutput
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("status", str, many=True, enum=Job.Status.values),
+            OpenApiParameter("type", str, many=True, enum=Job.Type.values),
+            OpenApiParameter("team", str),
+        ]
+    )
+    def get(self, request: Request, *args, **kwargs) -> Response:
+        return super().get(request, *args, **kwargs)
+
+    def get_queryset(self) -> QuerySet[Job]:
+        filters = JobListFilter(data=self.request.query_params)
+        filters.is_valid(raise_exception=True)
+        jobs = rbac.visible_jobs(self.request.user).select_related("team", "user", "executor")
+        if statuses := filters.validated_data.get("status"):
+            jobs = jobs.filter(status__in=statuses)
+        if types := filters.validated_data.get("type"):
+            jobs = jobs.filter(type__in=types)
+        if team := filters.validated_data.get("team"):
+            jobs = jobs.filter(team__slug=team)
+        return jobs
+
+    @extend_schema(request=JobSubmitInput, responses={201: JobOutput})
+    def post(self, request: Request) -> Response:
+        submission = JobSubmitInput(data=request.data)
+        submission.is_valid(raise_exception=True)
+        job = job_submit(user=request.user, **submission.validated_data)
+        return Response(JobOutput(job).data, status=status.HTTP_201_CREATED)
+
+
+class JobDetailApi(APIView):
+    @extend_schema(responses=JobOutput)
+    def get(self, request: Request, job_id: int) -> Response:
+        return Response(JobOutput(visible_job(request, job_id)).data)
+
+
+class JobCancelApi(APIView):
+    @extend_schema(request=None, responses=JobOutput)
+    def post(self, request: Request, job_id: int) -> Response:
+        visible_job(request, job_id)
+        job = job_cancel(job_id=job_id, by=request.user)
+        return Response(JobOutput(visible_job(request, job.pk)).data)
+
+
+class OldestFirstCursorPagination(NewestFirstCursorPagination):
+    ordering = "id"
+
+
+class JobEventListApi(ListAPIView):
+    serializer_class = JobEventOutput
+    pagination_class = OldestFirstCursorPagination
+
+    def get_queryset(self) -> QuerySet[JobEvent]:
+        job = visible_job(self.request, self.kwargs["job_id"])
+        return JobEvent.objects.filter(job=job).select_related("executor")
+
+
+class QueueApi(APIView):
+    """Live state: depth per team, slots in use per scope against caps, executors."""
+
+    @extend_schema(responses=OpenApiTypes.OBJECT)
+    def get(self, request: Request) -> Response:
+        return Response(queue_snapshot(user=request.user))

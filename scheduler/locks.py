@@ -1,0 +1,38 @@
+"""Every row lock in the scheduler is taken here, in one global order:
+
+    1. the claim lock: the QueuePolicy singleton row. Every transaction that creates slots
+       (claim, acquire) takes it first, so slot creation is serialized cluster-wide and the
+       in-use counts a claim reads cannot change under it except downwards (finish, cancel and
+       recovery only delete slots, and never take this lock).
+    2. job rows, in ascending id.
+
+A transaction may skip a level but never take them out of order: two code paths that disagree on
+order are how deadlocks happen. On SQLite, `select_for_update` is a no-op and every transaction
+starts with BEGIN IMMEDIATE (see settings), which serializes writers for the whole database.
+"""
+
+from datetime import datetime
+
+from django.db.models.functions import Now
+
+from scheduler.models import Job, QueuePolicy
+
+
+def lock_claim() -> tuple[QueuePolicy, datetime]:
+    """Lock the claim lock and read the policy and the database clock in one round trip.
+
+    Must run inside a transaction. The returned time is the database's, so leases do not depend
+    on the worker hosts' clocks agreeing."""
+    query = QueuePolicy.objects.select_for_update().annotate(db_now=Now())
+    policy = query.filter(pk=QueuePolicy.SINGLETON_ID).first()
+    if policy is None:
+        # The data migration creates the row; a flushed test database or a manual delete may not
+        # have it. Creating it concurrently is harmless: one insert wins, the other is ignored.
+        QueuePolicy.objects.bulk_create([QueuePolicy(pk=QueuePolicy.SINGLETON_ID)], ignore_conflicts=True)
+        policy = query.get(pk=QueuePolicy.SINGLETON_ID)
+    return policy, policy.db_now
+
+
+def lock_job(job_id: int) -> Job | None:
+    """Lock one job row (level 2); None when it does not exist. Must run inside a transaction."""
+    return Job.objects.select_for_update().annotate(db_now=Now()).filter(pk=job_id).first()

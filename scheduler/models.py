@@ -1,0 +1,190 @@
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+from executors.models import Executor
+from telemachus.models import Team
+
+
+class Job(models.Model):
+    """One unit of AI work. Status moves queued → running → done | failed | canceled (and running →
+    queued on recovery); every move goes through a service in scheduler/services/ that writes the
+    matching JobEvent in the same transaction.
+
+    While running, `lease` is the fencing token of the worker that holds the job: heartbeats, steps,
+    finish and release all name it in their WHERE clause, and it dies `lease_expires_at` (database
+    clock) unless the holder renews it."""
+
+    class Type(models.TextChoices):
+        CHAT = "chat"
+        TRANSLATE = "translate"
+        FLOW = "flow"
+        TASK = "task"
+        TOOL = "tool"
+
+    class Status(models.TextChoices):
+        QUEUED = "queued"
+        RUNNING = "running"
+        DONE = "done"
+        FAILED = "failed"
+        CANCELED = "canceled"
+
+    TERMINAL = (Status.DONE, Status.FAILED, Status.CANCELED)
+    PRIORITY_MIN, PRIORITY_MAX = -100, 100
+
+    type = models.CharField(max_length=16, choices=Type.choices)
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs")
+    team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="jobs")
+    priority = models.SmallIntegerField(default=0)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED)
+    requirements = models.JSONField(default=dict)
+    # requirements["model"], copied into a column so the claim can filter and index on it.
+    model = models.CharField(max_length=200)
+    executor = models.ForeignKey(Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+    cost_estimate = models.PositiveBigIntegerField(default=0)
+    parent_flow = models.ForeignKey("self", null=True, blank=True, on_delete=models.CASCADE, related_name="children")
+    submitted_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    tokens_used = models.PositiveBigIntegerField(null=True, blank=True)
+    error = models.TextField(blank=True, default="")
+    input = models.JSONField(default=dict)
+    result = models.JSONField(null=True, blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+    meta = models.JSONField(default=dict, blank=True)
+    worker = models.CharField(max_length=200, blank=True, default="")
+    lease = models.UUIDField(null=True, blank=True, unique=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [
+            # The claim reads each team's head of line: highest priority, then oldest.
+            models.Index(
+                "team", models.F("priority").desc(), "id",
+                name="job_team_queue_idx", condition=Q(status="queued"),
+            ),
+            models.Index(models.F("priority").desc(), "id", name="job_queue_idx", condition=Q(status="queued")),
+            # Recovery scans running jobs whose lease ran out.
+            models.Index("lease_expires_at", name="job_lease_idx", condition=Q(status="running")),
+            models.Index("team", "status", name="job_team_status_idx"),
+            models.Index("user", "status", name="job_user_status_idx"),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=(Q(status="running") & Q(lease__isnull=False) & Q(lease_expires_at__isnull=False))
+                | (~Q(status="running") & Q(lease__isnull=True)),
+                name="job_lease_iff_running",
+            ),
+            models.CheckConstraint(
+                condition=Q(priority__gte=-100) & Q(priority__lte=100), name="job_priority_range"
+            ),
+        ]
+        permissions = [
+            ("manage", "Operate the scheduler (teams, executors, quotas, policy, every job)"),
+            ("use_chat", "chat:use (chat and translate jobs)"),
+            ("invoke_tools", "tools:invoke (tool jobs)"),
+            ("run_flows", "flows:run (flow and task jobs)"),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.pk} ({self.type}, {self.status})"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in self.TERMINAL
+
+    # Fields `return_to_queue` changes, for bulk_update by its callers.
+    REQUEUE_FIELDS = ("status", "executor", "started_at", "lease", "lease_expires_at", "attempts")
+
+    def return_to_queue(self) -> None:
+        """running → queued, dropping the lease and placement (not saved: callers batch writes)."""
+        assert self.status == self.Status.RUNNING, f"job {self.pk} is {self.status}, not running"
+        self.status = self.Status.QUEUED
+        self.executor = None
+        self.started_at = None
+        self.lease = None
+        self.lease_expires_at = None
+
+
+class JobEvent(models.Model):
+    """Append-only audit and observability log. Most events belong to a job; executor and policy
+    events (breaker transitions, policy edits) have no job. Written only by services
+    (scheduler/services/events.py), in the transaction of the change they describe."""
+
+    class Type(models.TextChoices):
+        QUEUED = "queued"
+        PLACED = "placed"
+        STARTED = "started"
+        STEP = "step"
+        FINISHED = "finished"
+        FAILED = "failed"
+        CANCELED = "canceled"
+        REQUEUED = "requeued"
+        FINISH_REFUSED = "finish_refused"
+
+    job = models.ForeignKey(Job, null=True, blank=True, on_delete=models.CASCADE, related_name="events")
+    executor = models.ForeignKey(Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="events")
+    event = models.CharField(max_length=32, choices=Type.choices)
+    at = models.DateTimeField(default=timezone.now)
+    meta = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index("job", "id", name="jobevent_job_idx"), models.Index("event", "at", name="jobevent_event_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.event} job={self.job_id} at {self.at:%Y-%m-%d %H:%M:%S}"
+
+
+class Slot(models.Model):
+    """One unit of executor capacity held by one step of a running job. In-use counts at every scope
+    are counted from these rows (never from counters that can drift). A slot lives exactly as long
+    as its job's lease: recovery deletes the slots of jobs whose lease expired."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="slots")
+    executor = models.ForeignKey(Executor, on_delete=models.PROTECT, related_name="slots")
+    team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="slots")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="slots")
+    worker = models.CharField(max_length=200)
+    acquired_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["id"]
+
+    def __str__(self) -> str:
+        return f"slot {self.pk} job={self.job_id} on {self.executor_id}"
+
+
+class QueuePolicy(models.Model):
+    """The operator-editable policy record; a singleton (pk=1). Its row is also the global claim lock:
+    every transaction that creates slots locks it first (see scheduler/locks.py)."""
+
+    class Placement(models.TextChoices):
+        LEAST_LOADED = "least-loaded"
+        PACK = "pack"
+        WEIGHTED = "weighted"
+
+    class Recovery(models.TextChoices):
+        REQUEUE = "requeue"
+        FAIL = "fail"
+
+    SINGLETON_ID = 1
+
+    team_weights = models.JSONField(default=dict, blank=True)
+    default_weight = models.FloatField(default=1.0)
+    max_queue_depth = models.JSONField(default=dict, blank=True, help_text='{"default": N, "<team slug>": N}')
+    priority_map = models.JSONField(default=dict, blank=True)
+    placement = models.CharField(max_length=16, choices=Placement.choices, default=Placement.LEAST_LOADED)
+    recovery = models.CharField(max_length=16, choices=Recovery.choices, default=Recovery.REQUEUE)
+    max_attempts = models.PositiveSmallIntegerField(default=3)
+    policy_class = models.CharField(max_length=300, blank=True, default="")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name_plural = "queue policy"
+        constraints = [models.CheckConstraint(condition=Q(id=1), name="queuepolicy_singleton")]
+
+    def __str__(self) -> str:
+        return "Queue policy"

@@ -1,0 +1,31 @@
+"""The only writer of JobEvent rows. Callers pass the time of the change (usually the database
+clock read under their lock) so an event's `at` matches the transition it records."""
+
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+from django.utils import timezone
+
+from executors.models import Executor
+from scheduler.models import Job, JobEvent
+
+
+def job_event(
+    *, job: Job | None, event: str, at: datetime | None = None, executor: Executor | int | None = None, **meta: Any
+) -> JobEvent:
+    """An unsaved event, for callers that write several at once with `events_record`."""
+    executor_id = executor.pk if isinstance(executor, Executor) else executor
+    return JobEvent(job=job, event=event, at=at or timezone.now(), executor_id=executor_id, meta=meta)
+
+
+def events_record(events: Iterable[JobEvent]) -> None:
+    JobEvent.objects.bulk_create(list(events))
+
+
+def event_record(
+    *, job: Job | None, event: str, at: datetime | None = None, executor: Executor | int | None = None, **meta: Any
+) -> JobEvent:
+    created = job_event(job=job, event=event, at=at, executor=executor, **meta)
+    created.save()
+    return created

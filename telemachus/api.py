@@ -1,0 +1,115 @@
+from django.contrib.auth import get_user_model
+from django.db.models import QuerySet
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers, status
+from rest_framework.generics import ListAPIView
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from scheduler.api.serializers import StrictSerializer
+from telemachus import rbac
+from telemachus.errors import NotFound
+from telemachus.models import Membership, Team
+from telemachus.services import team_create, team_delete, team_member_remove, team_member_set, team_update
+
+
+class MemberInput(StrictSerializer):
+    username = serializers.CharField(max_length=150)
+    role = serializers.ChoiceField(choices=Membership.Role.choices, default=Membership.Role.MEMBER)
+
+
+class TeamCreateInput(StrictSerializer):
+    slug = serializers.SlugField(max_length=64)
+    name = serializers.CharField(max_length=200)
+    members = MemberInput(many=True, required=False)
+
+
+class TeamUpdateInput(StrictSerializer):
+    name = serializers.CharField(max_length=200)
+
+
+class MemberOutput(serializers.Serializer):
+    username = serializers.CharField(source="user.username")
+    role = serializers.CharField()
+
+
+class TeamOutput(serializers.ModelSerializer):
+    members = MemberOutput(source="memberships", many=True, read_only=True)
+
+    class Meta:
+        model = Team
+        fields = ["slug", "name", "members", "created_at"]
+        read_only_fields = fields
+
+
+def visible_team(request: Request, slug: str) -> Team:
+    team = rbac.visible_teams(request.user).filter(slug=slug).first()
+    if team is None:
+        raise NotFound(f"Team {slug!r} not found.")
+    return team
+
+
+def team_queryset(teams: QuerySet[Team]) -> QuerySet[Team]:
+    return teams.prefetch_related("memberships__user")
+
+
+class TeamListCreateApi(ListAPIView):
+    """Operators see and create every team; other users see the teams they belong to."""
+
+    serializer_class = TeamOutput
+
+    def get_queryset(self) -> QuerySet[Team]:
+        return team_queryset(rbac.visible_teams(self.request.user))
+
+    @extend_schema(request=TeamCreateInput, responses={201: TeamOutput})
+    def post(self, request: Request) -> Response:
+        rbac.require_operator(request.user)
+        data = TeamCreateInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        team = team_create(**data.validated_data)
+        return Response(TeamOutput(team_queryset(Team.objects).get(pk=team.pk)).data, status=status.HTTP_201_CREATED)
+
+
+class TeamDetailApi(APIView):
+    @extend_schema(responses=TeamOutput)
+    def get(self, request: Request, slug: str) -> Response:
+        return Response(TeamOutput(visible_team(request, slug)).data)
+
+    @extend_schema(request=TeamUpdateInput, responses=TeamOutput)
+    def patch(self, request: Request, slug: str) -> Response:
+        team = visible_team(request, slug)
+        rbac.require_operator(request.user)
+        data = TeamUpdateInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        return Response(TeamOutput(team_update(team=team, **data.validated_data)).data)
+
+    @extend_schema(responses={204: None})
+    def delete(self, request: Request, slug: str) -> Response:
+        team = visible_team(request, slug)
+        rbac.require_operator(request.user)
+        team_delete(team=team)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class TeamMemberListApi(APIView):
+    @extend_schema(request=MemberInput, responses={201: MemberOutput})
+    def post(self, request: Request, slug: str) -> Response:
+        team = visible_team(request, slug)
+        rbac.require_operator(request.user)
+        data = MemberInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        membership = team_member_set(team=team, **data.validated_data)
+        return Response(MemberOutput(membership).data, status=status.HTTP_201_CREATED)
+
+
+class TeamMemberDetailApi(APIView):
+    @extend_schema(responses={204: None})
+    def delete(self, request: Request, slug: str, username: str) -> Response:
+        team = visible_team(request, slug)
+        rbac.require_operator(request.user)
+        user = get_user_model().objects.filter(username=username, memberships__team=team).first()
+        if user is None:
+            raise NotFound(f"{username!r} is not a member of {slug!r}.")
+        team_member_remove(team=team, user=user)
+        return Response(status=status.HTTP_204_NO_CONTENT)

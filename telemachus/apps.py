@@ -1,0 +1,8 @@
+from django.apps import AppConfig
+
+
+class TelemachusConfig(AppConfig):
+    """The project package doubles as the app that owns teams and RBAC, which every other app uses."""
+
+    name = "telemachus"
+    verbose_name = "Teams"

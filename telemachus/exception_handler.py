@@ -1,0 +1,40 @@
+"""The API's one exception handler: domain errors, DRF errors and Django's 404/403 in one JSON shape."""
+
+from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.http import Http404
+from rest_framework import exceptions as drf
+from rest_framework.response import Response
+from rest_framework.views import exception_handler as drf_exception_handler
+
+from telemachus.errors import DomainError
+
+_DRF_CODES = {
+    drf.NotAuthenticated: "not_authenticated",
+    drf.AuthenticationFailed: "not_authenticated",
+    drf.PermissionDenied: "forbidden",
+    drf.NotFound: "not_found",
+    drf.MethodNotAllowed: "method_not_allowed",
+    drf.NotAcceptable: "not_acceptable",
+    drf.UnsupportedMediaType: "unsupported_media_type",
+    drf.ParseError: "parse_error",
+    drf.Throttled: "throttled",
+}
+
+
+def exception_handler(exc: Exception, context: dict) -> Response | None:
+    if isinstance(exc, DomainError):
+        return Response(exc.body(), status=exc.status, headers=exc.headers())
+    if isinstance(exc, Http404):
+        exc = drf.NotFound()
+    elif isinstance(exc, DjangoPermissionDenied):
+        exc = drf.PermissionDenied()
+    response = drf_exception_handler(exc, context)
+    if response is None:
+        return None
+    if isinstance(exc, drf.ValidationError):
+        fields = exc.detail if isinstance(exc.detail, dict) else {"non_field_errors": exc.detail}
+        response.data = {"error": "validation_error", "detail": "Invalid input.", "fields": fields}
+    else:
+        code = next((c for cls, c in _DRF_CODES.items() if isinstance(exc, cls)), "error")
+        response.data = {"error": code, "detail": str(getattr(exc, "detail", exc))}
+    return response

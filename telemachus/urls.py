@@ -1,0 +1,28 @@
+from django.contrib import admin
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from executors import api as executors_api
+from quotas import api as quotas_api
+from scheduler.api import views as scheduler_views
+from telemachus import api as teams_api
+
+api = [
+    path("", include("scheduler.api.urls")),
+    path("queue/", scheduler_views.QueueApi.as_view(), name="queue"),
+    path("teams/", teams_api.TeamListCreateApi.as_view(), name="team-list"),
+    path("teams/<slug:slug>/", teams_api.TeamDetailApi.as_view(), name="team-detail"),
+    path("teams/<slug:slug>/members/", teams_api.TeamMemberListApi.as_view(), name="team-members"),
+    path("teams/<slug:slug>/members/<str:username>/", teams_api.TeamMemberDetailApi.as_view(), name="team-member"),
+    path("executors/", executors_api.ExecutorListCreateApi.as_view(), name="executor-list"),
+    path("executors/<int:executor_id>/", executors_api.ExecutorDetailApi.as_view(), name="executor-detail"),
+    path("quota-policies/", quotas_api.QuotaPolicyListCreateApi.as_view(), name="quota-policy-list"),
+    path("quota-policies/<int:policy_id>/", quotas_api.QuotaPolicyDetailApi.as_view(), name="quota-policy-detail"),
+    path("schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+]
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("api/", include(api)),
+]

@@ -1,0 +1,104 @@
+import itertools
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.db import connection
+from rest_framework.authtoken.models import Token
+from rest_framework.test import APIClient
+
+from executors.models import Executor
+from telemachus.models import Team
+from telemachus.services import team_create, team_member_set
+
+_names = itertools.count(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `postgres` prove things about locking and concurrency that SQLite cannot;
+    they are skipped, loudly, when the suite runs on SQLite."""
+    from django.conf import settings
+
+    if settings.DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+        return
+    skip = pytest.mark.skip(reason="needs PostgreSQL (set DATABASE_URL=postgres://...)")
+    for item in items:
+        if "postgres" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def make_user(db):
+    def make(username: str | None = None, **fields):
+        username = username or f"user{next(_names)}"
+        return get_user_model().objects.create_user(username=username, password="pw", **fields)
+
+    return make
+
+
+@pytest.fixture
+def make_team(db):
+    def make(slug: str | None = None, members: dict | None = None) -> Team:
+        team = team_create(slug=slug or f"team{next(_names)}", name="Team")
+        for user, role in (members or {}).items():
+            team_member_set(team=team, username=user.username, role=role)
+        return team
+
+    return make
+
+
+@pytest.fixture
+def make_executor(db):
+    def make(name: str | None = None, models=("m",), kind="sim", **fields) -> Executor:
+        fields.setdefault("max_concurrency", 4)
+        fields.setdefault("meta", {"latency_ms": 0})
+        return Executor.objects.create(
+            name=name or f"exec{next(_names)}", kind=kind, capabilities={"models": list(models)}, **fields
+        )
+
+    return make
+
+
+@pytest.fixture
+def api():
+    """An API client factory authenticating with a real DRF token, as apps do."""
+
+    def client(user=None) -> APIClient:
+        c = APIClient()
+        if user is not None:
+            token, _ = Token.objects.get_or_create(user=user)
+            c.credentials(HTTP_AUTHORIZATION=f"Token {token.key}")
+        return c
+
+    return client
+
+
+@pytest.fixture
+def operator(make_user):
+    return make_user("operator", is_superuser=True, is_staff=True)
+
+
+@pytest.fixture
+def on_postgres() -> bool:
+    return connection.vendor == "postgresql"
+
+
+def chat_body(team: str, model: str = "m", **overrides) -> dict:
+    body = {
+        "type": "chat",
+        "team": team,
+        "priority": 0,
+        "requirements": {"model": model, "est_tokens": 100},
+        "input": {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16},
+    }
+    body.update(overrides)
+    return body
+
+
+@pytest.fixture
+def member_setup(make_user, make_team, make_executor):
+    """Given alice in team a, bob in team b, and a shared executor offering model m."""
+    alice, bob = make_user("alice"), make_user("bob")
+    team_a = make_team("a", {alice: "member"})
+    team_b = make_team("b", {bob: "member"})
+    executor = make_executor("shared", models=["m"])
+    return alice, bob, team_a, team_b, executor

@@ -1,0 +1,263 @@
+import json
+
+import pytest
+from django.db import connection
+from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
+
+from scheduler.models import Job, JobEvent
+from scheduler.services.submit import job_submit
+from tests.conftest import chat_body
+
+pytestmark = pytest.mark.django_db
+
+
+def submit(client, body):
+    return client.post("/api/jobs/", body, format="json")
+
+
+class TestSubmit:
+    def test_member_submits_into_own_team(self, api, member_setup):
+        alice, _, team_a, _, _ = member_setup
+        response = submit(api(alice), chat_body("a"))
+        assert response.status_code == 201, response.json()
+        job = response.json()
+        assert job["status"] == "queued"
+        assert job["team"] == "a" and job["user"] == "alice"
+        assert job["requirements"] == {"model": "m", "est_tokens": 100}
+        stored = Job.objects.get(pk=job["id"])
+        assert stored.model == "m" and stored.cost_estimate == 100
+        assert list(stored.events.values_list("event", flat=True)) == ["queued"]
+
+    def test_operator_submits_into_any_team(self, api, operator, member_setup):
+        response = submit(api(operator), chat_body("b"))
+        assert response.status_code == 201
+        assert response.json()["user"] == "operator"
+
+    def test_unauthenticated_is_rejected(self, api, member_setup):
+        response = submit(api(), chat_body("a"))
+        assert response.status_code == 401
+        assert response.json()["error"] == "not_authenticated"
+        assert not Job.objects.exists()
+
+    @pytest.mark.parametrize("team", ["b", "nope"])
+    def test_team_not_joined_or_missing_reads_the_same(self, api, member_setup, team):
+        alice = member_setup[0]
+        response = submit(api(alice), chat_body(team))
+        assert response.status_code == 400
+        body = response.json()
+        assert body["error"] == "validation_error"
+        assert body["fields"]["team"] == [f"No team {team!r} that you belong to."]
+        assert not Job.objects.exists()
+
+    def test_unknown_model(self, api, member_setup):
+        response = submit(api(member_setup[0]), chat_body("a", model="gpt-nope"))
+        assert response.status_code == 400
+        assert response.json()["error"] == "unknown_model"
+        assert response.json()["model"] == "gpt-nope"
+        assert not Job.objects.exists() and not JobEvent.objects.exists()
+
+    def test_model_only_on_a_disabled_executor_is_unknown(self, api, member_setup):
+        member_setup[4].enabled = False
+        member_setup[4].save()
+        response = submit(api(member_setup[0]), chat_body("a"))
+        assert response.status_code == 400 and response.json()["error"] == "unknown_model"
+
+    def test_model_on_another_teams_executor_is_unknown(self, api, member_setup, make_executor):
+        _, _, _, team_b, _ = member_setup
+        make_executor("b-only", models=["private"], team=team_b)
+        response = submit(api(member_setup[0]), chat_body("a", model="private"))
+        assert response.status_code == 400 and response.json()["error"] == "unknown_model"
+
+    def test_team_owned_executor_serves_its_team(self, api, member_setup, make_executor):
+        _, bob, _, team_b, _ = member_setup
+        make_executor("b-only", models=["private"], team=team_b)
+        assert submit(api(bob), chat_body("b", model="private")).status_code == 201
+
+    @pytest.mark.parametrize(
+        ("change", "field_path"),
+        [
+            ({"requirements": {"model": "m", "est_tokens": -1}}, ("requirements", "est_tokens")),
+            ({"requirements": {"model": "m", "est_tokens": "lots"}}, ("requirements", "est_tokens")),
+            ({"requirements": {"model": "m", "est_tokens": 1.5}}, ("requirements", "est_tokens")),
+            ({"requirements": {"est_tokens": 5}}, ("requirements", "model")),
+            ({"requirements": {"model": "m", "class": "tpu"}}, ("requirements", "class")),
+            ({"requirements": {"model": "m", "gpus": 8}}, ("requirements", "gpus")),
+            ({"input": {"messages": "hello"}}, ("input", "messages")),
+            ({"input": {"messages": []}}, ("input", "messages")),
+            ({"input": {"messages": [{"content": "no role"}]}}, ("input", "messages")),
+            ({"input": {"messages": [{"role": "wizard", "content": "x"}]}}, ("input", "messages")),
+            ({"input": {"messages": [{"role": "user"}]}}, ("input", "messages")),
+            ({"input": "hello"}, ("input",)),
+            ({"type": "batch"}, ("type",)),
+            ({"priority": 101}, ("priority",)),
+            ({"priority": "high"}, ("priority",)),
+            ({"status": "done"}, ("status",)),
+            ({"user": "bob"}, ("user",)),
+            ({"tokens_used": 0}, ("tokens_used",)),
+            ({"executor": "shared"}, ("executor",)),
+            ({"attempts": 5}, ("attempts",)),
+        ],
+    )
+    def test_bad_input_is_a_validation_error_and_persists_nothing(self, api, member_setup, change, field_path):
+        response = submit(api(member_setup[0]), chat_body("a", **change))
+        assert response.status_code == 400, response.json()
+        body = response.json()
+        assert body["error"] == "validation_error"
+        errors = body["fields"]
+        for key in field_path:
+            assert key in errors, errors
+            errors = errors[key]
+        assert not Job.objects.exists() and not JobEvent.objects.exists()
+
+    def test_missing_body_fields(self, api, member_setup):
+        response = submit(api(member_setup[0]), {})
+        assert response.status_code == 400
+        assert set(response.json()["fields"]) == {"type", "team", "requirements", "input"}
+
+    def test_malformed_json(self, api, member_setup):
+        response = api(member_setup[0]).post("/api/jobs/", "{not json", content_type="application/json")
+        assert response.status_code == 400
+        assert response.json()["error"] == "parse_error"
+
+    @override_settings(TELEMACHUS_MAX_BODY_BYTES=2048)
+    def test_body_over_the_limit_is_413(self, api, member_setup):
+        body = chat_body("a", input={"messages": [{"role": "user", "content": "x" * 4096}]})
+        response = api(member_setup[0]).post("/api/jobs/", json.dumps(body), content_type="application/json")
+        assert response.status_code == 413
+        assert response.json() == {
+            "error": "payload_too_large", "detail": "Request body exceeds 2048 bytes.", "limit": 2048,
+        }
+        assert not Job.objects.exists()
+
+    def test_extra_input_options_pass_through(self, api, member_setup):
+        body = chat_body("a")
+        body["input"]["temperature"] = 0.2
+        response = submit(api(member_setup[0]), body)
+        assert response.status_code == 201
+        assert Job.objects.get().input["temperature"] == 0.2
+
+    def test_task_jobs_need_no_messages(self, api, member_setup):
+        body = chat_body("a", type="task", input={"callable": "demo.add", "args": [1, 2]})
+        assert submit(api(member_setup[0]), body).status_code == 201
+
+
+class TestListAndDetail:
+    def test_list_shows_only_own_teams_jobs(self, api, member_setup):
+        alice, bob, *_ = member_setup
+        mine = submit(api(alice), chat_body("a")).json()
+        theirs = submit(api(bob), chat_body("b")).json()
+        listed = api(alice).get("/api/jobs/").json()
+        assert [j["id"] for j in listed["results"]] == [mine["id"]]
+        assert theirs["id"] not in [j["id"] for j in api(alice).get("/api/jobs/?team=b").json()["results"]]
+
+    def test_operator_lists_everything(self, api, operator, member_setup):
+        alice, bob, *_ = member_setup
+        submit(api(alice), chat_body("a"))
+        submit(api(bob), chat_body("b"))
+        assert len(api(operator).get("/api/jobs/").json()["results"]) == 2
+
+    def test_filters(self, api, operator, member_setup):
+        alice = member_setup[0]
+        first = submit(api(alice), chat_body("a")).json()
+        second = submit(api(alice), chat_body("a", type="translate")).json()
+        api(alice).post(f"/api/jobs/{first['id']}/cancel/")
+        client = api(operator)
+        assert [j["id"] for j in client.get("/api/jobs/?status=canceled").json()["results"]] == [first["id"]]
+        assert [j["id"] for j in client.get("/api/jobs/?type=translate").json()["results"]] == [second["id"]]
+        both = client.get("/api/jobs/?status=canceled&status=queued").json()["results"]
+        assert {j["id"] for j in both} == {first["id"], second["id"]}
+        assert client.get("/api/jobs/?team=b").json()["results"] == []
+
+    def test_bad_filter_is_a_validation_error(self, api, operator):
+        response = api(operator).get("/api/jobs/?status=sleeping")
+        assert response.status_code == 400
+        assert "status" in response.json()["fields"]
+
+    def test_pagination_is_newest_first_with_cursors(self, api, member_setup):
+        alice = member_setup[0]
+        ids = [submit(api(alice), chat_body("a")).json()["id"] for _ in range(5)]
+        page = api(alice).get("/api/jobs/?page_size=2").json()
+        assert [j["id"] for j in page["results"]] == ids[::-1][:2]
+        following = api(alice).get(page["next"]).json()
+        assert [j["id"] for j in following["results"]] == ids[::-1][2:4]
+
+    def test_detail(self, api, member_setup):
+        alice = member_setup[0]
+        job = submit(api(alice), chat_body("a")).json()
+        detail = api(alice).get(f"/api/jobs/{job['id']}/").json()
+        assert detail == job
+        assert set(detail) >= {
+            "id", "type", "team", "user", "priority", "status", "requirements", "executor", "submitted_at",
+            "started_at", "finished_at", "tokens_used", "attempts", "result", "error",
+        }
+
+    def test_list_query_count_does_not_grow_with_jobs(self, api, member_setup):
+        alice = member_setup[0]
+        client = api(alice)
+
+        def queries_to_list(expected: int) -> int:
+            with CaptureQueriesContext(connection) as queries:
+                assert len(client.get("/api/jobs/").json()["results"]) == expected
+            return len(queries)
+
+        submit(client, chat_body("a"))
+        one = queries_to_list(1)
+        for _ in range(19):
+            submit(client, chat_body("a"))
+        assert queries_to_list(20) == one
+
+
+class TestCrossTeamIsolation:
+    """A job of another team does not exist, as far as the caller can tell."""
+
+    @pytest.fixture
+    def bobs_job(self, member_setup):
+        _, bob, *_ = member_setup
+        return job_submit(user=bob, team="b", type="chat", requirements={"model": "m"}, input={"messages": []})
+
+    @pytest.mark.parametrize("path", ["/api/jobs/{id}/", "/api/jobs/{id}/events/"])
+    def test_get_is_404(self, api, member_setup, bobs_job, path):
+        response = api(member_setup[0]).get(path.format(id=bobs_job.pk))
+        assert response.status_code == 404
+        assert response.json()["error"] == "not_found"
+        assert response.json() == api(member_setup[0]).get(path.format(id=999_999)).json() | {
+            "detail": f"Job {bobs_job.pk} not found."
+        }
+
+    def test_cancel_is_404_and_changes_nothing(self, api, member_setup, bobs_job):
+        response = api(member_setup[0]).post(f"/api/jobs/{bobs_job.pk}/cancel/")
+        assert response.status_code == 404
+        bobs_job.refresh_from_db()
+        assert bobs_job.status == "queued"
+
+    def test_lists_never_include_it(self, api, member_setup, bobs_job):
+        client = api(member_setup[0])
+        for query in ("", "?team=b", "?status=queued"):
+            assert client.get(f"/api/jobs/{query}").json()["results"] == []
+
+
+class TestCancel:
+    def test_cancel_queued_job(self, api, member_setup):
+        alice = member_setup[0]
+        job = submit(api(alice), chat_body("a")).json()
+        response = api(alice).post(f"/api/jobs/{job['id']}/cancel/")
+        assert response.status_code == 200
+        assert response.json()["status"] == "canceled"
+        assert response.json()["finished_at"] is not None
+        events = api(alice).get(f"/api/jobs/{job['id']}/events/").json()["results"]
+        assert [e["event"] for e in events] == ["queued", "canceled"]
+        assert events[1]["meta"] == {"was": "queued", "by": "alice"}
+
+    def test_cancel_finished_job_is_409(self, api, member_setup):
+        alice = member_setup[0]
+        job = submit(api(alice), chat_body("a")).json()
+        api(alice).post(f"/api/jobs/{job['id']}/cancel/")
+        response = api(alice).post(f"/api/jobs/{job['id']}/cancel/")
+        assert response.status_code == 409
+        assert response.json()["error"] == "conflict"
+        assert response.json()["status"] == "canceled"
+        assert Job.objects.get(pk=job["id"]).events.count() == 2
+
+    def test_cancel_missing_job_is_404(self, api, member_setup):
+        assert api(member_setup[0]).post("/api/jobs/424242/cancel/").status_code == 404

@@ -1,0 +1,67 @@
+import pytest
+
+from scheduler.models import Job
+from scheduler.services.submit import job_submit
+
+pytestmark = pytest.mark.django_db
+
+PAGES = [
+    "/admin/", "/admin/telemachus/team/", "/admin/telemachus/membership/", "/admin/executors/executor/",
+    "/admin/quotas/quotapolicy/", "/admin/scheduler/job/", "/admin/scheduler/jobevent/", "/admin/scheduler/slot/",
+    "/admin/scheduler/queuepolicy/",
+]
+
+
+@pytest.fixture
+def admin_client_with_data(client, operator, member_setup):
+    job_submit(user=member_setup[0], team="a", type="chat", requirements={"model": "m"}, input={"messages": []})
+    client.force_login(operator)
+    return client
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_changelists_render(admin_client_with_data, page):
+    response = admin_client_with_data.get(page)
+    assert response.status_code == 200
+
+
+def test_job_detail_renders_events(admin_client_with_data):
+    job = Job.objects.get()
+    response = admin_client_with_data.get(f"/admin/scheduler/job/{job.pk}/change/")
+    assert response.status_code == 200
+    assert b"queued" in response.content
+
+
+def test_cancel_action_uses_the_service(admin_client_with_data):
+    job = Job.objects.get()
+    response = admin_client_with_data.post(
+        "/admin/scheduler/job/", {"action": "cancel", "_selected_action": [job.pk]}, follow=True
+    )
+    assert response.status_code == 200
+    job.refresh_from_db()
+    assert job.status == "canceled"
+    assert list(job.events.values_list("event", flat=True)) == ["queued", "canceled"]
+
+
+def test_job_events_are_read_only(admin_client_with_data):
+    response = admin_client_with_data.get("/admin/scheduler/jobevent/add/")
+    assert response.status_code == 403
+
+
+def test_team_created_in_admin_gets_a_group(admin_client_with_data, make_user):
+    carol = make_user("carol")
+    response = admin_client_with_data.post(
+        "/admin/telemachus/team/add/",
+        {
+            "slug": "ops", "name": "Ops",
+            "memberships-TOTAL_FORMS": "1", "memberships-INITIAL_FORMS": "0",
+            "memberships-0-user": carol.pk, "memberships-0-role": "manager",
+        },
+    )
+    assert response.status_code == 302, response.content[:2000]
+    from telemachus.models import Team
+
+    team = Team.objects.get(slug="ops")
+    assert team.group.name == "team:ops"
+    assert carol.groups.filter(pk=team.group_id).exists()
+    assert team.memberships.get().role == "manager"
