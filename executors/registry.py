@@ -3,6 +3,7 @@
 Built-in kinds are listed here; a deployment adds kinds without touching the scheduler through
 TELEMACHUS_EXECUTOR_DRIVERS = "kind=dotted.path.Class,...". """
 
+import json
 from functools import cache
 
 from django.conf import settings
@@ -41,15 +42,16 @@ def driver_class(kind: str) -> type[ExecutorDriver]:
 
 
 class DriverPool:
-    """One driver per executor row, rebuilt when the row changes (an operator edited the endpoint
-    or meta), so connection pools are reused across dispatches. Owned by one worker process."""
+    """One driver per executor row, rebuilt when its configuration changes (an operator edited the
+    endpoint, transport or meta, by any means), so connection pools are reused across dispatches.
+    Owned by one worker process."""
 
     def __init__(self) -> None:
         self._drivers: dict[int, tuple[object, ExecutorDriver]] = {}
 
     def get(self, executor: Executor) -> tuple[ExecutorDriver, ExecutorDriver | None]:
         """The driver for this version of the row, and the replaced driver (to close) if any."""
-        version = (executor.kind, executor.updated_at)
+        version = (executor.kind, executor.endpoint, json.dumps([executor.transport, executor.meta], sort_keys=True))
         cached = self._drivers.get(executor.pk)
         if cached is not None and cached[0] == version:
             return cached[1], None

@@ -12,9 +12,10 @@ class Job(models.Model):
     queued on recovery); every move goes through a service in scheduler/services/ that writes the
     matching JobEvent in the same transaction.
 
-    While running, `lease` is the fencing token of the worker that holds the job: heartbeats, steps,
-    finish and release all name it in their WHERE clause, and it dies `lease_expires_at` (database
-    clock) unless the holder renews it."""
+    While running, `lease` is the token of the claim that took the job: heartbeats, steps, finish and
+    release all name the job and its lease in their WHERE clause (the fencing token is the pair; jobs
+    claimed together share a token), and it dies at `lease_expires_at` (database clock) unless the
+    holder renews it."""
 
     class Type(models.TextChoices):
         CHAT = "chat"
@@ -54,7 +55,7 @@ class Job(models.Model):
     attempts = models.PositiveIntegerField(default=0)
     meta = models.JSONField(default=dict, blank=True)
     worker = models.CharField(max_length=200, blank=True, default="")
-    lease = models.UUIDField(null=True, blank=True, unique=True)
+    lease = models.UUIDField(null=True, blank=True, db_index=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:

@@ -1,6 +1,7 @@
 import pytest
 
 from executors.models import Executor
+from scheduler.models import Slot
 
 pytestmark = pytest.mark.django_db
 
@@ -76,3 +77,14 @@ class TestExecutorsApi:
         executor = make_executor("e1")
         assert api(operator).delete(f"/api/executors/{executor.pk}/").status_code == 204
         assert not Executor.objects.filter(pk=executor.pk).exists()
+
+    def test_delete_busy_executor_is_409(self, api, operator, member_setup):
+        from scheduler.services.claim import job_claim
+        from scheduler.services.submit import job_submit
+
+        alice, _, _, _, executor = member_setup
+        job_submit(user=alice, team="a", type="chat", requirements={"model": "m"}, input={"messages": []})
+        job_claim(worker="w", limit=1)
+        assert Slot.objects.filter(executor=executor).exists()
+        response = api(operator).delete(f"/api/executors/{executor.pk}/")
+        assert response.status_code == 409 and response.json()["error"] == "conflict"

@@ -1,0 +1,206 @@
+"""simllm: a simulated model server that speaks the OpenAI-compatible HTTP API.
+
+It serves `/v1/chat/completions` (plain and streamed as SSE) and `/v1/models` for demos, for tests
+of the real HTTP drivers, and for capacity planning against a simulated fleet. Replies are labelled
+as simulated. It counts its own concurrent requests so tests can check that the scheduler's caps
+hold on the wire: `GET /stats` reports in-flight and peak counts in total and per path prefix (one
+server can stand in for several executors: `http://127.0.0.1:P/e1/v1` and `.../e2/v1` are counted
+apart); `POST /stats/reset` zeroes them.
+
+A raw ASGI app (no framework) served by uvicorn: `python manage.py simllm --port P`.
+"""
+
+import asyncio
+import json
+import random
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from executors.drivers.sim import count_prompt_tokens
+
+Scope = dict[str, Any]
+
+
+@dataclass
+class Stats:
+    in_flight: Counter = field(default_factory=Counter)
+    peak: Counter = field(default_factory=Counter)
+    requests: Counter = field(default_factory=Counter)
+    disconnects: Counter = field(default_factory=Counter)
+    total_in_flight: int = 0
+    total_peak: int = 0
+    total_requests: int = 0
+
+    def enter(self, prefix: str) -> None:
+        self.in_flight[prefix] += 1
+        self.peak[prefix] = max(self.peak[prefix], self.in_flight[prefix])
+        self.requests[prefix] += 1
+        self.total_in_flight += 1
+        self.total_peak = max(self.total_peak, self.total_in_flight)
+        self.total_requests += 1
+
+    def leave(self, prefix: str) -> None:
+        self.in_flight[prefix] -= 1
+        self.total_in_flight -= 1
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "in_flight": self.total_in_flight,
+            "peak": self.total_peak,
+            "requests": self.total_requests,
+            "disconnects": sum(self.disconnects.values()),
+            "prefixes": {
+                p: {"in_flight": self.in_flight[p], "peak": self.peak[p], "requests": self.requests[p],
+                    "disconnects": self.disconnects[p]}
+                for p in sorted(self.requests)
+            },
+        }
+
+
+class SimLLM:
+    def __init__(
+        self,
+        *,
+        models: list[str],
+        latency_ms: float = 50,
+        tokens_per_s: float = 0,
+        fail_rate: float = 0,
+        output_tokens: int = 16,
+    ) -> None:
+        self.models = models
+        self.latency = latency_ms / 1000
+        self.tokens_per_s = tokens_per_s
+        self.fail_rate = fail_rate
+        self.output_tokens = output_tokens
+        self.stats = Stats()
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if path == "/stats" and method == "GET":
+            return await respond(send, 200, self.stats.as_json())
+        if path == "/stats/reset" and method == "POST":
+            self.stats = Stats()
+            return await respond(send, 200, {"reset": True})
+        if path.endswith("/v1/models") and method == "GET":
+            return await respond(send, 200, {
+                "object": "list",
+                "data": [{"id": m, "object": "model", "created": 0, "owned_by": "simllm"} for m in self.models],
+            })
+        if path.endswith("/v1/chat/completions") and method == "POST":
+            prefix = path[: -len("/v1/chat/completions")].strip("/")
+            self.stats.enter(prefix)
+            body = await read_json(receive)
+            gone = asyncio.ensure_future(wait_for_disconnect(receive))
+            try:
+                return await self.chat(send, body, gone)
+            except ClientGone:
+                self.stats.disconnects[prefix] += 1
+            finally:
+                gone.cancel()
+                self.stats.leave(prefix)
+        return await respond(send, 404, error_body(f"no route for {method} {path}", "not_found"))
+
+    async def chat(self, send: Any, body: Any, gone: asyncio.Future) -> None:
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            return await respond(send, 400, error_body("'messages' must be a list", "invalid_request_error"))
+        model = body.get("model")
+        if model not in self.models:
+            return await respond(send, 404, error_body(f"The model '{model}' does not exist", "model_not_found"))
+        completion = min(self.output_tokens, int(body.get("max_tokens") or self.output_tokens))
+        prompt = count_prompt_tokens(body["messages"])
+        await pause(self.latency, gone)
+        if random.random() < self.fail_rate:
+            return await respond(send, 500, error_body("simulated server failure (simllm --fail-rate)", "server_error"))
+        words = [f"sim{i}" for i in range(completion)]
+        created, ident = int(time.time()), f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if body.get("stream"):
+            return await self.stream(send, ident, created, model, words, usage, body, gone)
+        await pause(completion / self.tokens_per_s if self.tokens_per_s else 0, gone)
+        await respond(send, 200, {
+            "id": ident, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": "[simulated by simllm] " + " ".join(words)},
+                "finish_reason": "length" if completion == body.get("max_tokens") else "stop",
+            }],
+            "usage": usage,
+            "system_fingerprint": "simllm",
+        })
+
+    async def stream(self, send: Any, ident: str, created: int, model: str, words: list[str],
+                     usage: dict[str, int], body: dict[str, Any], gone: asyncio.Future) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+
+        async def event(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> None:
+            chunk = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
+                        "more_body": True})
+
+        await event({"role": "assistant", "content": "[simulated by simllm]"})
+        per_token = 1 / self.tokens_per_s if self.tokens_per_s else 0
+        for word in words:
+            await pause(per_token, gone)
+            await event({"content": " " + word})
+        include_usage = (body.get("stream_options") or {}).get("include_usage")
+        await event({}, "stop", **({"usage": usage} if include_usage else {}))
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+class ClientGone(Exception):
+    """The client closed the connection (a canceled job): stop generating."""
+
+
+async def wait_for_disconnect(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def pause(seconds: float, gone: asyncio.Future) -> None:
+    """Sleep like a model thinking, but stop at once if the client hangs up."""
+    if gone.done():
+        raise ClientGone
+    if seconds <= 0:
+        return
+    await asyncio.wait([gone], timeout=seconds)
+    if gone.done():
+        raise ClientGone
+
+
+def error_body(message: str, kind: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": kind}}
+
+
+async def read_json(receive: Any) -> Any:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    try:
+        return json.loads(b"".join(chunks) or b"null")
+    except ValueError:
+        return None
+
+
+async def respond(send: Any, status: int, body: Any) -> None:
+    payload = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})

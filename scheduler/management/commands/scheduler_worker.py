@@ -1,0 +1,33 @@
+import asyncio
+import os
+import socket
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from scheduler.worker import Worker
+
+
+class Command(BaseCommand):
+    help = (
+        "Run a scheduler worker: claims queued jobs under the four-scope caps, dispatches them to "
+        "executors, heartbeats their leases and recovers expired ones. SIGTERM drains; a second forces."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--concurrency", type=int, default=16, help="dispatches in flight at once (default 16)")
+        parser.add_argument("--name", default=None, help="worker name, unique per process (default host:pid)")
+        parser.add_argument(
+            "--burst", action="store_true", help="exit once nothing is claimable and nothing is in flight"
+        )
+        parser.add_argument(
+            "--grace", type=float, default=None,
+            help="seconds to let in-flight work finish after SIGTERM before giving it back to the queue",
+        )
+
+    def handle(self, *args, concurrency: int, name: str | None, burst: bool, grace: float | None, **options) -> None:
+        if concurrency < 1:
+            raise CommandError("--concurrency must be at least 1")
+        worker = Worker(
+            name=name or f"{socket.gethostname()}:{os.getpid()}", concurrency=concurrency, burst=burst, grace=grace
+        )
+        asyncio.run(worker.run())

@@ -1,0 +1,122 @@
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F
+
+from executors.models import Executor
+from scheduler.locks import lock_claim
+from scheduler.models import Job, JobEvent, Slot
+from scheduler.policy import policy_for
+from scheduler.services.events import events_record, job_event
+from scheduler.state import ClaimState, ExecutorView
+
+
+MAX_ORDER_ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A job this worker now holds: run it on `executor`, name the job and `lease` in every later
+    write. Jobs claimed together share a lease token; the fence is always the pair."""
+
+    job: Job
+    executor: Executor
+    slot_id: int
+    lease: uuid.UUID
+
+
+@dataclass(frozen=True)
+class ClaimBatch:
+    claims: list[Claim]
+    # True when work may be waiting for capacity (a cap was reached or jobs were left behind), so
+    # the caller should try again when slots are freed; False when the queue had nothing placeable.
+    backlog: bool
+
+
+def lease_length() -> timedelta:
+    return timedelta(seconds=settings.TELEMACHUS_LEASE_SECONDS)
+
+
+def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
+    """Take up to `limit` queued jobs whose four scopes (global, executor, team, user) all have a
+    free slot, in the policy's order, and place each on the executor the policy chooses.
+
+    One short durable transaction. Locks the claim lock (level 1) first, so no other slot can be
+    created until commit: the slot counts read under it cannot rise, and no two claims can both
+    take the last slot of any scope, on any number of hosts. Then locks the chosen job rows (level
+    2) with SKIP LOCKED, so a job being canceled at this moment is skipped, not waited for. Writes
+    a Slot and a lease per job, marks it running, records `placed` and `started`. Never calls an
+    executor: dispatch happens after commit."""
+    with transaction.atomic(durable=True):
+        record, now = lock_claim()
+        state = ClaimState.load(policy=record, now=now)
+        if state.global_free() <= 0:
+            return ClaimBatch(claims=[], backlog=True)
+        policy = policy_for(record)
+        chosen: list[tuple[Job, ExecutorView]] = []
+        passed_over = False
+        # A job passed over because a cap filled during this batch may hide others that now fit
+        # (a teammate behind a user who just reached their cap): ask the policy again, with the
+        # caps as they stand, while each round still makes progress.
+        for _ in range(MAX_ORDER_ROUNDS):
+            taken_before, passed_over = len(chosen), False
+            for job in policy.order(state, limit=limit - len(chosen)):
+                if len(chosen) >= limit or state.global_free() <= 0:
+                    passed_over = True
+                    break
+                view = policy.place(job, state.candidates(job)) if state.fits(job) else None
+                if view is None:
+                    passed_over = True
+                    continue
+                state.take(job, view)
+                chosen.append((job, view))
+            if not passed_over or len(chosen) == taken_before or len(chosen) >= limit or state.global_free() <= 0:
+                break
+        backlog = (
+            passed_over or len(chosen) >= limit or state.global_free() <= 0
+            or bool(state.capped_teams() or state.capped_users())
+        )
+        if not chosen:
+            return ClaimBatch(claims=[], backlog=backlog)
+        owned = set(
+            Job.objects.select_for_update(skip_locked=True)
+            .filter(pk__in=sorted(job.pk for job, _ in chosen), status=Job.Status.QUEUED)
+            .values_list("pk", flat=True)
+        )
+        chosen = [(job, view) for job, view in chosen if job.pk in owned]
+        return ClaimBatch(claims=_start(chosen, worker=worker, state=state), backlog=backlog)
+
+
+def _start(chosen: list[tuple[Job, ExecutorView]], *, worker: str, state: ClaimState) -> list[Claim]:
+    """Mark the chosen jobs running under one lease token for this claim (the fencing token is the
+    pair job id + lease), with one UPDATE per executor rather than a CASE per row."""
+    now, expires, lease = state.now, state.now + lease_length(), uuid.uuid4()
+    by_executor: dict[int, list[int]] = {}
+    for job, view in chosen:
+        by_executor.setdefault(view.pk, []).append(job.pk)
+        job.status, job.executor, job.started_at, job.worker = Job.Status.RUNNING, view.executor, now, worker
+        job.attempts += 1
+        job.lease, job.lease_expires_at = lease, expires
+    for executor_id, job_ids in by_executor.items():
+        Job.objects.filter(pk__in=job_ids).update(
+            status=Job.Status.RUNNING, executor_id=executor_id, started_at=now, attempts=F("attempts") + 1,
+            worker=worker, lease=lease, lease_expires_at=expires,
+        )
+    slots = Slot.objects.bulk_create(
+        [
+            Slot(job=job, executor=view.executor, team_id=job.team_id, user_id=job.user_id, worker=worker, acquired_at=now)
+            for job, view in chosen
+        ]
+    )
+    events = []
+    for job, view in chosen:
+        events.append(job_event(job=job, event=JobEvent.Type.PLACED, at=now, executor=view.pk, attempt=job.attempts))
+        events.append(job_event(job=job, event=JobEvent.Type.STARTED, at=now, executor=view.pk, worker=worker))
+    events_record(events)
+    return [
+        Claim(job=job, executor=view.executor, slot_id=slot.pk, lease=lease)
+        for (job, view), slot in zip(chosen, slots, strict=True)
+    ]

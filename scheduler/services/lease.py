@@ -1,0 +1,67 @@
+import uuid
+from collections.abc import Mapping
+from functools import reduce
+from operator import or_
+
+from django.db import transaction
+from django.db.models import Q
+from django.db.models.functions import Now
+
+from scheduler import signals
+from scheduler.models import Job, JobEvent, Slot
+from scheduler.services.claim import lease_length
+from scheduler.services.events import events_record, job_event
+
+
+def held_by(held: Mapping[int, uuid.UUID]) -> Q:
+    """Jobs matching (id, lease) pairs: the fencing condition, grouped by lease token."""
+    by_lease: dict[uuid.UUID, list[int]] = {}
+    for job_id, lease in held.items():
+        by_lease.setdefault(lease, []).append(job_id)
+    return reduce(or_, (Q(lease=lease, pk__in=ids) for lease, ids in by_lease.items()))
+
+
+def leases_renew(*, held: Mapping[int, uuid.UUID]) -> set[int]:
+    """Heartbeat: extend the leases of the jobs a worker holds (job id -> lease), by the database's
+    clock; return the ids still held.
+
+    A job missing from the answer is lost (lease expired, recovered or canceled): its holder must
+    abort the dispatch, because the job may already be running elsewhere. An expired lease is never
+    revived, even before recovery has run."""
+    if not held:
+        return set()
+    with transaction.atomic():
+        live = Job.objects.filter(held_by(held), status=Job.Status.RUNNING, lease_expires_at__gt=Now())
+        live.update(lease_expires_at=Now() + lease_length())
+        return set(Job.objects.filter(held_by(held), lease_expires_at__gt=Now()).values_list("pk", flat=True))
+
+
+def jobs_release(*, held: Mapping[int, uuid.UUID], reason: str) -> list[int]:
+    """Give running jobs back to the queue unfinished (a worker shutting down before they ended).
+
+    The attempt is given back too: the job did not fail. Frees their slots; records `requeued`.
+    Locks the job rows (level 2). Only the holder can release: a job whose lease is no longer the
+    one named is left alone."""
+    if not held:
+        return []
+    with transaction.atomic(durable=True):
+        jobs = list(
+            Job.objects.select_for_update()
+            .filter(held_by(held), status=Job.Status.RUNNING)
+            .annotate(db_now=Now())
+            .order_by("pk")
+            .defer("input")
+        )
+        if not jobs:
+            return []
+        Slot.objects.filter(job__in=jobs).delete()
+        events = []
+        for job in jobs:
+            events.append(job_event(job=job, event=JobEvent.Type.REQUEUED, at=job.db_now, reason=reason, worker=job.worker))
+            job.return_to_queue()
+            job.attempts = max(job.attempts - 1, 0)
+        Job.objects.bulk_update(jobs, Job.REQUEUE_FIELDS)
+        events_record(events)
+        signals.notify_workers(signals.QUEUED)
+        signals.notify_workers(signals.FREED)
+    return [job.pk for job in jobs]

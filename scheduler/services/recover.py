@@ -1,0 +1,62 @@
+from dataclasses import dataclass
+
+from django.db import transaction
+from django.db.models.functions import Now
+
+from scheduler import signals
+from scheduler.models import Job, JobEvent, QueuePolicy, Slot
+from scheduler.services.events import events_record, job_event
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    requeued: list[int]
+    failed: list[int]
+
+
+def jobs_recover(*, limit: int = 500) -> RecoveryReport:
+    """Take back jobs whose lease expired (their worker died, hung or lost the database): delete
+    their slots and requeue them, or fail them, per the QueuePolicy: `requeue` while attempts are
+    below `max_attempts`, else `failed`; `fail` fails at once. Events `requeued` / `failed`.
+
+    Safe to run from every worker at once: expiry is judged by the database's clock, and rows
+    another recoverer holds are skipped (SKIP LOCKED on the job rows, level 2). A worker that
+    still runs a recovered job is fenced: its lease is gone, so its finish is refused."""
+    record = QueuePolicy.objects.filter(pk=QueuePolicy.SINGLETON_ID).first() or QueuePolicy()
+    with transaction.atomic(durable=True):
+        jobs = list(
+            Job.objects.select_for_update(skip_locked=True)
+            .filter(status=Job.Status.RUNNING, lease_expires_at__lte=Now())
+            .annotate(db_now=Now())
+            .order_by("pk")
+            .defer("input")[:limit]
+        )
+        if not jobs:
+            return RecoveryReport(requeued=[], failed=[])
+        Slot.objects.filter(job__in=jobs).delete()
+        requeued, failed, events = [], [], []
+        for job in jobs:
+            context = {"worker": job.worker, "attempt": job.attempts, "reason": "lease expired"}
+            if record.recovery == QueuePolicy.Recovery.REQUEUE and job.attempts < record.max_attempts:
+                events.append(job_event(job=job, event=JobEvent.Type.REQUEUED, at=job.db_now, **context))
+                job.return_to_queue()
+                requeued.append(job)
+            else:
+                job.status = Job.Status.FAILED
+                job.error = (
+                    f"lease expired on worker {job.worker!r} after attempt {job.attempts} "
+                    f"(recovery={record.recovery}, max_attempts={record.max_attempts})"
+                )
+                job.finished_at = job.db_now
+                job.lease = None
+                job.lease_expires_at = None
+                events.append(job_event(job=job, event=JobEvent.Type.FAILED, at=job.db_now, error=job.error, **context))
+                failed.append(job)
+        if requeued:
+            Job.objects.bulk_update(requeued, Job.REQUEUE_FIELDS)
+            signals.notify_workers(signals.QUEUED)
+        if failed:
+            Job.objects.bulk_update(failed, ["status", "error", "finished_at", "lease", "lease_expires_at"])
+        events_record(events)
+        signals.notify_workers(signals.FREED)
+    return RecoveryReport(requeued=[job.pk for job in requeued], failed=[job.pk for job in failed])

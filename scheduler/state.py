@@ -1,0 +1,122 @@
+"""What a claim knows about the cluster, read once under the claim lock.
+
+`ClaimState` holds the caps and live slot counts of all four scopes and the placeable executors.
+The claim (and `slot_acquire`) asks it whether a job fits and where it could go, and tells it each
+time a slot is taken, so one transaction can place several jobs without re-reading the database
+and without overshooting a cap."""
+
+import math
+from dataclasses import dataclass
+from datetime import datetime
+
+from executors.models import Executor
+from quotas.concurrency import ConcurrencyCaps, SlotCounts, concurrency_caps, executor_limit, slot_counts
+from scheduler.models import Job, QueuePolicy
+
+UNCAPPED = math.inf
+
+
+@dataclass
+class ExecutorView:
+    """One placeable executor and its load as this claim sees it."""
+
+    executor: Executor
+    limit: int
+    in_use: int
+
+    @property
+    def pk(self) -> int:
+        return self.executor.pk
+
+    @property
+    def free(self) -> int:
+        return self.limit - self.in_use
+
+    @property
+    def load(self) -> float:
+        return self.in_use / self.limit if self.limit else math.inf
+
+    def usable_by(self, team_id: int) -> bool:
+        return self.executor.team_id is None or self.executor.team_id == team_id
+
+    def matches(self, job: Job) -> bool:
+        """Offers the model and satisfies the optional `class` and `memory_mb` requirements."""
+        capabilities = self.executor.capabilities
+        if job.model not in (capabilities.get("models") or ()):
+            return False
+        wanted_class = job.requirements.get("class")
+        if wanted_class and capabilities.get("class", wanted_class) != wanted_class:
+            return False
+        wanted_memory = job.requirements.get("memory_mb")
+        offered_memory = capabilities.get("memory_mb")
+        return not (wanted_memory and offered_memory is not None and wanted_memory > offered_memory)
+
+
+class ClaimState:
+    def __init__(
+        self, *, now: datetime, policy: QueuePolicy, caps: ConcurrencyCaps, counts: SlotCounts, executors: list[ExecutorView]
+    ) -> None:
+        self.now = now
+        self.policy = policy
+        self.caps = caps
+        self.global_in_use = counts.total
+        self.team_in_use = counts.team.copy()
+        self.user_in_use = counts.user.copy()
+        self.executors = executors
+
+    @classmethod
+    def load(cls, *, policy: QueuePolicy, now: datetime) -> "ClaimState":
+        """Three queries: concurrency rules, live slots grouped by scope, placeable executors.
+        Call with the claim lock held, so the counts can only fall while the state is in use."""
+        caps = concurrency_caps()
+        counts = slot_counts()
+        placeable = Executor.objects.filter(enabled=True).exclude(health=Executor.Health.DOWN)
+        executors = [
+            ExecutorView(
+                executor=e,
+                limit=executor_limit(name=e.name, max_concurrency=e.max_concurrency, caps=caps),
+                in_use=counts.executor[e.pk],
+            )
+            for e in placeable
+        ]
+        return cls(now=now, policy=policy, caps=caps, counts=counts, executors=executors)
+
+    def global_free(self) -> float:
+        cap = self.caps.global_cap
+        return UNCAPPED if cap is None else cap - self.global_in_use
+
+    def team_free(self, team_id: int) -> float:
+        cap = self.caps.team.get(team_id)
+        return UNCAPPED if cap is None else cap - self.team_in_use[team_id]
+
+    def user_free(self, user_id: int) -> float:
+        cap = self.caps.user.get(user_id)
+        return UNCAPPED if cap is None else cap - self.user_in_use[user_id]
+
+    def capped_teams(self) -> set[int]:
+        return {team_id for team_id in self.caps.team if self.team_free(team_id) <= 0}
+
+    def capped_users(self) -> set[int]:
+        return {user_id for user_id in self.caps.user if self.user_free(user_id) <= 0}
+
+    def placeable_models(self, team_id: int) -> set[str]:
+        """Models that some executor usable by the team could take a job for right now."""
+        models: set[str] = set()
+        for view in self.executors:
+            if view.free > 0 and view.usable_by(team_id):
+                models.update(view.executor.capabilities.get("models") or ())
+        return models
+
+    def fits(self, job: Job) -> bool:
+        """A free slot at the global, team and user scopes (the executor scope is `candidates`)."""
+        return self.global_free() > 0 and self.team_free(job.team_id) > 0 and self.user_free(job.user_id) > 0
+
+    def candidates(self, job: Job) -> list[ExecutorView]:
+        return [v for v in self.executors if v.free > 0 and v.usable_by(job.team_id) and v.matches(job)]
+
+    def take(self, job: Job, view: ExecutorView) -> None:
+        """Count a slot just placed, at all four scopes."""
+        self.global_in_use += 1
+        self.team_in_use[job.team_id] += 1
+        self.user_in_use[job.user_id] += 1
+        view.in_use += 1

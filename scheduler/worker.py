@@ -1,0 +1,379 @@
+"""The scheduler worker: claims jobs, dispatches them to executors, heartbeats, finishes, recovers.
+
+One asyncio loop keeps up to `concurrency` dispatches in flight (model calls are network I/O, so
+hundreds are cheap). Every database call runs on one dedicated thread, in a short transaction,
+never while a model call is awaited in it: claim, run, finish are separate steps.
+
+  claim loop   claims as many jobs as there are free local slots, then waits to be woken: by
+               NOTIFY on PostgreSQL (work queued, capacity freed, a job canceled), by its own
+               finishes, or by a poll timer with backoff on SQLite.
+  dispatches   one task per job; the driver's dispatch() runs outside any transaction.
+  finisher     writes results in batches (the finish is fenced by each job's lease).
+  heartbeat    renews leases; a lease that is not renewed is lost and its dispatch is aborted,
+               including when the database cannot be reached for longer than the lease.
+  recovery     requeues or fails jobs whose lease expired (run at start and periodically).
+
+First SIGTERM/SIGINT: stop claiming, let in-flight work finish, exit. A second signal (or the
+grace period running out): abort the dispatches and give their jobs back to the queue.
+"""
+
+import asyncio
+import logging
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+import psycopg
+from django.conf import settings
+from django.db import DatabaseError, close_old_connections, connection
+
+from executors.contract import DispatchError, DispatchRequest, ExecutorDriver
+from executors.registry import DriverPool
+from scheduler import signals
+from scheduler.services.claim import Claim, job_claim
+from scheduler.services.finish import Outcome, jobs_finish
+from scheduler.services.lease import jobs_release, leases_renew
+from scheduler.services.recover import jobs_recover
+
+log = logging.getLogger("telemachus.worker")
+T = TypeVar("T")
+
+
+@dataclass
+class InFlight:
+    claim: Claim
+    driver: ExecutorDriver
+    task: asyncio.Task | None = None
+    renewed_at: float = 0.0
+    started: float = 0.0
+    abort_reason: str | None = None  # "canceled" | "lease lost" | "shutdown"
+
+
+class Worker:
+    def __init__(
+        self,
+        *,
+        name: str,
+        concurrency: int = 16,
+        burst: bool = False,
+        poll_min: float = 0.05,
+        poll_max: float = 1.0,
+        grace: float | None = None,
+    ) -> None:
+        self.name = name
+        self.concurrency = concurrency
+        self.burst = burst
+        self.poll_min, self.poll_max = poll_min, poll_max
+        self.lease_seconds = settings.TELEMACHUS_LEASE_SECONDS
+        self.grace = grace
+        self.inflight: dict[int, InFlight] = {}
+        self.outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
+        self.wake = asyncio.Event()
+        self.to_release: dict[int, uuid.UUID] = {}
+        self.drivers = DriverPool()
+        self.listening = False
+        self.want_freed = True  # wake when capacity frees: work may be waiting for it
+        self.stopping = False
+        self.forced = False
+        self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="telemachus-db", initializer=_persistent_connection)
+        self.processed = 0
+
+    # --- database calls, all on one thread -----------------------------------------------------
+
+    async def db(self, fn: Callable[..., T], /, **kwargs: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._db, partial(_db_call, fn, kwargs))
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self._install_signal_handlers()
+        log.info("worker %s starting: concurrency %d, lease %ds, %s", self.name, self.concurrency,
+                 self.lease_seconds, connection.vendor)
+        await self._recover_once()
+        background = [
+            asyncio.create_task(self._finisher(), name="finisher"),
+            asyncio.create_task(self._heartbeat(), name="heartbeat"),
+            asyncio.create_task(self._recovery(), name="recovery"),
+        ]
+        if connection.vendor == "postgresql":
+            background.append(asyncio.create_task(self._listen(), name="listener"))
+        try:
+            await self._claim_loop()
+            await self._drain()
+        finally:
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            for driver in self.drivers.all():
+                await driver.aclose()
+            await self.db(_close_connection)
+            self._db.shutdown(wait=True)
+        log.info("worker %s stopped after %d jobs", self.name, self.processed)
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            # A shell runs background jobs with SIGINT ignored; keep it that way, so Ctrl-C in
+            # `make run` reaches the worker once (through the script), not twice.
+            if sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN:
+                continue
+            loop.add_signal_handler(sig, self.request_stop)
+
+    def request_stop(self) -> None:
+        if not self.stopping:
+            self.stopping = True
+            log.info("worker %s stopping: draining %d in flight (signal again to abort them)", self.name, len(self.inflight))
+            if self.grace is not None:
+                asyncio.get_running_loop().call_later(self.grace, self.force_stop)
+        else:
+            self.force_stop()
+        self.wake.set()
+
+    def force_stop(self) -> None:
+        if self.forced:
+            return
+        self.forced = True
+        log.info("worker %s aborting %d in flight; their jobs go back to the queue", self.name, len(self.inflight))
+        for job_id in list(self.inflight):
+            self._abort(job_id, "shutdown")
+
+    async def _drain(self) -> None:
+        while self.inflight or not self.outcomes.empty():
+            await asyncio.sleep(0.02)
+        if self.to_release:
+            released = await self._retrying(jobs_release, held=self.to_release, reason=f"worker {self.name} shut down")
+            log.info("released %d job(s) back to the queue: %s", len(released), released)
+
+    # --- claiming -----------------------------------------------------------------------------
+
+    async def _claim_loop(self) -> None:
+        idle = self.poll_min
+        while not self.stopping:
+            free = self.concurrency - len(self.inflight)
+            if free > 0:
+                try:
+                    batch = await self.db(job_claim, worker=self.name, limit=free)
+                except DatabaseError as exc:
+                    log.warning("claim failed (%s); retrying in %.1fs", exc, idle)
+                    await self._sleep(idle)
+                    idle = min(idle * 2, self.poll_max)
+                    continue
+                for claim in batch.claims:
+                    self._start(claim)
+                self.want_freed = batch.backlog
+                if len(batch.claims) == free:
+                    idle = self.poll_min
+                    continue
+                if batch.claims:
+                    idle = self.poll_min
+            else:
+                self.want_freed = True
+            if self.burst and not self.inflight and self.outcomes.empty():
+                log.info("worker %s: queue drained (burst mode)", self.name)
+                return
+            await self._wait_for_wake(idle)
+            idle = min(idle * 2, self.poll_max)
+
+    async def _wait_for_wake(self, idle: float) -> None:
+        # With LISTEN, notifications do the waking; the timer is a safety net for missed ones.
+        timeout = max(self.poll_max, 2.0) if self.listening else idle
+        try:
+            await asyncio.wait_for(self.wake.wait(), timeout)
+        except TimeoutError:
+            pass
+        self.wake.clear()
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self.wake.wait(), seconds)
+        except TimeoutError:
+            pass
+
+    # --- dispatching --------------------------------------------------------------------------
+
+    def _start(self, claim: Claim) -> None:
+        driver, retired = self.drivers.get(claim.executor)
+        if retired is not None:
+            asyncio.create_task(_close_when_idle(retired))
+        now = time.monotonic()
+        flight = InFlight(claim=claim, driver=driver, renewed_at=now, started=now)
+        self.inflight[claim.job.pk] = flight
+        flight.task = asyncio.create_task(self._dispatch(flight), name=f"job-{claim.job.pk}")
+        job = claim.job
+        log.info("job %d claimed: %s on %s (team %s, attempt %d)", job.pk, job.type, claim.executor.name,
+                 job.team_id, job.attempts)
+
+    async def _dispatch(self, flight: InFlight) -> None:
+        job = flight.claim.job
+        request = DispatchRequest(job_id=job.pk, type=job.type, model=job.model, input=job.input,
+                                  requirements=job.requirements)
+        try:
+            result = await flight.driver.execute(request)
+        except asyncio.CancelledError:
+            self.inflight.pop(job.pk, None)
+            if flight.abort_reason == "shutdown":
+                self.to_release[job.pk] = flight.claim.lease
+            log.info("job %d dispatch aborted: %s", job.pk, flight.abort_reason or "cancelled")
+            if flight.abort_reason is None:
+                raise
+            self._capacity_freed()
+            return
+        except DispatchError as exc:
+            outcome = Outcome(job_id=job.pk, lease=flight.claim.lease, ok=False, error=str(exc),
+                              meta={"retryable": exc.retryable, "status": exc.status})
+        except Exception as exc:  # a driver bug must fail the job, not kill the worker
+            log.exception("job %d: driver %s raised", job.pk, flight.driver.kind)
+            outcome = Outcome(job_id=job.pk, lease=flight.claim.lease, ok=False, error=f"driver error: {exc!r}")
+        else:
+            outcome = Outcome(
+                job_id=job.pk, lease=flight.claim.lease, ok=True, result=result.output,
+                tokens_used=result.tokens_used,
+                meta={"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                      "seconds": round(time.monotonic() - flight.started, 4)},
+            )
+        await self.outcomes.put(outcome)
+
+    def _abort(self, job_id: int, reason: str) -> None:
+        flight = self.inflight.get(job_id)
+        if flight is None or flight.abort_reason is not None:
+            return
+        flight.abort_reason = reason
+        if flight.task is not None and not flight.task.done():
+            log.info("job %d: aborting dispatch (%s)", job_id, reason)
+            asyncio.create_task(flight.driver.cancel(job_id))
+
+    def _capacity_freed(self) -> None:
+        if self.want_freed or self.stopping:
+            self.wake.set()
+
+    # --- finishing ----------------------------------------------------------------------------
+
+    async def _finisher(self) -> None:
+        while True:
+            batch = [await self.outcomes.get()]
+            while not self.outcomes.empty() and len(batch) < 256:
+                batch.append(self.outcomes.get_nowait())
+            report = await self._retrying(jobs_finish, outcomes=batch)
+            refused = set(report.refused)
+            for outcome in batch:
+                flight = self.inflight.pop(outcome.job_id, None)
+                self.processed += 1
+                if outcome.job_id in refused:
+                    log.warning("job %d: result refused (lease no longer held); dropped", outcome.job_id)
+                elif outcome.ok:
+                    log.info("job %d done (%s tokens)", outcome.job_id, outcome.tokens_used)
+                else:
+                    log.info("job %d failed: %s", outcome.job_id, outcome.error)
+                del flight
+            self._capacity_freed()
+
+    async def _retrying(self, fn: Callable[..., T], /, **kwargs: Any) -> T:
+        """Writes that must not be lost (results, releases) are retried until the database answers.
+        Results written after the lease ran out are refused by fencing, which is correct."""
+        delay = 0.1
+        while True:
+            try:
+                return await self.db(fn, **kwargs)
+            except DatabaseError as exc:
+                log.warning("%s failed (%s); retrying in %.1fs", fn.__name__, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    # --- leases -------------------------------------------------------------------------------
+
+    async def _heartbeat(self) -> None:
+        # Without LISTEN, the heartbeat is also how a cancel reaches us: beat faster.
+        while True:
+            interval = self.lease_seconds / 3 if self.listening else min(self.lease_seconds / 3, 1.0)
+            await asyncio.sleep(interval)
+            held = {job_id: f.claim.lease for job_id, f in self.inflight.items() if f.abort_reason is None}
+            if not held:
+                continue
+            try:
+                alive = await self.db(leases_renew, held=held)
+            except DatabaseError as exc:
+                log.warning("heartbeat failed (%s)", exc)
+                deadline = time.monotonic() - self.lease_seconds
+                for job_id in list(self.inflight):
+                    if self.inflight[job_id].renewed_at < deadline:
+                        self._abort(job_id, "lease lost")
+                continue
+            now = time.monotonic()
+            for job_id in held:
+                if job_id in alive:
+                    if job_id in self.inflight:
+                        self.inflight[job_id].renewed_at = now
+                else:
+                    self._abort(job_id, "lease lost")
+
+    async def _recover_once(self) -> None:
+        try:
+            report = await self.db(jobs_recover)
+        except DatabaseError as exc:
+            log.warning("recovery failed (%s)", exc)
+            return
+        if report.requeued or report.failed:
+            log.info("recovered expired leases: requeued %s, failed %s", report.requeued, report.failed)
+            self.wake.set()
+
+    async def _recovery(self) -> None:
+        while True:
+            await asyncio.sleep(max(self.lease_seconds / 2, 1.0))
+            await self._recover_once()
+
+    # --- notifications (PostgreSQL) -----------------------------------------------------------
+
+    async def _listen(self) -> None:
+        params = {k: v for k, v in connection.get_connection_params().items()
+                  if k not in {"cursor_factory", "context", "prepare_threshold"}}
+        delay = 0.5
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(**params, autocommit=True) as conn:
+                    await conn.execute(f"LISTEN {signals.CHANNEL}")
+                    self.listening, delay = True, 0.5
+                    self.wake.set()  # anything sent before LISTEN took effect
+                    async for note in conn.notifies():
+                        self._on_notify(note.payload)
+            except (psycopg.Error, OSError) as exc:
+                log.warning("LISTEN connection lost (%s); polling until it is back", exc)
+            self.listening = False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+    def _on_notify(self, payload: str) -> None:
+        if payload == signals.QUEUED:
+            self.wake.set()
+        elif payload == signals.FREED:
+            self._capacity_freed()
+        elif payload.startswith(f"{signals.CANCELED}:"):
+            job_id = int(payload.partition(":")[2])
+            if job_id in self.inflight:
+                self._abort(job_id, "canceled")
+
+
+def _persistent_connection() -> None:
+    """The worker's database thread keeps its connection (no per-call reconnect)."""
+    connection.settings_dict["CONN_MAX_AGE"] = None
+
+
+def _close_connection() -> None:
+    connection.close()
+
+
+def _db_call(fn: Callable[..., T], kwargs: dict[str, Any]) -> T:
+    # After a database error Django flags the connection; this closes it if it is broken
+    # (database restarted, network cut), so the call reconnects instead of failing forever.
+    close_old_connections()
+    return fn(**kwargs)
+
+
+async def _close_when_idle(driver: ExecutorDriver) -> None:
+    while driver.busy:
+        await asyncio.sleep(1)
+    await driver.aclose()
