@@ -1,13 +1,15 @@
 """The Executor contract: the only thing the scheduler knows about where work runs.
 
 A driver wraps one `Executor` row. The scheduler reads `capabilities()` and `health()` for placement
-and `capacity()` for display; the worker calls `execute()` (which runs the driver's `dispatch()`)
-outside any database transaction, and `cancel()` when the job is canceled or its lease is lost.
-Adding a kind of executor means writing a driver and registering it (executors/registry.py); the
-scheduler never changes. See docs/executors.md."""
+and `capacity()` for display; the worker calls `execute()` (which runs the driver's `dispatch()`, or
+`stream()` for a streamed job) outside any database transaction, `cancel()` when the job is canceled
+or its lease is lost, and `probe()` periodically to keep `health` current. Adding a kind of executor
+means writing a driver and registering it (executors/registry.py); the scheduler never changes.
+See docs/executors.md."""
 
 import asyncio
 from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -25,6 +27,10 @@ class DispatchRequest:
     input: dict[str, Any]
     requirements: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def stream(self) -> bool:
+        return bool(self.input.get("stream"))
+
 
 @dataclass
 class DispatchResult:
@@ -37,15 +43,48 @@ class DispatchResult:
         return self.prompt_tokens + self.completion_tokens
 
 
+@dataclass(frozen=True)
+class StreamEvent:
+    """One event of a streamed dispatch: text deltas, then exactly one `done` with the result."""
+
+    kind: str  # "delta" | "done"
+    text: str = ""
+    result: DispatchResult | None = None
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What an active health check saw. `models` is what the executor reports serving, if it can."""
+
+    health: str  # Executor.Health value
+    latency_ms: float | None = None
+    models: list[str] | None = None
+    detail: str = ""
+
+
 class DispatchError(Exception):
     """A dispatch that failed. `retryable` tells the worker whether another attempt (possibly on
-    another executor) could succeed; the message is what the job's `error` shows."""
+    another executor) could succeed; `executor_fault` whether the failure counts against the
+    executor's circuit breaker (connection refused or reset, timeout, 5xx); the message is what the
+    job's `error` shows."""
 
-    def __init__(self, message: str, *, retryable: bool, status: int | None = None, retry_after: float | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        retryable: bool,
+        status: int | None = None,
+        retry_after: float | None = None,
+        executor_fault: bool | None = None,
+    ) -> None:
         super().__init__(message)
         self.retryable = retryable
         self.status = status
         self.retry_after = retry_after
+        self.executor_fault = retryable and status != 429 if executor_fault is None else executor_fault
+
+
+DeltaSink = Callable[[str], Awaitable[None]]
 
 
 class ExecutorDriver(ABC):
@@ -62,26 +101,47 @@ class ExecutorDriver(ABC):
         return executor_capacity(executor=self.executor)
 
     def health(self) -> str:
-        """The health last recorded for the executor (probes update it; see the executors issue)."""
+        """The health last recorded for the executor (set by `probe()` through the worker)."""
         return self.executor.health
 
     @abstractmethod
     async def dispatch(self, request: DispatchRequest) -> DispatchResult:
         """Run one step. Raise DispatchError on failure; never touch the database."""
 
-    async def execute(self, request: DispatchRequest) -> DispatchResult:
-        """Run `dispatch` as a cancellable unit: `cancel(job_id)` aborts it from another task."""
+    async def stream(self, request: DispatchRequest) -> AsyncIterator[StreamEvent]:
+        """Run one step as a stream of events. Drivers that cannot stream send the whole result
+        as one delta; HTTP model drivers override this to relay the server's own stream."""
+        result = await self.dispatch(request)
+        text = (result.output.get("message") or {}).get("content") or ""
+        if text:
+            yield StreamEvent(kind="delta", text=text)
+        yield StreamEvent(kind="done", result=result)
+
+    async def probe(self) -> Probe:
+        """An active health check. In-process drivers are as healthy as the worker running them."""
+        return Probe(health=Executor.Health.OK)
+
+    async def execute(self, request: DispatchRequest, on_delta: DeltaSink | None = None) -> DispatchResult:
+        """Run `dispatch` (or `stream`, for a streamed job) as a cancellable unit: `cancel(job_id)`
+        aborts it from another task, closing any HTTP request it has open."""
         task = asyncio.current_task()
         assert task is not None
         self._inflight[request.job_id] = task
         try:
-            return await self.dispatch(request)
+            if not request.stream:
+                return await self.dispatch(request)
+            async for event in self.stream(request):
+                if event.kind == "delta" and on_delta is not None:
+                    await on_delta(event.text)
+                elif event.kind == "done" and event.result is not None:
+                    return event.result
+            raise DispatchError(f"{self.executor.name}: stream ended without a result", retryable=True)
         finally:
             self._inflight.pop(request.job_id, None)
 
     async def cancel(self, job_id: int) -> bool:
-        """Abort the in-flight dispatch of a job, if this driver is running one. Cancelling the task
-        closes any HTTP request it has open. Drivers with remote state override this to clean up."""
+        """Abort the in-flight dispatch of a job, if this driver is running one. Drivers with
+        remote state (a batch system, a pod) override this to clean up there too."""
         task = self._inflight.get(job_id)
         if task is None or task.done():
             return False

@@ -16,29 +16,42 @@ from executors.models import Executor
 BUILTIN_DRIVERS = {
     "sim": "executors.drivers.sim.SimDriver",
     "local-model": "executors.drivers.openai.LocalModelDriver",
+    "remote-model": "executors.drivers.openai.RemoteModelDriver",
+    "cpu-node": "executors.drivers.cpu.CpuNodeDriver",
 }
 
 
 @cache
-def driver_classes() -> dict[str, type[ExecutorDriver]]:
+def driver_paths() -> dict[str, str]:
     paths = dict(BUILTIN_DRIVERS)
     for entry in settings.TELEMACHUS_EXECUTOR_DRIVERS:
         kind, sep, path = entry.partition("=")
         if not sep or not kind.strip() or not path.strip():
             raise ImproperlyConfigured(f"TELEMACHUS_EXECUTOR_DRIVERS entry {entry!r} is not kind=dotted.path")
         paths[kind.strip()] = path.strip()
-    return {kind: import_string(path) for kind, path in paths.items()}
+    return paths
 
 
 def known_kinds() -> list[str]:
-    return sorted(driver_classes())
+    return sorted(driver_paths())
 
 
+@cache
 def driver_class(kind: str) -> type[ExecutorDriver]:
+    """The driver class for a kind, imported on first use."""
     try:
-        return driver_classes()[kind]
+        path = driver_paths()[kind]
     except KeyError:
         raise ImproperlyConfigured(f"No driver registered for executor kind {kind!r}") from None
+    cls = import_string(path)
+    if not (isinstance(cls, type) and issubclass(cls, ExecutorDriver)):
+        raise ImproperlyConfigured(f"{path} (executor kind {kind!r}) is not an ExecutorDriver")
+    return cls
+
+
+def driver_for(executor: Executor) -> ExecutorDriver:
+    """A fresh driver for one-off use outside a worker (probes from the API, capability sync)."""
+    return driver_class(executor.kind)(executor)
 
 
 class DriverPool:

@@ -225,3 +225,5 @@ TELEMACHUS_MAX_BODY_BYTES = env_int("TELEMACHUS_MAX_BODY_BYTES", 1_048_576)
 TELEMACHUS_QUEUE_POLICY = os.environ.get("TELEMACHUS_QUEUE_POLICY", "")
 # Extra executor drivers, `kind=dotted.path.Class` comma-separated, added to the built-in registry.
 TELEMACHUS_EXECUTOR_DRIVERS = env_list("TELEMACHUS_EXECUTOR_DRIVERS", [])
+# Extra task callables for cpu-node executors, `name=dotted.path.function` comma-separated.
+TELEMACHUS_TASKS = env_list("TELEMACHUS_TASKS", [])
