@@ -8,11 +8,16 @@ from executors.services import executor_update
 
 @admin.register(Executor)
 class ExecutorAdmin(admin.ModelAdmin):
-    list_display = ["name", "kind", "team", "enabled", "health", "max_concurrency", "slots_in_use", "weight", "last_seen"]
-    list_filter = ["kind", "enabled", "health", "team"]
+    list_display = [
+        "name", "kind", "team", "enabled", "health", "breaker", "max_concurrency", "slots_in_use", "weight", "last_seen",
+    ]
+    list_filter = ["kind", "enabled", "health", "breaker", "team"]
     search_fields = ["name", "endpoint"]
     list_editable = ["enabled", "max_concurrency"]
-    readonly_fields = ["health", "last_seen", "created_at", "updated_at"]
+    readonly_fields = [
+        "health", "last_seen", "last_probed_at", "breaker", "consecutive_failures", "breaker_until", "created_at",
+        "updated_at",
+    ]
     actions = ["enable", "disable"]
     formfield_overrides = {models.URLField: {"assume_scheme": "https"}}
 

@@ -1,3 +1,4 @@
+import re
 from typing import Any
 
 from django.db.models import QuerySet
@@ -10,13 +11,17 @@ from rest_framework.views import APIView
 
 from executors.models import Executor
 from executors.registry import known_kinds
-from executors.services import executor_create, executor_delete, executor_update
-from scheduler.api.serializers import StrictSerializer
+from executors.services import executor_create, executor_delete, executor_sync, executor_update
+from scheduler.api.serializers import JobEventOutput, StrictSerializer
+from scheduler.api.views import OldestFirstCursorPagination
+from scheduler.models import JobEvent
 from telemachus import rbac
 from telemachus.errors import NotFound
 from telemachus.models import Team
 
 HTTP_KINDS = ("local-model", "remote-model")
+SECRET_KEY_NAMES = re.compile(r"key|token|secret|password|passwd|auth|bearer|credential", re.IGNORECASE)
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class CapabilitiesInput(serializers.Serializer):
@@ -51,6 +56,20 @@ class ExecutorInput(StrictSerializer):
             raise serializers.ValidationError(f"Unknown kind; known kinds: {', '.join(known_kinds())}.")
         return kind
 
+    def validate_transport(self, transport: dict[str, Any]) -> dict[str, Any]:
+        """Secrets never go in the database: a key must live in an environment variable that
+        `api_key_env` names."""
+        secret_like = [k for k in transport if SECRET_KEY_NAMES.search(k) and k != "api_key_env"]
+        if secret_like:
+            raise serializers.ValidationError(
+                f"Do not store secrets here ({', '.join(sorted(secret_like))}): put the key in an environment "
+                "variable of the workers and name it in transport.api_key_env."
+            )
+        env = transport.get("api_key_env")
+        if env is not None and not (isinstance(env, str) and ENV_NAME.fullmatch(env)):
+            raise serializers.ValidationError("api_key_env must be an environment variable name, like OPENAI_API_KEY.")
+        return transport
+
     def validate_endpoint(self, endpoint: str | None) -> str | None:
         if endpoint and not endpoint.startswith(("http://", "https://")):
             raise serializers.ValidationError("Endpoint must be an http(s) URL.")
@@ -61,6 +80,11 @@ class ExecutorInput(StrictSerializer):
         endpoint = attrs["endpoint"] if "endpoint" in attrs else getattr(self.instance, "endpoint", None)
         if kind in HTTP_KINDS and not endpoint:
             raise serializers.ValidationError({"endpoint": [f"A {kind} executor needs an endpoint."]})
+        transport = attrs["transport"] if "transport" in attrs else getattr(self.instance, "transport", {})
+        if kind == "remote-model" and not (transport or {}).get("api_key_env"):
+            raise serializers.ValidationError(
+                {"transport": ["A remote-model executor needs transport.api_key_env (the variable holding its API key)."]}
+            )
         name = attrs.get("name")
         if name and Executor.objects.filter(name=name).exclude(pk=getattr(self.instance, "pk", None)).exists():
             raise serializers.ValidationError({"name": [f"An executor named {name!r} already exists."]})
@@ -74,7 +98,7 @@ class ExecutorOutput(serializers.ModelSerializer):
         model = Executor
         fields = [
             "id", "name", "kind", "team", "endpoint", "capabilities", "max_concurrency", "enabled", "health",
-            "last_seen", "weight", "transport", "meta",
+            "last_seen", "breaker", "consecutive_failures", "breaker_until", "weight", "transport", "meta",
         ]
         read_only_fields = fields
 
@@ -119,3 +143,22 @@ class ExecutorDetailApi(APIView):
     def delete(self, request: Request, executor_id: int) -> Response:
         executor_delete(executor=managed_executor(request, executor_id))
         return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class ExecutorSyncApi(APIView):
+    """Read the models the executor serves into capabilities.models."""
+
+    @extend_schema(request=None, responses=ExecutorOutput)
+    def post(self, request: Request, executor_id: int) -> Response:
+        return Response(ExecutorOutput(executor_sync(executor=managed_executor(request, executor_id))).data)
+
+
+class ExecutorEventListApi(ListAPIView):
+    """Breaker transitions and health changes of one executor, oldest first."""
+
+    serializer_class = JobEventOutput
+    pagination_class = OldestFirstCursorPagination
+
+    def get_queryset(self) -> QuerySet[JobEvent]:
+        executor = managed_executor(self.request, self.kwargs["executor_id"])
+        return JobEvent.objects.filter(executor=executor, job__isnull=True).select_related("executor")

@@ -117,6 +117,11 @@ class ExecutorDriver(ABC):
             yield StreamEvent(kind="delta", text=text)
         yield StreamEvent(kind="done", result=result)
 
+    async def list_models(self) -> list[str] | None:
+        """The models the executor reports serving, for capability sync; None when this kind does
+        not report them (its capabilities are configured by the operator)."""
+        return None
+
     async def probe(self) -> Probe:
         """An active health check. In-process drivers are as healthy as the worker running them."""
         return Probe(health=Executor.Health.OK)

@@ -12,6 +12,11 @@ class Executor(models.Model):
         DEGRADED = "degraded"
         DOWN = "down"
 
+    class Breaker(models.TextChoices):
+        CLOSED = "closed"
+        OPEN = "open"
+        HALF_OPEN = "half_open"
+
     team = models.ForeignKey(
         Team, null=True, blank=True, on_delete=models.CASCADE, related_name="executors",
         help_text="Owning team; empty means shared by every team.",
@@ -23,7 +28,13 @@ class Executor(models.Model):
     max_concurrency = models.PositiveIntegerField(default=4)
     enabled = models.BooleanField(default=True)
     health = models.CharField(max_length=16, choices=Health.choices, default=Health.OK)
-    last_seen = models.DateTimeField(null=True, blank=True)
+    last_seen = models.DateTimeField(null=True, blank=True, help_text="Last successful contact (probe or dispatch).")
+    last_probed_at = models.DateTimeField(null=True, blank=True)
+    # Passive circuit breaker, shared by every worker: open after consecutive dispatch failures,
+    # out of placement until `breaker_until`, then one trial request (half open) decides.
+    breaker = models.CharField(max_length=16, choices=Breaker.choices, default=Breaker.CLOSED)
+    consecutive_failures = models.PositiveIntegerField(default=0)
+    breaker_until = models.DateTimeField(null=True, blank=True)
     weight = models.PositiveIntegerField(default=1)
     transport = models.JSONField(default=dict, blank=True)
     meta = models.JSONField(default=dict, blank=True)

@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from executors.drivers.sim import count_prompt_tokens
+from executors.tokens import count_prompt_tokens
 
 Scope = dict[str, Any]
 

@@ -4,7 +4,12 @@
        (claim, acquire) takes it first, so slot creation is serialized cluster-wide and the
        in-use counts a claim reads cannot change under it except downwards (finish, cancel and
        recovery only delete slots, and never take this lock).
-    2. job rows, in ascending id.
+    2. executor rows, in ascending id (breaker and probe updates; the claim's move of a breaker
+       to half open).
+    3. job rows, in ascending id.
+
+Finish, cancel, release and recovery lock job rows only; breaker updates from their outcomes run
+in a transaction of their own afterwards (executors/health.py), never inside one holding jobs.
 
 A transaction may skip a level but never take them out of order: two code paths that disagree on
 order are how deadlocks happen. On SQLite, `select_for_update` is a no-op and every transaction
@@ -34,5 +39,5 @@ def lock_claim() -> tuple[QueuePolicy, datetime]:
 
 
 def lock_job(job_id: int) -> Job | None:
-    """Lock one job row (level 2); None when it does not exist. Must run inside a transaction."""
+    """Lock one job row (level 3); None when it does not exist. Must run inside a transaction."""
     return Job.objects.select_for_update().annotate(db_now=Now()).filter(pk=job_id).first()

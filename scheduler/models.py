@@ -53,6 +53,11 @@ class Job(models.Model):
     input = models.JSONField(default=dict)
     result = models.JSONField(null=True, blank=True)
     attempts = models.PositiveIntegerField(default=0)
+    # A retry waits until `run_after` and prefers an executor other than the one that failed.
+    run_after = models.DateTimeField(null=True, blank=True)
+    avoid_executor = models.ForeignKey(
+        Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
     meta = models.JSONField(default=dict, blank=True)
     worker = models.CharField(max_length=200, blank=True, default="")
     lease = models.UUIDField(null=True, blank=True, db_index=True)
@@ -123,7 +128,13 @@ class JobEvent(models.Model):
         FAILED = "failed"
         CANCELED = "canceled"
         REQUEUED = "requeued"
+        RETRY_SCHEDULED = "retry_scheduled"
         FINISH_REFUSED = "finish_refused"
+        # Executor events (no job).
+        BREAKER_OPENED = "breaker_opened"
+        BREAKER_HALF_OPEN = "breaker_half_open"
+        BREAKER_CLOSED = "breaker_closed"
+        HEALTH_CHANGED = "health_changed"
 
     job = models.ForeignKey(Job, null=True, blank=True, on_delete=models.CASCADE, related_name="events")
     executor = models.ForeignKey(Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="events")

@@ -43,9 +43,12 @@ class BaseQueuePolicy:
         raise NotImplementedError
 
     def place(self, job: Job, candidates: list[ExecutorView]) -> ExecutorView | None:
-        """Choose among executors that fit the job and have a free slot (the record's rule)."""
+        """Choose among executors that fit the job and have a free slot (the record's rule). A retry
+        goes elsewhere than the executor that just failed it, when there is anywhere else."""
         if not candidates:
             return None
+        elsewhere = [v for v in candidates if v.pk != job.avoid_executor_id]
+        candidates = elsewhere or candidates
         rule = self.record.placement
         if rule == QueuePolicy.Placement.PACK:
             return min(candidates, key=lambda v: (v.free, v.executor.name))
@@ -62,7 +65,7 @@ class BaseQueuePolicy:
         wanted = {}
         for team_id in Team.objects.exclude(pk__in=capped).order_by().values_list("pk", flat=True):
             wanted[team_id] = (state.placeable_models(team_id), int(min(limit, state.team_free(team_id))))
-        return queued_heads(wanted=wanted, exclude_users=state.capped_users())
+        return queued_heads(wanted=wanted, exclude_users=state.capped_users(), now=state.now)
 
 
 class DefaultQueuePolicy(BaseQueuePolicy):

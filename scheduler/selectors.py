@@ -1,15 +1,16 @@
 """Reads for the API and dashboard. Writes live in scheduler/services/."""
 
 from collections import Counter
+from datetime import datetime
 from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.db import connection
-from django.db.models import Count
+from django.db.models import Count, Q
 
 from executors.models import Executor
 from quotas.concurrency import concurrency_caps, executor_limit, slot_counts
-from scheduler.models import Job
+from scheduler.models import Job, QueuePolicy
 from telemachus import rbac
 
 
@@ -69,9 +70,17 @@ def queue_snapshot(*, user: rbac.Principal) -> dict[str, Any]:
 
 
 
-def queued_heads(*, wanted: dict[int, tuple[set[str], int]], exclude_users: set[int]) -> dict[int, list[Job]]:
+def queue_policy() -> QueuePolicy:
+    """The policy record as it is now, without locking it (the claim reads it under its lock)."""
+    return QueuePolicy.objects.filter(pk=QueuePolicy.SINGLETON_ID).first() or QueuePolicy()
+
+
+def queued_heads(
+    *, wanted: dict[int, tuple[set[str], int]], exclude_users: set[int], now: datetime
+) -> dict[int, list[Job]]:
     """The head of each team's line: for each team id in `wanted`, up to n of its queued jobs for
-    the given models, highest priority then oldest first, skipping users at their cap.
+    the given models, highest priority then oldest first, skipping users at their cap and retries
+    still waiting out their backoff.
 
     One indexed lookup per team (job_team_queue_idx), so rows examined grow with the number of
     teams and the batch size, not with the depth of any queue. On PostgreSQL the lookups travel
@@ -81,7 +90,10 @@ def queued_heads(*, wanted: dict[int, tuple[set[str], int]], exclude_users: set[
     for team_id, (models, n) in wanted.items():
         if not models or n <= 0:
             continue
-        query = Job.objects.filter(team_id=team_id, status=Job.Status.QUEUED, model__in=sorted(models))
+        query = Job.objects.filter(
+            Q(run_after__isnull=True) | Q(run_after__lte=now),
+            team_id=team_id, status=Job.Status.QUEUED, model__in=sorted(models),
+        )
         if exclude_users:
             query = query.exclude(user_id__in=exclude_users)
         queries.append(query.order_by("-priority", "id")[:n])

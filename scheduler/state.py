@@ -23,6 +23,8 @@ class ExecutorView:
     executor: Executor
     limit: int
     in_use: int
+    # The breaker's cooldown is over: this executor takes one trial request at a time.
+    trial: bool = False
 
     @property
     def pk(self) -> int:
@@ -66,19 +68,24 @@ class ClaimState:
 
     @classmethod
     def load(cls, *, policy: QueuePolicy, now: datetime) -> "ClaimState":
-        """Three queries: concurrency rules, live slots grouped by scope, placeable executors.
-        Call with the claim lock held, so the counts can only fall while the state is in use."""
+        """Three queries: concurrency rules, live slots grouped by scope, placeable executors
+        (enabled, not down, breaker not open; an executor past its breaker cooldown takes one
+        trial at a time). Call with the claim lock held, so the counts can only fall while the
+        state is in use."""
         caps = concurrency_caps()
         counts = slot_counts()
-        placeable = Executor.objects.filter(enabled=True).exclude(health=Executor.Health.DOWN)
-        executors = [
-            ExecutorView(
-                executor=e,
-                limit=executor_limit(name=e.name, max_concurrency=e.max_concurrency, caps=caps),
-                in_use=counts.executor[e.pk],
+        placeable = (
+            Executor.objects.filter(enabled=True)
+            .exclude(health=Executor.Health.DOWN)
+            .exclude(breaker=Executor.Breaker.OPEN, breaker_until__gt=now)
+        )
+        executors = []
+        for e in placeable:
+            limit = executor_limit(name=e.name, max_concurrency=e.max_concurrency, caps=caps)
+            trial = e.breaker != Executor.Breaker.CLOSED
+            executors.append(
+                ExecutorView(executor=e, limit=min(limit, 1) if trial else limit, in_use=counts.executor[e.pk], trial=trial)
             )
-            for e in placeable
-        ]
         return cls(now=now, policy=policy, caps=caps, counts=counts, executors=executors)
 
     def global_free(self) -> float:

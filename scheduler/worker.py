@@ -12,6 +12,7 @@ never while a model call is awaited in it: claim, run, finish are separate steps
   heartbeat    renews leases; a lease that is not renewed is lost and its dispatch is aborted,
                including when the database cannot be reached for longer than the lease.
   recovery     requeues or fails jobs whose lease expired (run at start and periodically).
+  probes       checks executors' health (GET /models), each executor by one worker per interval.
 
 First SIGTERM/SIGINT: stop claiming, let in-flight work finish, exit. A second signal (or the
 grace period running out): abort the dispatches and give their jobs back to the queue.
@@ -32,11 +33,13 @@ import psycopg
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 
-from executors.contract import DispatchError, DispatchRequest, ExecutorDriver
+from executors.contract import DispatchError, DispatchRequest, ExecutorDriver, Probe
+from executors.health import DispatchReport, breaker_record, probe_record, probes_due
+from executors.models import Executor
 from executors.registry import DriverPool
-from scheduler import signals
+from scheduler import broadcast, signals
 from scheduler.services.claim import Claim, job_claim
-from scheduler.services.finish import Outcome, jobs_finish
+from scheduler.services.finish import FinishReport, Outcome, jobs_finish
 from scheduler.services.lease import jobs_release, leases_renew
 from scheduler.services.recover import jobs_recover
 
@@ -52,6 +55,7 @@ class InFlight:
     renewed_at: float = 0.0
     started: float = 0.0
     abort_reason: str | None = None  # "canceled" | "lease lost" | "shutdown"
+    executor_fault: bool = False
 
 
 class Worker:
@@ -99,6 +103,7 @@ class Worker:
             asyncio.create_task(self._finisher(), name="finisher"),
             asyncio.create_task(self._heartbeat(), name="heartbeat"),
             asyncio.create_task(self._recovery(), name="recovery"),
+            asyncio.create_task(self._probes(), name="probes"),
         ]
         if connection.vendor == "postgresql":
             background.append(asyncio.create_task(self._listen(), name="listener"))
@@ -212,8 +217,9 @@ class Worker:
         job = flight.claim.job
         request = DispatchRequest(job_id=job.pk, type=job.type, model=job.model, input=job.input,
                                   requirements=job.requirements)
+        on_delta = partial(broadcast.job_delta_send, job.pk) if request.stream else None
         try:
-            result = await flight.driver.execute(request)
+            result = await flight.driver.execute(request, on_delta)
         except asyncio.CancelledError:
             self.inflight.pop(job.pk, None)
             if flight.abort_reason == "shutdown":
@@ -224,8 +230,9 @@ class Worker:
             self._capacity_freed()
             return
         except DispatchError as exc:
+            flight.executor_fault = exc.executor_fault
             outcome = Outcome(job_id=job.pk, lease=flight.claim.lease, ok=False, error=str(exc),
-                              meta={"retryable": exc.retryable, "status": exc.status})
+                              retryable=exc.retryable, retry_after=exc.retry_after, meta={"status": exc.status})
         except Exception as exc:  # a driver bug must fail the job, not kill the worker
             log.exception("job %d: driver %s raised", job.pk, flight.driver.kind)
             outcome = Outcome(job_id=job.pk, lease=flight.claim.lease, ok=False, error=f"driver error: {exc!r}")
@@ -258,18 +265,26 @@ class Worker:
             batch = [await self.outcomes.get()]
             while not self.outcomes.empty() and len(batch) < 256:
                 batch.append(self.outcomes.get_nowait())
-            report = await self._retrying(jobs_finish, outcomes=batch)
-            refused = set(report.refused)
+            dispatches = [
+                DispatchReport(executor_id=flight.claim.executor.pk, ok=outcome.ok, executor_fault=flight.executor_fault)
+                for outcome in batch
+                if (flight := self.inflight.get(outcome.job_id)) is not None
+            ]
+            report, breaker_events = await self._retrying(_finish_then_record, outcomes=batch, dispatches=dispatches)
+            refused, retrying = set(report.refused), set(report.retrying)
             for outcome in batch:
-                flight = self.inflight.pop(outcome.job_id, None)
+                self.inflight.pop(outcome.job_id, None)
                 self.processed += 1
                 if outcome.job_id in refused:
                     log.warning("job %d: result refused (lease no longer held); dropped", outcome.job_id)
+                elif outcome.job_id in retrying:
+                    log.info("job %d failed, will retry: %s", outcome.job_id, outcome.error)
                 elif outcome.ok:
                     log.info("job %d done (%s tokens)", outcome.job_id, outcome.tokens_used)
                 else:
                     log.info("job %d failed: %s", outcome.job_id, outcome.error)
-                del flight
+            for event in breaker_events:
+                log.warning("executor %s: %s %s", event.meta.get("executor_name"), event.event, event.meta)
             self._capacity_freed()
 
     async def _retrying(self, fn: Callable[..., T], /, **kwargs: Any) -> T:
@@ -326,6 +341,31 @@ class Worker:
             await asyncio.sleep(max(self.lease_seconds / 2, 1.0))
             await self._recover_once()
 
+    # --- health probes ------------------------------------------------------------------------
+
+    async def _probes(self) -> None:
+        interval = settings.TELEMACHUS_PROBE_INTERVAL_SECONDS
+        while True:
+            try:
+                due = await self.db(probes_due, interval=interval)
+                if due:
+                    results = await asyncio.gather(*(self._probe(executor) for executor in due))
+                    for event in await self.db(probe_record, results=results):
+                        log.warning("executor %s: health %s -> %s (%s)", event.meta["executor_name"],
+                                    event.meta["was"], event.meta["health"], event.meta["detail"])
+            except DatabaseError as exc:
+                log.warning("probing failed (%s)", exc)
+            await asyncio.sleep(min(interval, 5.0))
+
+    async def _probe(self, executor: Executor) -> tuple[int, Probe]:
+        driver, retired = self.drivers.get(executor)
+        if retired is not None:
+            asyncio.create_task(_close_when_idle(retired))
+        try:
+            return executor.pk, await asyncio.wait_for(driver.probe(), timeout=30)
+        except Exception as exc:  # a probe that crashes says the executor cannot be trusted
+            return executor.pk, Probe(health=Executor.Health.DOWN, detail=f"probe error: {exc!r}")
+
     # --- notifications (PostgreSQL) -----------------------------------------------------------
 
     async def _listen(self) -> None:
@@ -355,6 +395,20 @@ class Worker:
             job_id = int(payload.partition(":")[2])
             if job_id in self.inflight:
                 self._abort(job_id, "canceled")
+
+
+def _finish_then_record(*, outcomes: list[Outcome], dispatches: list[DispatchReport]) -> tuple[FinishReport, list]:
+    """Write results, then feed the breaker, back to back on the database thread, so this worker
+    cannot claim for an executor between its failure and the breaker hearing of it. Two
+    transactions: job rows and executor rows are never locked together (scheduler/locks.py). A
+    failed breaker write is logged, never retried with the finish (that would refuse the results
+    the first attempt wrote)."""
+    report = jobs_finish(outcomes=outcomes)
+    try:
+        return report, breaker_record(reports=dispatches)
+    except DatabaseError as exc:
+        log.warning("could not record dispatch outcomes for the breaker (%s)", exc)
+        return report, []
 
 
 def _persistent_connection() -> None:

@@ -55,6 +55,12 @@ class Conflict(DomainError):
     default_detail = "The object is not in a state that allows this."
 
 
+class ExecutorUnreachable(DomainError):
+    code = "executor_unreachable"
+    status = 502
+    default_detail = "The executor did not answer as expected."
+
+
 class PayloadTooLarge(DomainError):
     code = "payload_too_large"
     status = 413

@@ -35,6 +35,16 @@ def env_int(name: str, default: int) -> int:
         raise ImproperlyConfigured(f"{name} must be an integer, got {raw!r}") from None
 
 
+def env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be a number, got {raw!r}") from None
+
+
 def env_list(name: str, default: list[str]) -> list[str]:
     raw = os.environ.get(name)
     if raw is None:
@@ -213,12 +223,23 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
-    "loggers": {"django.db.backends": {"level": "INFO"}},
+    # httpx logs every request at INFO: one line per model call is the worker's job, not httpx's.
+    "loggers": {"django.db.backends": {"level": "INFO"}, "httpx": {"level": "WARNING"}, "httpcore": {"level": "WARNING"}},
 }
 
 # --- Telemachus knobs -------------------------------------------------------------------------
 # Slot lease: a worker that stops heartbeating loses its jobs this many seconds later.
 TELEMACHUS_LEASE_SECONDS = env_int("TELEMACHUS_LEASE_SECONDS", 30)
+# Retryable dispatch failures (connect errors, timeouts, 429, 502/503/504) wait an exponential,
+# jittered backoff (base * 2^(attempt-1), capped) before the next attempt, up to max_attempts.
+TELEMACHUS_RETRY_BASE_SECONDS = env_float("TELEMACHUS_RETRY_BASE_SECONDS", 1)
+TELEMACHUS_RETRY_MAX_SECONDS = env_float("TELEMACHUS_RETRY_MAX_SECONDS", 60)
+# Circuit breaker: open after this many consecutive executor faults, keep it out of placement for
+# the cooldown, then let one trial request decide.
+TELEMACHUS_BREAKER_THRESHOLD = env_int("TELEMACHUS_BREAKER_THRESHOLD", 5)
+TELEMACHUS_BREAKER_COOLDOWN_SECONDS = env_float("TELEMACHUS_BREAKER_COOLDOWN_SECONDS", 30)
+# Active health probe of each executor (GET {endpoint}/models), by one worker per interval.
+TELEMACHUS_PROBE_INTERVAL_SECONDS = env_float("TELEMACHUS_PROBE_INTERVAL_SECONDS", 15)
 # Largest request body the API accepts (bytes); larger bodies get 413 payload_too_large.
 TELEMACHUS_MAX_BODY_BYTES = env_int("TELEMACHUS_MAX_BODY_BYTES", 1_048_576)
 # Dotted path of a custom QueuePolicy class; empty means the record's choice or the default.

@@ -9,6 +9,7 @@ from rest_framework.test import APIClient
 from executors.models import Executor
 from telemachus.models import Team
 from telemachus.services import team_create, team_member_set
+from tests.processes import Processes
 
 _names = itertools.count(1)
 
@@ -102,3 +103,11 @@ def member_setup(make_user, make_team, make_executor):
     team_b = make_team("b", {bob: "member"})
     executor = make_executor("shared", models=["m"])
     return alice, bob, team_a, team_b, executor
+
+
+@pytest.fixture
+def processes(tmp_path):
+    """Start real processes (workers, model servers) for one test; none outlives it."""
+    procs = Processes(tmp_path)
+    yield procs
+    procs.stop_all()

@@ -1,48 +1,51 @@
-"""Drivers for model servers that speak the OpenAI-compatible chat completions API (Ollama, vLLM,
-llama.cpp's server, LM Studio, hosted providers).
+"""Drivers for model servers that speak the OpenAI-compatible HTTP API (Ollama, vLLM, llama.cpp's
+server, LM Studio, hosted providers).
 
 `endpoint` is the API base including its version prefix, for example http://127.0.0.1:11434/v1;
-a chat step is `POST {endpoint}/chat/completions`. `transport` may set `timeout_s` (default 120)
-and `connect_timeout_s` (default 5)."""
+a chat step is `POST {endpoint}/chat/completions`, discovery and probes `GET {endpoint}/models`.
+`transport` may set `timeout_s` (default 120), `connect_timeout_s` (default 5) and, for
+`remote-model`, `api_key_env`: the name of the environment variable holding the API key. The key
+itself is never stored in the database, returned by the API, written to events or logged."""
 
+import json
+import os
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
-from executors.contract import DispatchError, DispatchRequest, DispatchResult, ExecutorDriver
+from executors.contract import DispatchError, DispatchRequest, DispatchResult, ExecutorDriver, Probe, StreamEvent
+from executors.tokens import count_prompt_tokens
+from executors.models import Executor
 
 # Request options a job may pass through to the model server, beside model and messages.
 PASSTHROUGH_OPTIONS = (
     "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
     "response_format", "tools", "tool_choice", "user",
 )
-RETRYABLE_STATUS = {408, 409, 429, 500, 502, 503, 504}
-
-
-def upstream_message(response: httpx.Response) -> str:
-    """The server's own error text: OpenAI-style `{"error": {"message": ...}}`, else the body."""
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:500] or response.reason_phrase
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])[:500]
-        if isinstance(error, str):
-            return error[:500]
-    return str(body)[:500]
+# Worth another attempt (maybe elsewhere): overload and gateway errors. 4xx otherwise is the
+# request's fault (bad request, bad key, unknown model) and fails the job at once.
+RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
+# Slower than this to answer a probe is `degraded`.
+SLOW_PROBE_MS = 2000
 
 
 class LocalModelDriver(ExecutorDriver):
     kind = "local-model"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, executor: Executor) -> None:
+        super().__init__(executor)
         self._client: httpx.AsyncClient | None = None
+
+    # --- configuration --------------------------------------------------------------------------
 
     def headers(self) -> dict[str, str]:
         return {}
+
+    def secrets(self) -> list[str]:
+        """Strings that must never appear in an error message (the API key)."""
+        return []
 
     def client(self) -> httpx.AsyncClient:
         """One pooled client per executor and worker process, created on first use so it binds to
@@ -65,52 +68,207 @@ class LocalModelDriver(ExecutorDriver):
         body.update({k: request.input[k] for k in PASSTHROUGH_OPTIONS if k in request.input})
         return body
 
+    # --- dispatch -------------------------------------------------------------------------------
+
     async def dispatch(self, request: DispatchRequest) -> DispatchResult:
-        if not self.executor.endpoint:
-            raise DispatchError(f"executor {self.executor.name} has no endpoint", retryable=False)
+        self._require_endpoint()
         try:
             response = await self.client().post("/chat/completions", json=self.request_body(request))
-        except httpx.TimeoutException as exc:
-            raise DispatchError(f"timeout talking to {self.executor.name}: {exc!r}", retryable=True) from exc
-        except httpx.TransportError as exc:
-            raise DispatchError(f"cannot reach {self.executor.name}: {exc!r}", retryable=True) from exc
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc) from exc
         if response.status_code >= 400:
-            raise DispatchError(
-                f"{self.executor.name} answered {response.status_code}: {upstream_message(response)}",
-                retryable=response.status_code in RETRYABLE_STATUS,
-                status=response.status_code,
-                retry_after=_retry_after(response),
-            )
-        return parse_completion(response)
+            raise self._status_error(response, upstream_message(response))
+        return self._parse_completion(response)
+
+    async def stream(self, request: DispatchRequest) -> AsyncIterator[StreamEvent]:
+        """Relay the server's SSE stream. Usage comes from the final chunk when the server sends it
+        (we ask with stream_options.include_usage); otherwise it is counted: one token per
+        content delta, the prompt as the sim tokenizer counts it."""
+        self._require_endpoint()
+        body = {**self.request_body(request), "stream": True, "stream_options": {"include_usage": True}}
+        content, deltas, usage, finish, model = [], 0, None, None, None
+        try:
+            async with self.client().stream("POST", "/chat/completions", json=body) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise self._status_error(response, upstream_message(response))
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = self._parse_chunk(data)
+                    model = chunk.get("model") or model
+                    usage = chunk.get("usage") or usage
+                    for choice in chunk.get("choices") or ():
+                        finish = choice.get("finish_reason") or finish
+                        text = (choice.get("delta") or {}).get("content")
+                        if text:
+                            content.append(text)
+                            deltas += 1
+                            yield StreamEvent(kind="delta", text=text)
+                else:
+                    raise DispatchError(f"{self.executor.name}: stream ended before [DONE]", retryable=True)
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc) from exc
+        prompt_tokens = int(usage["prompt_tokens"]) if usage else count_prompt_tokens(body["messages"])
+        completion_tokens = int(usage["completion_tokens"]) if usage else deltas
+        yield StreamEvent(kind="done", result=DispatchResult(
+            output={
+                "model": model,
+                "message": {"role": "assistant", "content": "".join(content)},
+                "finish_reason": finish,
+                "streamed": True,
+                "usage_counted": usage is None,
+            },
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+        ))
+
+    # --- discovery and health -------------------------------------------------------------------
+
+    async def list_models(self) -> list[str]:
+        """The model ids the server reports at GET {endpoint}/models."""
+        self._require_endpoint()
+        try:
+            response = await self.client().get("/models")
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc) from exc
+        if response.status_code >= 400:
+            raise self._status_error(response, upstream_message(response))
+        try:
+            return [str(item["id"]) for item in response.json()["data"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DispatchError(f"{self.executor.name}: malformed model list", retryable=False) from exc
+
+    async def probe(self) -> Probe:
+        """ok: answers /models quickly and serves every model it is configured with; degraded: slow,
+        or some configured models are missing; down: no answer or an error."""
+        started = time.perf_counter()
+        try:
+            served = await self.list_models()
+        except DispatchError as exc:
+            return Probe(health=Executor.Health.DOWN, detail=str(exc))
+        latency = (time.perf_counter() - started) * 1000
+        missing = sorted(set(self.executor.offered_models) - set(served))
+        if missing:
+            return Probe(health=Executor.Health.DEGRADED, latency_ms=latency, models=served,
+                         detail=f"configured models not served: {', '.join(missing)}")
+        if latency > SLOW_PROBE_MS:
+            return Probe(health=Executor.Health.DEGRADED, latency_ms=latency, models=served,
+                         detail=f"slow: {latency:.0f} ms")
+        return Probe(health=Executor.Health.OK, latency_ms=latency, models=served)
 
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
 
+    # --- errors ---------------------------------------------------------------------------------
 
-def _retry_after(response: httpx.Response) -> float | None:
+    def _require_endpoint(self) -> None:
+        if not self.executor.endpoint:
+            raise DispatchError(f"executor {self.executor.name} has no endpoint", retryable=False)
+
+    def _redact(self, text: str) -> str:
+        for secret in self.secrets():
+            text = text.replace(secret, "***")
+        return text
+
+    def _transport_error(self, exc: httpx.HTTPError) -> DispatchError:
+        what = "timed out" if isinstance(exc, httpx.TimeoutException) else "unreachable"
+        detail = self._redact(f"{type(exc).__name__}: {exc}".rstrip(": "))
+        return DispatchError(f"{self.executor.name} {what} ({detail})", retryable=True, executor_fault=True)
+
+    def _status_error(self, response: httpx.Response, message: str) -> DispatchError:
+        return DispatchError(
+            self._redact(f"{self.executor.name} answered {response.status_code}: {message}"),
+            retryable=response.status_code in RETRYABLE_STATUS,
+            status=response.status_code,
+            retry_after=retry_after(response),
+            executor_fault=response.status_code >= 500,
+        )
+
+    def _parse_chunk(self, data: str) -> dict[str, Any]:
+        try:
+            chunk = json.loads(data)
+        except ValueError as exc:
+            raise DispatchError(f"{self.executor.name}: malformed stream chunk {data[:100]!r}", retryable=True,
+                                executor_fault=True) from exc
+        if not isinstance(chunk, dict):
+            raise DispatchError(f"{self.executor.name}: malformed stream chunk {data[:100]!r}", retryable=True,
+                                executor_fault=True)
+        return chunk
+
+    def _parse_completion(self, response: httpx.Response) -> DispatchResult:
+        try:
+            data = response.json()
+            choice = data["choices"][0]
+            message = choice["message"]
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise DispatchError(
+                f"{self.executor.name}: malformed completion {response.text[:200]!r}", retryable=True,
+                executor_fault=True,
+            ) from exc
+        usage = data.get("usage") or {}
+        return DispatchResult(
+            output={
+                "model": data.get("model"),
+                "id": data.get("id"),
+                "message": message,
+                "finish_reason": choice.get("finish_reason"),
+            },
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            completion_tokens=int(usage.get("completion_tokens") or 0),
+        )
+
+
+class RemoteModelDriver(LocalModelDriver):
+    """A hosted or remote OpenAI-compatible endpoint that needs an API key. The key is read from
+    the environment variable named by `transport.api_key_env` of the worker's host, each time a
+    client is built, so rotating it needs no database change."""
+
+    kind = "remote-model"
+
+    def api_key(self) -> str:
+        name = (self.executor.transport or {}).get("api_key_env")
+        if not name:
+            raise DispatchError(f"executor {self.executor.name} has no transport.api_key_env", retryable=False)
+        key = os.environ.get(name)
+        if not key:
+            raise DispatchError(
+                f"environment variable {name} (API key of {self.executor.name}) is not set on this worker",
+                retryable=False,
+            )
+        return key
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key()}"}
+
+    def secrets(self) -> list[str]:
+        name = (self.executor.transport or {}).get("api_key_env")
+        key = os.environ.get(name) if name else None
+        return [key] if key else []
+
+
+def retry_after(response: httpx.Response) -> float | None:
     try:
-        return float(response.headers["retry-after"])
+        return max(0.0, float(response.headers["retry-after"]))
     except (KeyError, ValueError):
         return None
 
 
-def parse_completion(response: httpx.Response) -> DispatchResult:
+def upstream_message(response: httpx.Response) -> str:
+    """The server's own error text: OpenAI-style `{"error": {"message": ...}}`, else the body."""
     try:
-        data = response.json()
-        choice = data["choices"][0]
-        message = choice["message"]
-    except (ValueError, KeyError, IndexError, TypeError) as exc:
-        raise DispatchError(f"malformed completion from model server: {response.text[:200]!r}", retryable=False) from exc
-    usage = data.get("usage") or {}
-    return DispatchResult(
-        output={
-            "model": data.get("model"),
-            "id": data.get("id"),
-            "message": message,
-            "finish_reason": choice.get("finish_reason"),
-        },
-        prompt_tokens=int(usage.get("prompt_tokens") or 0),
-        completion_tokens=int(usage.get("completion_tokens") or 0),
-    )
+        body = response.json()
+    except ValueError:
+        return response.text[:500] or response.reason_phrase
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])[:500]
+        if isinstance(error, str):
+            return error[:500]
+    return str(body)[:500]

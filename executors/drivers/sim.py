@@ -14,15 +14,8 @@ Knobs, read from the executor's `meta`:
 
 import asyncio
 import random
-from typing import Any
-
 from executors.contract import DispatchError, DispatchRequest, DispatchResult, ExecutorDriver
-
-
-def count_prompt_tokens(messages: list[dict[str, Any]]) -> int:
-    """A stand-in tokenizer: one token per whitespace-separated word, plus 4 per message for the
-    role framing, which is close to what OpenAI-style servers report for short English prompts."""
-    return sum(4 + len(str(m.get("content", "")).split()) for m in messages)
+from executors.tokens import count_prompt_tokens
 
 
 class SimDriver(ExecutorDriver):

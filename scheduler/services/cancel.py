@@ -11,7 +11,7 @@ from telemachus.errors import Conflict, NotFound
 def job_cancel(*, job_id: int, by: AbstractBaseUser | None = None) -> Job:
     """End a queued or running job as `canceled` and free its slots at once.
 
-    Locks the job row (lock level 2). A running job's slots are deleted and its lease cleared in this
+    Locks the job row (lock level 3). A running job's slots are deleted and its lease cleared in this
     transaction, so the capacity is free for the next claim immediately and the holder's next
     heartbeat, step or finish is refused; on PostgreSQL the holder is also told at commit, so it
     aborts its dispatch without waiting for a heartbeat. A finished job is a 409 conflict."""

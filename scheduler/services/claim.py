@@ -6,6 +6,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import F
 
+from executors.health import breaker_trial_started
 from executors.models import Executor
 from scheduler.locks import lock_claim
 from scheduler.models import Job, JobEvent, Slot
@@ -46,8 +47,9 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
 
     One short durable transaction. Locks the claim lock (level 1) first, so no other slot can be
     created until commit: the slot counts read under it cannot rise, and no two claims can both
-    take the last slot of any scope, on any number of hosts. Then locks the chosen job rows (level
-    2) with SKIP LOCKED, so a job being canceled at this moment is skipped, not waited for. Writes
+    take the last slot of any scope, on any number of hosts. An executor whose breaker cooldown is
+    over moves to half open (level 2) as its trial job is placed. Then locks the chosen job rows (level
+    3) with SKIP LOCKED, so a job being canceled at this moment is skipped, not waited for. Writes
     a Slot and a lease per job, marks it running, records `placed` and `started`. Never calls an
     executor: dispatch happens after commit."""
     with transaction.atomic(durable=True):
@@ -81,6 +83,8 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
         )
         if not chosen:
             return ClaimBatch(claims=[], backlog=backlog)
+        for view in {view.pk: view for _, view in chosen if view.trial}.values():
+            breaker_trial_started(executor=view.executor, now=now)
         owned = set(
             Job.objects.select_for_update(skip_locked=True)
             .filter(pk__in=sorted(job.pk for job, _ in chosen), status=Job.Status.QUEUED)

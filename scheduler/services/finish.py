@@ -1,14 +1,18 @@
+import random
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models.functions import Now
 
 from scheduler import signals
 from scheduler.bulk import update_rows
 from scheduler.models import Job, JobEvent, Slot
+from scheduler.selectors import queue_policy
 from scheduler.services.events import events_record, job_event
 
 
@@ -22,6 +26,9 @@ class Outcome:
     result: dict[str, Any] | None = None
     error: str = ""
     tokens_used: int | None = None
+    # For a failure: may another attempt succeed (possibly elsewhere), and after how long at least.
+    retryable: bool = False
+    retry_after: float | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
 
@@ -29,21 +36,35 @@ class Outcome:
 class FinishReport:
     accepted: list[int]
     refused: list[int]
+    retrying: list[int] = field(default_factory=list)
+
+
+def retry_delay(*, attempt: int, retry_after: float | None) -> float:
+    """Exponential backoff with full jitter (so retries of a burst spread out instead of arriving
+    together), never sooner than the server's Retry-After."""
+    cap = min(settings.TELEMACHUS_RETRY_MAX_SECONDS, settings.TELEMACHUS_RETRY_BASE_SECONDS * 2 ** max(attempt - 1, 0))
+    delay = random.uniform(cap / 2, cap)
+    return max(delay, retry_after or 0.0)
 
 
 def jobs_finish(*, outcomes: Sequence[Outcome]) -> FinishReport:
     """Write the results of finished dispatches: status done or failed, result, tokens, and the
     matching event; free their slots. Batched so a busy worker writes many results per commit.
 
+    A retryable failure with attempts left (QueuePolicy.max_attempts) goes back to the queue
+    instead, to run after a jittered exponential backoff (never sooner than Retry-After),
+    preferably on another executor: event `retry_scheduled`.
+
     Fencing: a result is accepted only from the live holder of the job's lease, that is when the
     job is still running under the same lease and the lease has not expired by the database's
     clock. Anything else (lease expired, job recovered, canceled, or finished by someone else) is
     refused and recorded as a `finish_refused` event; the job is left as it is, so a job completes
-    exactly once. Locks the job rows in ascending id (level 2). Durable: not inside another
+    exactly once. Locks the job rows in ascending id (level 3). Durable: not inside another
     transaction."""
     if not outcomes:
         return FinishReport(accepted=[], refused=[])
     by_job = {outcome.job_id: outcome for outcome in outcomes}
+    max_attempts = queue_policy().max_attempts
     with transaction.atomic(durable=True):
         held = {
             row.pk: row
@@ -51,9 +72,9 @@ def jobs_finish(*, outcomes: Sequence[Outcome]) -> FinishReport:
             .filter(pk__in=sorted(by_job))
             .annotate(db_now=Now())
             .order_by("pk")
-            .only("pk", "status", "lease", "lease_expires_at", "executor_id", "tokens_used", "worker")
+            .only("pk", "status", "lease", "lease_expires_at", "executor_id", "tokens_used", "worker", "attempts")
         }
-        finished, events, refused = [], [], []
+        finished, retrying, events, refused = [], [], [], []
         for job_id, outcome in by_job.items():
             job = held.get(job_id)
             reason = _refusal(job, outcome)
@@ -63,27 +84,46 @@ def jobs_finish(*, outcomes: Sequence[Outcome]) -> FinishReport:
                     events.append(job_event(job=job, event=JobEvent.Type.FINISH_REFUSED, at=job.db_now,
                                             reason=reason, worker_ok=outcome.ok))
                 continue
+            tokens = (job.tokens_used or 0) + (outcome.tokens_used or 0)
+            meta = {"tokens": outcome.tokens_used, **outcome.meta}
+            if not outcome.ok and outcome.retryable and job.attempts < max_attempts:
+                delay = retry_delay(attempt=job.attempts, retry_after=outcome.retry_after)
+                retrying.append({
+                    "id": job_id, "status": Job.Status.QUEUED, "executor": None, "started_at": None,
+                    "lease": None, "lease_expires_at": None, "error": outcome.error, "tokens_used": tokens,
+                    "run_after": job.db_now + timedelta(seconds=delay), "avoid_executor": job.executor_id,
+                })
+                events.append(job_event(job=job, event=JobEvent.Type.RETRY_SCHEDULED, at=job.db_now,
+                                        executor=job.executor_id, error=outcome.error, attempt=job.attempts,
+                                        delay_s=round(delay, 3), **meta))
+                continue
+            error = outcome.error
+            if not outcome.ok and outcome.retryable:
+                error = f"{error} (gave up after {job.attempts} attempts)"
             finished.append({
                 "id": job_id,
                 "status": Job.Status.DONE if outcome.ok else Job.Status.FAILED,
                 "result": outcome.result,
-                "error": outcome.error,
-                "tokens_used": (job.tokens_used or 0) + (outcome.tokens_used or 0),
+                "error": error,
+                "tokens_used": tokens,
                 "finished_at": job.db_now,
                 "lease": None,
                 "lease_expires_at": None,
             })
-            meta = {"tokens": outcome.tokens_used, **outcome.meta}
             if not outcome.ok:
-                meta["error"] = outcome.error
+                meta["error"] = error
             event = JobEvent.Type.FINISHED if outcome.ok else JobEvent.Type.FAILED
             events.append(job_event(job=job, event=event, at=job.db_now, executor=job.executor_id, **meta))
-        if finished:
-            Slot.objects.filter(job_id__in=[row["id"] for row in finished]).delete()
+        ended = [row["id"] for row in finished + retrying]
+        if ended:
+            Slot.objects.filter(job_id__in=ended).delete()
             update_rows(Job, finished)
+            update_rows(Job, retrying)
             signals.notify_workers(signals.FREED)
         events_record(events)
-    return FinishReport(accepted=[row["id"] for row in finished], refused=refused)
+    return FinishReport(
+        accepted=[row["id"] for row in finished], refused=refused, retrying=[row["id"] for row in retrying]
+    )
 
 
 def _refusal(job: Job | None, outcome: Outcome) -> str | None:

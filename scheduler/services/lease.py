@@ -40,7 +40,7 @@ def jobs_release(*, held: Mapping[int, uuid.UUID], reason: str) -> list[int]:
     """Give running jobs back to the queue unfinished (a worker shutting down before they ended).
 
     The attempt is given back too: the job did not fail. Frees their slots; records `requeued`.
-    Locks the job rows (level 2). Only the holder can release: a job whose lease is no longer the
+    Locks the job rows (level 3). Only the holder can release: a job whose lease is no longer the
     one named is left alone."""
     if not held:
         return []

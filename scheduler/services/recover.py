@@ -5,6 +5,7 @@ from django.db.models.functions import Now
 
 from scheduler import signals
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
+from scheduler.selectors import queue_policy
 from scheduler.services.events import events_record, job_event
 
 
@@ -20,9 +21,9 @@ def jobs_recover(*, limit: int = 500) -> RecoveryReport:
     below `max_attempts`, else `failed`; `fail` fails at once. Events `requeued` / `failed`.
 
     Safe to run from every worker at once: expiry is judged by the database's clock, and rows
-    another recoverer holds are skipped (SKIP LOCKED on the job rows, level 2). A worker that
+    another recoverer holds are skipped (SKIP LOCKED on the job rows, level 3). A worker that
     still runs a recovered job is fenced: its lease is gone, so its finish is refused."""
-    record = QueuePolicy.objects.filter(pk=QueuePolicy.SINGLETON_ID).first() or QueuePolicy()
+    record = queue_policy()
     with transaction.atomic(durable=True):
         jobs = list(
             Job.objects.select_for_update(skip_locked=True)

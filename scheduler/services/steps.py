@@ -8,6 +8,7 @@ from typing import Any
 from django.db import transaction
 from django.db.models.functions import Now
 
+from executors.health import breaker_trial_started
 from executors.models import Executor
 from scheduler import signals
 from scheduler.locks import lock_claim
@@ -45,7 +46,7 @@ def _held_job(job_id: int, lease: uuid.UUID) -> Job:
 def slot_acquire(*, job_id: int, lease: uuid.UUID, worker: str) -> StepSlot | None:
     """A slot for the next step of a running job, under the same four caps and placement as the
     claim; None when no slot is free now (the caller waits and retries). Raises LeaseLost when
-    `lease` no longer holds the job. Locks the claim lock (level 1), then the job (level 2)."""
+    `lease` no longer holds the job. Locks the claim lock (level 1), then the job (level 3)."""
     with transaction.atomic(durable=True):
         record, now = lock_claim()
         job = _held_job(job_id, lease)
@@ -53,6 +54,8 @@ def slot_acquire(*, job_id: int, lease: uuid.UUID, worker: str) -> StepSlot | No
         view = policy_for(record).place(job, state.candidates(job)) if state.fits(job) else None
         if view is None:
             return None
+        if view.trial:
+            breaker_trial_started(executor=view.executor, now=now)
         slot = Slot.objects.create(
             job=job, executor=view.executor, team_id=job.team_id, user_id=job.user_id, worker=worker, acquired_at=now
         )
@@ -63,7 +66,7 @@ def slot_acquire(*, job_id: int, lease: uuid.UUID, worker: str) -> StepSlot | No
 def slot_release(*, slot_id: int, job_id: int, lease: uuid.UUID, tokens_used: int = 0, **step: Any) -> None:
     """Free a step's slot in the transaction that records the step (tokens billed to the job, a
     `step` event). Raises LeaseLost when `lease` no longer holds the job; in that case its slots
-    were already freed by whoever took the job away. Locks the job (level 2)."""
+    were already freed by whoever took the job away. Locks the job (level 3)."""
     with transaction.atomic(durable=True):
         job = _held_job(job_id, lease)
         deleted, _ = Slot.objects.filter(pk=slot_id, job=job).delete()

@@ -14,7 +14,7 @@ from scheduler.models import Job, JobEvent, Slot
 from scheduler.services.claim import job_claim
 from scheduler.services.submit import job_submit
 from telemachus.services import team_member_set
-from tests.concurrency.conftest import http_json, wait_until
+from tests.processes import http_json, wait_until
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 

@@ -9,7 +9,7 @@ from executors.models import Executor
 from scheduler.models import Job, Slot
 from scheduler.services.cancel import job_cancel
 from scheduler.services.submit import job_submit
-from tests.concurrency.conftest import wait_until
+from tests.processes import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 

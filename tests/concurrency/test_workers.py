@@ -12,7 +12,7 @@ from quotas.models import QuotaPolicy
 from scheduler.models import Job, JobEvent, Slot
 from scheduler.services.cancel import job_cancel
 from scheduler.services.submit import job_submit
-from tests.concurrency.conftest import http_json, wait_until
+from tests.processes import http_json, wait_until
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 

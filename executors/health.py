@@ -1,0 +1,131 @@
+"""Executor health: the passive circuit breaker fed by dispatch outcomes, and the active probe.
+
+Both live in the database, so every worker and API process sees the same state: an executor that
+fails K times in a row (connection refused or reset, timeout, 5xx) is taken out of placement for a
+cooldown, then the claim lets one trial request through (half open); its outcome closes the breaker
+or opens it again. Each transition is a job-independent event. Probes (GET /models) set `health`
+and `last_seen`; a `down` executor is not placed.
+
+Transactions here lock executor rows only (lock level 2, see scheduler/locks.py), never job rows,
+so they run after the finish that produced the outcomes, not inside it."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q
+from django.db.models.functions import Now
+
+from executors.contract import Probe
+from executors.models import Executor
+from scheduler.models import JobEvent
+from scheduler.services.events import events_record, job_event
+
+
+@dataclass(frozen=True)
+class DispatchReport:
+    """How one dispatch ended, as far as the executor's breaker is concerned."""
+
+    executor_id: int
+    ok: bool
+    executor_fault: bool = False
+
+
+def breaker_record(*, reports: Sequence[DispatchReport]) -> list[JobEvent]:
+    """Apply dispatch outcomes to the executors' breakers, in order; returns the events written.
+
+    A success (or a failure that is the request's fault, like a 400: the server answered) resets
+    the count and closes an open or half-open breaker. An executor fault counts; the K-th in a row
+    opens a closed breaker, and any fault reopens a half-open one (the trial failed)."""
+    if not reports:
+        return []
+    threshold = settings.TELEMACHUS_BREAKER_THRESHOLD
+    cooldown = timedelta(seconds=settings.TELEMACHUS_BREAKER_COOLDOWN_SECONDS)
+    with transaction.atomic(durable=True):
+        executors = {
+            e.pk: e
+            for e in Executor.objects.select_for_update()
+            .filter(pk__in=sorted({r.executor_id for r in reports}))
+            .annotate(db_now=Now())
+            .order_by("pk")
+        }
+        events, changed = [], set()
+        for report in reports:
+            executor = executors.get(report.executor_id)
+            if executor is None:
+                continue
+            now = executor.db_now
+            if report.ok or not report.executor_fault:
+                executor.last_seen = now
+                changed.add(executor.pk)
+                if executor.consecutive_failures or executor.breaker != Executor.Breaker.CLOSED:
+                    was = executor.breaker
+                    executor.consecutive_failures = 0
+                    executor.breaker, executor.breaker_until = Executor.Breaker.CLOSED, None
+                    if was != Executor.Breaker.CLOSED:
+                        events.append(_event(executor, JobEvent.Type.BREAKER_CLOSED, now, was=was))
+                continue
+            executor.consecutive_failures += 1
+            changed.add(executor.pk)
+            trial_failed = executor.breaker == Executor.Breaker.HALF_OPEN
+            if trial_failed or (executor.breaker == Executor.Breaker.CLOSED and executor.consecutive_failures >= threshold):
+                executor.breaker, executor.breaker_until = Executor.Breaker.OPEN, now + cooldown
+                events.append(_event(
+                    executor, JobEvent.Type.BREAKER_OPENED, now, failures=executor.consecutive_failures,
+                    until=executor.breaker_until.isoformat(), trial_failed=trial_failed,
+                ))
+        for pk in changed:
+            executors[pk].save(update_fields=["last_seen", "breaker", "breaker_until", "consecutive_failures"])
+        events_record(events)
+    return events
+
+
+def breaker_trial_started(*, executor: Executor, now: datetime) -> None:
+    """open → half open, when the claim places the one trial request after the cooldown.
+    Runs inside the claim, after the claim lock (level 1) and before job rows (level 3)."""
+    if Executor.objects.filter(pk=executor.pk, breaker=Executor.Breaker.OPEN).update(breaker=Executor.Breaker.HALF_OPEN):
+        executor.breaker = Executor.Breaker.HALF_OPEN
+        events_record([_event(executor, JobEvent.Type.BREAKER_HALF_OPEN, now)])
+
+
+def probes_due(*, interval: float) -> list[Executor]:
+    """Take the enabled executors whose last probe is older than `interval`. Each is marked probed
+    by an UPDATE that repeats the due condition, so among many workers exactly one gets each: a
+    concurrent UPDATE re-checks the condition after the first commits and matches nothing."""
+    due_condition = Q(last_probed_at__isnull=True) | Q(last_probed_at__lte=Now() - timedelta(seconds=interval))
+    taken = []
+    for executor in Executor.objects.filter(due_condition, enabled=True).order_by("pk"):
+        if Executor.objects.filter(due_condition, pk=executor.pk).update(last_probed_at=Now()):
+            taken.append(executor)
+    return taken
+
+
+def probe_record(*, results: Sequence[tuple[int, Probe]]) -> list[JobEvent]:
+    """Store what probes saw: `health`, and `last_seen` when the executor answered. A change of
+    health is an event."""
+    events = []
+    with transaction.atomic(durable=True):
+        for executor in (
+            Executor.objects.select_for_update().filter(pk__in=sorted(pk for pk, _ in results))
+            .annotate(db_now=Now()).order_by("pk")
+        ):
+            probe = dict(results)[executor.pk]
+            fields = ["health"]
+            if probe.health != Executor.Health.DOWN:
+                executor.last_seen = executor.db_now
+                fields.append("last_seen")
+            if probe.health != executor.health:
+                events.append(_event(
+                    executor, JobEvent.Type.HEALTH_CHANGED, executor.db_now, was=executor.health,
+                    health=probe.health, detail=probe.detail, latency_ms=probe.latency_ms,
+                ))
+            executor.health = probe.health
+            executor.save(update_fields=fields)
+        events_record(events)
+    return events
+
+
+def _event(executor: Executor, event: str, at: datetime, **meta: object) -> JobEvent:
+    return job_event(job=None, event=event, at=at, executor=executor, executor_name=executor.name, **meta)
