@@ -43,6 +43,8 @@ class Executor(models.Model):
 
     class Meta:
         ordering = ["name"]
+        # A team-owned executor serves its own team, and teams whose group is granted this on it.
+        permissions = [("use_executor", "Place this team's jobs on the executor")]
 
     def __str__(self) -> str:
         return self.name

@@ -6,6 +6,7 @@ from executors.models import Executor
 from quotas.concurrency import concurrency_caps, executor_limit
 from scheduler.models import Job, Slot
 from telemachus.models import Team
+from telemachus.rbac import executor_teams
 
 
 @dataclass(frozen=True)
@@ -16,10 +17,12 @@ class Capacity:
 
 
 def executors_usable_by(*, team: Team | int, model: str | None = None) -> list[Executor]:
-    """Enabled executors shared with every team or owned by this one, optionally only those that
-    offer `model`. Filtered in Python: executors are few, and JSON containment is not portable."""
+    """Enabled executors shared with every team, owned by this one or granted to it, optionally
+    only those that offer `model`. Filtered in Python: executors are few, and JSON containment
+    is not portable."""
     team_id = team.pk if isinstance(team, Team) else team
-    candidates = Executor.objects.filter(enabled=True).filter(Q(team__isnull=True) | Q(team_id=team_id))
+    granted = [pk for pk, teams in executor_teams().items() if team_id in teams]
+    candidates = Executor.objects.filter(enabled=True).filter(Q(team__isnull=True) | Q(pk__in=granted))
     return [e for e in candidates if model is None or model in e.offered_models]
 
 

@@ -1,8 +1,16 @@
+from contextvars import ContextVar
+
 from django import forms
 from django.contrib import admin
+from django.http import HttpRequest
+from django.utils import timezone
 
-from quotas.models import QuotaPolicy
+from quotas.budget import Account, Budgets
+from quotas.models import QuotaPolicy, Usage
 from quotas.rules import quota_rule_errors
+
+
+_accounts: ContextVar[dict[int, Account]] = ContextVar("quota_accounts", default={})
 
 
 class QuotaPolicyForm(forms.ModelForm):
@@ -24,7 +32,59 @@ class QuotaPolicyForm(forms.ModelForm):
 
 @admin.register(QuotaPolicy)
 class QuotaPolicyAdmin(admin.ModelAdmin):
+    """Budget rules show their usage in the current window beside the limit."""
+
     form = QuotaPolicyForm
-    list_display = ["dimension", "scope", "subject", "limit", "window", "updated_at"]
+    list_display = ["dimension", "scope", "subject", "limit", "window", "used", "remaining", "resets", "updated_at"]
     list_filter = ["dimension", "scope", "window"]
     search_fields = ["subject"]
+
+    def changelist_view(self, request: HttpRequest, extra_context=None):
+        # Read the ledger once per page, not once per row; a context variable, because the admin
+        # instance is shared by concurrent requests.
+        token = _accounts.set({a.rule.pk: a for a in Budgets.load(now=timezone.now()).accounts})
+        try:
+            response = super().changelist_view(request, extra_context)
+            if hasattr(response, "render"):
+                response.render()
+            return response
+        finally:
+            _accounts.reset(token)
+
+    def _account(self, policy: QuotaPolicy) -> Account | None:
+        return _accounts.get().get(policy.pk)
+
+    @admin.display(description="used (+ reserved)")
+    def used(self, policy: QuotaPolicy) -> str:
+        account = self._account(policy)
+        return f"{account.used} (+{account.reserved})" if account else "-"
+
+    @admin.display(description="remaining")
+    def remaining(self, policy: QuotaPolicy) -> str:
+        account = self._account(policy)
+        return str(max(account.remaining, 0)) if account else "-"
+
+    @admin.display(description="resets")
+    def resets(self, policy: QuotaPolicy) -> str:
+        account = self._account(policy)
+        return f"{account.end:%Y-%m-%d %H:%M} UTC" if account else "-"
+
+
+@admin.register(Usage)
+class UsageAdmin(admin.ModelAdmin):
+    """The ledger, read-only: it changes only through claims and finishes."""
+
+    list_display = ["scope", "subject", "window", "window_start", "tokens", "requests", "reserved_tokens",
+                    "reserved_requests", "exhausted_at"]
+    list_filter = ["scope", "window"]
+    search_fields = ["subject"]
+    date_hierarchy = "window_start"
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj=None) -> bool:
+        return False

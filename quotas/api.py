@@ -1,6 +1,7 @@
 from typing import Any
 
 from django.db.models import QuerySet
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
 from rest_framework.generics import ListAPIView
@@ -10,6 +11,7 @@ from rest_framework.views import APIView
 
 from quotas.models import QuotaPolicy
 from quotas.rules import quota_rule_errors
+from quotas.selectors import usage_report
 from quotas.services import quota_policy_create, quota_policy_delete, quota_policy_update
 from scheduler.api.serializers import StrictSerializer
 from telemachus import rbac
@@ -101,3 +103,20 @@ class QuotaPolicyDetailApi(APIView):
     def delete(self, request: Request, policy_id: int) -> Response:
         quota_policy_delete(policy=managed_policy(request, policy_id))
         return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class UsageFilter(serializers.Serializer):
+    team = serializers.SlugField(required=False)
+    user = serializers.CharField(required=False)
+
+
+class UsageApi(APIView):
+    """GET /api/usage/?team=&user=: usage, limit, remaining and reset time per budget."""
+
+    @extend_schema(parameters=[UsageFilter], responses=OpenApiTypes.OBJECT)
+    def get(self, request: Request) -> Response:
+        filters = UsageFilter(data=request.query_params)
+        filters.is_valid(raise_exception=True)
+        report = usage_report(user=request.user, team=filters.validated_data.get("team"),
+                              username=filters.validated_data.get("user"))
+        return Response({"results": report})

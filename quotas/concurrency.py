@@ -7,12 +7,11 @@ worker's slots are counted until recovery deletes them, and never after."""
 from collections import Counter
 from dataclasses import dataclass, field
 
-from django.contrib.auth import get_user_model
-from django.db.models import Count, OuterRef, Subquery
+from django.db.models import Count
 
 from quotas.models import QuotaPolicy
+from quotas.rules import Rule, quota_rules
 from scheduler.models import Slot
-from telemachus.models import Team
 
 
 @dataclass(frozen=True)
@@ -33,25 +32,20 @@ class SlotCounts:
     user: Counter = field(default_factory=Counter)
 
 
-def concurrency_caps() -> ConcurrencyCaps:
-    """All ai.concurrency rules in one query, with team and user subjects resolved to ids."""
-    users = get_user_model().objects.filter(username=OuterRef("subject")).values("pk")[:1]
-    teams = Team.objects.filter(slug=OuterRef("subject")).values("pk")[:1]
-    rows = (
-        QuotaPolicy.objects.filter(dimension=QuotaPolicy.Dimension.CONCURRENCY)
-        .annotate(team_id=Subquery(teams), user_id=Subquery(users))
-        .values_list("scope", "subject", "limit", "team_id", "user_id")
-    )
+def concurrency_caps(rules: list[Rule] | None = None) -> ConcurrencyCaps:
+    """The ai.concurrency rules (of `rules`, or all, loaded in one query) as slot caps per scope."""
     global_cap, executor, team, user = None, {}, {}, {}
-    for scope, subject, limit, team_id, user_id in rows:
-        if scope == QuotaPolicy.Scope.GLOBAL:
-            global_cap = limit
-        elif scope == QuotaPolicy.Scope.EXECUTOR:
-            executor[subject] = limit
-        elif scope == QuotaPolicy.Scope.TEAM and team_id is not None:
-            team[team_id] = limit
-        elif scope == QuotaPolicy.Scope.USER and user_id is not None:
-            user[user_id] = limit
+    for rule in quota_rules() if rules is None else rules:
+        if rule.dimension != QuotaPolicy.Dimension.CONCURRENCY:
+            continue
+        if rule.scope == QuotaPolicy.Scope.GLOBAL:
+            global_cap = rule.limit
+        elif rule.scope == QuotaPolicy.Scope.EXECUTOR:
+            executor[rule.subject] = rule.limit
+        elif rule.scope == QuotaPolicy.Scope.TEAM and rule.subject_id is not None:
+            team[rule.subject_id] = rule.limit
+        elif rule.scope == QuotaPolicy.Scope.USER and rule.subject_id is not None:
+            user[rule.subject_id] = rule.limit
     return ConcurrencyCaps(global_cap=global_cap, executor=executor, team=team, user=user)
 
 

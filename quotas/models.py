@@ -54,3 +54,31 @@ class QuotaPolicy(models.Model):
         where = f"{self.scope}:{self.subject}" if self.subject else self.scope
         per = f"/{self.window}" if self.window else ""
         return f"{self.dimension} {where} ≤ {self.limit}{per}"
+
+
+class Usage(models.Model):
+    """The usage ledger: what one subject used, and holds reserved, in one fixed UTC window of one
+    budget rule's length. Written by quotas/budget.py only; read at submit and at every claim."""
+
+    scope = models.CharField(max_length=16, choices=QuotaPolicy.Scope.choices)
+    subject = models.CharField(max_length=150, blank=True, default="")
+    window = models.CharField(max_length=16, choices=QuotaPolicy.Window.choices)
+    window_start = models.DateTimeField()
+    tokens = models.BigIntegerField(default=0)
+    requests = models.BigIntegerField(default=0)
+    # Estimates of attempts running now, settled to actual usage when each attempt ends.
+    reserved_tokens = models.BigIntegerField(default=0)
+    reserved_requests = models.BigIntegerField(default=0)
+    # When a claim first found this subject out of budget in this window (its `deferred` event).
+    exhausted_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name_plural = "usage"
+        ordering = ["-window_start", "scope", "subject"]
+        constraints = [
+            models.UniqueConstraint(fields=["scope", "subject", "window", "window_start"], name="usage_unique_window")
+        ]
+
+    def __str__(self) -> str:
+        who = f"{self.scope}:{self.subject}" if self.subject else self.scope
+        return f"{who} {self.window} from {self.window_start:%Y-%m-%d %H:%M}: {self.tokens} tokens, {self.requests} requests"

@@ -1,6 +1,10 @@
-"""What makes a quota rule well-formed; shared by the API serializer and the admin form."""
+"""Quota rules: what makes one well-formed (shared by the API serializer and the admin form), and
+all of them loaded at once for the claim and admission."""
+
+from dataclasses import dataclass
 
 from django.contrib.auth import get_user_model
+from django.db.models import OuterRef, Subquery
 
 from executors.models import Executor
 from quotas.models import QuotaPolicy
@@ -40,3 +44,43 @@ def quota_rule_errors(
         if clash.exclude(pk=exclude_pk).exists():
             errors["non_field_errors"] = ["A rule for this scope, subject, dimension and window exists."]
     return errors
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A quota rule with its subject resolved to an id (team, user or executor), for matching jobs."""
+
+    pk: int
+    scope: str
+    subject: str
+    dimension: str
+    limit: int
+    window: str
+    subject_id: int | None
+
+    def applies(self, *, team_id: int, user_id: int, executor_id: int | None = None) -> bool:
+        """Whether the rule counts a job of this team and user (on this executor, if known)."""
+        if self.scope == Scope.GLOBAL:
+            return True
+        if self.scope == Scope.TEAM:
+            return self.subject_id == team_id
+        if self.scope == Scope.USER:
+            return self.subject_id == user_id
+        return executor_id is not None and self.subject_id == executor_id
+
+
+def quota_rules() -> list[Rule]:
+    """Every quota rule in one query, subjects resolved to ids (None when the subject is gone)."""
+    by_name = {
+        Scope.TEAM: Team.objects.filter(slug=OuterRef("subject")),
+        Scope.USER: get_user_model().objects.filter(username=OuterRef("subject")),
+        Scope.EXECUTOR: Executor.objects.filter(name=OuterRef("subject")),
+    }
+    rows = QuotaPolicy.objects.annotate(
+        **{f"{scope}_id": Subquery(query.values("pk")[:1]) for scope, query in by_name.items()}
+    ).values_list("pk", "scope", "subject", "dimension", "limit", "window", "team_id", "user_id", "executor_id")
+    rules = []
+    for pk, scope, subject, dimension, limit, window, team_id, user_id, executor_id in rows:
+        subject_id = {Scope.TEAM: team_id, Scope.USER: user_id, Scope.EXECUTOR: executor_id}.get(scope)
+        rules.append(Rule(pk, scope, subject, dimension, limit, window, subject_id))
+    return rules

@@ -53,6 +53,11 @@ class Job(models.Model):
     input = models.JSONField(default=dict)
     result = models.JSONField(null=True, blank=True)
     attempts = models.PositiveIntegerField(default=0)
+    # Token budget held for the running attempt: {"tokens": N, "keys": [[scope, subject, window,
+    # window_start], ...]}, released or settled to actual usage when the attempt ends.
+    reservation = models.JSONField(null=True, blank=True)
+    # End of the budget window this job was last deferred for, so a deferral is recorded once.
+    deferred_until = models.DateTimeField(null=True, blank=True)
     # A retry waits until `run_after` and prefers an executor other than the one that failed.
     run_after = models.DateTimeField(null=True, blank=True)
     avoid_executor = models.ForeignKey(
@@ -87,12 +92,7 @@ class Job(models.Model):
                 condition=Q(priority__gte=-100) & Q(priority__lte=100), name="job_priority_range"
             ),
         ]
-        permissions = [
-            ("manage", "Operate the scheduler (teams, executors, quotas, policy, every job)"),
-            ("use_chat", "chat:use (chat and translate jobs)"),
-            ("invoke_tools", "tools:invoke (tool jobs)"),
-            ("run_flows", "flows:run (flow and task jobs)"),
-        ]
+        permissions = [("manage", "Operate the scheduler (teams, executors, quotas, policy, every job)")]
 
     def __str__(self) -> str:
         return f"job {self.pk} ({self.type}, {self.status})"
@@ -102,16 +102,18 @@ class Job(models.Model):
         return self.status in self.TERMINAL
 
     # Fields `return_to_queue` changes, for bulk_update by its callers.
-    REQUEUE_FIELDS = ("status", "executor", "started_at", "lease", "lease_expires_at", "attempts")
+    REQUEUE_FIELDS = ("status", "executor", "started_at", "lease", "lease_expires_at", "attempts", "reservation")
 
     def return_to_queue(self) -> None:
-        """running → queued, dropping the lease and placement (not saved: callers batch writes)."""
+        """running → queued, dropping the lease, placement and budget reservation (not saved:
+        callers batch writes, and release the reservation in the ledger)."""
         assert self.status == self.Status.RUNNING, f"job {self.pk} is {self.status}, not running"
         self.status = self.Status.QUEUED
         self.executor = None
         self.started_at = None
         self.lease = None
         self.lease_expires_at = None
+        self.reservation = None
 
 
 class JobEvent(models.Model):
@@ -129,6 +131,7 @@ class JobEvent(models.Model):
         CANCELED = "canceled"
         REQUEUED = "requeued"
         RETRY_SCHEDULED = "retry_scheduled"
+        DEFERRED = "deferred"
         FINISH_REFUSED = "finish_refused"
         # Executor events (no job).
         BREAKER_OPENED = "breaker_opened"

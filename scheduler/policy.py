@@ -59,13 +59,13 @@ class BaseQueuePolicy:
     # Helpers for subclasses.
 
     def eligible_heads(self, state: ClaimState, *, limit: int) -> dict[int, list[Job]]:
-        """Each team's next jobs that could run now: teams and users at their cap are excluded in the
-        query, as are models no usable executor has room for."""
-        capped = state.capped_teams()
+        """Each team's next jobs that could run now: teams and users at their cap or out of budget
+        are excluded in the query, as are models no usable executor has room for."""
+        blocked = state.blocked_teams()
         wanted = {}
-        for team_id in Team.objects.exclude(pk__in=capped).order_by().values_list("pk", flat=True):
+        for team_id in Team.objects.exclude(pk__in=blocked).order_by().values_list("pk", flat=True):
             wanted[team_id] = (state.placeable_models(team_id), int(min(limit, state.team_free(team_id))))
-        return queued_heads(wanted=wanted, exclude_users=state.capped_users(), now=state.now)
+        return queued_heads(wanted=wanted, exclude_users=state.blocked_users(), now=state.now)
 
 
 class DefaultQueuePolicy(BaseQueuePolicy):

@@ -10,8 +10,12 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from executors.models import Executor
+from quotas.budget import Budgets
 from quotas.concurrency import ConcurrencyCaps, SlotCounts, concurrency_caps, executor_limit, slot_counts
+from quotas.models import QuotaPolicy
+from quotas.rules import quota_rules
 from scheduler.models import Job, QueuePolicy
+from telemachus import rbac
 
 UNCAPPED = math.inf
 
@@ -25,6 +29,8 @@ class ExecutorView:
     in_use: int
     # The breaker's cooldown is over: this executor takes one trial request at a time.
     trial: bool = False
+    # Teams a team-owned executor serves (its owner and teams granted use_executor); None: all.
+    teams: set[int] | None = None
 
     @property
     def pk(self) -> int:
@@ -39,7 +45,7 @@ class ExecutorView:
         return self.in_use / self.limit if self.limit else math.inf
 
     def usable_by(self, team_id: int) -> bool:
-        return self.executor.team_id is None or self.executor.team_id == team_id
+        return self.teams is None or team_id in self.teams
 
     def matches(self, job: Job) -> bool:
         """Offers the model and satisfies the optional `class` and `memory_mb` requirements."""
@@ -56,11 +62,13 @@ class ExecutorView:
 
 class ClaimState:
     def __init__(
-        self, *, now: datetime, policy: QueuePolicy, caps: ConcurrencyCaps, counts: SlotCounts, executors: list[ExecutorView]
+        self, *, now: datetime, policy: QueuePolicy, caps: ConcurrencyCaps, counts: SlotCounts,
+        executors: list[ExecutorView], budgets: Budgets,
     ) -> None:
         self.now = now
         self.policy = policy
         self.caps = caps
+        self.budgets = budgets
         self.global_in_use = counts.total
         self.team_in_use = counts.team.copy()
         self.user_in_use = counts.user.copy()
@@ -68,27 +76,34 @@ class ClaimState:
 
     @classmethod
     def load(cls, *, policy: QueuePolicy, now: datetime) -> "ClaimState":
-        """Three queries: concurrency rules, live slots grouped by scope, placeable executors
+        """Three or four queries: quota rules, live slots grouped by scope, placeable executors
         (enabled, not down, breaker not open; an executor past its breaker cooldown takes one
-        trial at a time). Call with the claim lock held, so the counts can only fall while the
-        state is in use."""
-        caps = concurrency_caps()
+        trial at a time), and the budget ledger when there are budget rules. Call with the claim
+        lock held, so slot counts can only fall and budgets only grow while the state is in use."""
+        rules = quota_rules()
+        caps = concurrency_caps(rules)
         counts = slot_counts()
         placeable = (
             Executor.objects.filter(enabled=True)
             .exclude(health=Executor.Health.DOWN)
             .exclude(breaker=Executor.Breaker.OPEN, breaker_until__gt=now)
         )
+        placeable = list(placeable)
+        owned_by = rbac.executor_teams() if any(e.team_id for e in placeable) else {}
         executors = []
         for e in placeable:
             limit = executor_limit(name=e.name, max_concurrency=e.max_concurrency, caps=caps)
             trial = e.breaker != Executor.Breaker.CLOSED
-            executors.append(
-                ExecutorView(executor=e, limit=min(limit, 1) if trial else limit, in_use=counts.executor[e.pk], trial=trial)
-            )
-        return cls(now=now, policy=policy, caps=caps, counts=counts, executors=executors)
+            executors.append(ExecutorView(
+                executor=e, limit=min(limit, 1) if trial else limit, in_use=counts.executor[e.pk], trial=trial,
+                teams=owned_by.get(e.pk, {e.team_id}) if e.team_id else None,
+            ))
+        budgets = Budgets.load(now=now, rules=rules)
+        return cls(now=now, policy=policy, caps=caps, counts=counts, executors=executors, budgets=budgets)
 
     def global_free(self) -> float:
+        if self.budgets.global_exhausted():
+            return 0
         cap = self.caps.global_cap
         return UNCAPPED if cap is None else cap - self.global_in_use
 
@@ -106,6 +121,13 @@ class ClaimState:
     def capped_users(self) -> set[int]:
         return {user_id for user_id in self.caps.user if self.user_free(user_id) <= 0}
 
+    def blocked_teams(self) -> set[int]:
+        """Teams that cannot start anything now: at their slot cap or out of budget."""
+        return self.capped_teams() | self.budgets.exhausted(QuotaPolicy.Scope.TEAM)
+
+    def blocked_users(self) -> set[int]:
+        return self.capped_users() | self.budgets.exhausted(QuotaPolicy.Scope.USER)
+
     def placeable_models(self, team_id: int) -> set[str]:
         """Models that some executor usable by the team could take a job for right now."""
         models: set[str] = set()
@@ -118,12 +140,26 @@ class ClaimState:
         """A free slot at the global, team and user scopes (the executor scope is `candidates`)."""
         return self.global_free() > 0 and self.team_free(job.team_id) > 0 and self.user_free(job.user_id) > 0
 
+    def over_budget(self, job: Job):
+        """The global, team or user budget that cannot cover the job's estimate, if any."""
+        return self.budgets.blocking(team_id=job.team_id, user_id=job.user_id, tokens=job.cost_estimate)
+
     def candidates(self, job: Job) -> list[ExecutorView]:
-        return [v for v in self.executors if v.free > 0 and v.usable_by(job.team_id) and v.matches(job)]
+        """Executors that fit the job, have a free slot and whose own budget covers its estimate."""
+        return [
+            v for v in self.executors
+            if v.free > 0 and v.usable_by(job.team_id) and v.matches(job)
+            and self.budgets.blocking(team_id=job.team_id, user_id=job.user_id, tokens=job.cost_estimate,
+                                      executor_id=v.pk) is None
+        ]
 
     def take(self, job: Job, view: ExecutorView) -> None:
-        """Count a slot just placed, at all four scopes."""
+        """Count a slot just placed, at all four scopes, and reserve the job's estimate in every
+        budget it counts against (kept on the job until the attempt ends)."""
         self.global_in_use += 1
         self.team_in_use[job.team_id] += 1
         self.user_in_use[job.user_id] += 1
         view.in_use += 1
+        job.reservation = self.budgets.reserve(
+            team_id=job.team_id, user_id=job.user_id, executor_id=view.pk, tokens=job.cost_estimate
+        )

@@ -11,7 +11,15 @@ from scheduler.api.serializers import StrictSerializer
 from telemachus import rbac
 from telemachus.errors import NotFound
 from telemachus.models import Membership, Team
-from telemachus.services import team_create, team_delete, team_member_remove, team_member_set, team_update
+from telemachus.services import (
+    team_create,
+    team_delete,
+    team_grants,
+    team_grants_set,
+    team_member_remove,
+    team_member_set,
+    team_update,
+)
 
 
 class MemberInput(StrictSerializer):
@@ -19,10 +27,22 @@ class MemberInput(StrictSerializer):
     role = serializers.ChoiceField(choices=Membership.Role.choices, default=Membership.Role.MEMBER)
 
 
+PERMISSION_CHOICES = list(rbac.PERMISSIONS)
+
+
 class TeamCreateInput(StrictSerializer):
     slug = serializers.SlugField(max_length=64)
     name = serializers.CharField(max_length=200)
     members = MemberInput(many=True, required=False)
+    grants = serializers.ListField(child=serializers.ChoiceField(choices=PERMISSION_CHOICES), required=False,
+                                   help_text="Permissions the team grants every member (default: chat:use).")
+
+
+class GrantsInput(StrictSerializer):
+    team = serializers.ListField(child=serializers.ChoiceField(choices=PERMISSION_CHOICES))
+    users = serializers.DictField(
+        child=serializers.ListField(child=serializers.ChoiceField(choices=PERMISSION_CHOICES)), required=False
+    )
 
 
 class TeamUpdateInput(StrictSerializer):
@@ -36,11 +56,15 @@ class MemberOutput(serializers.Serializer):
 
 class TeamOutput(serializers.ModelSerializer):
     members = MemberOutput(source="memberships", many=True, read_only=True)
+    grants = serializers.SerializerMethodField()
 
     class Meta:
         model = Team
-        fields = ["slug", "name", "members", "created_at"]
+        fields = ["slug", "name", "members", "grants", "created_at"]
         read_only_fields = fields
+
+    def get_grants(self, team: Team) -> dict:
+        return team_grants(team=team)
 
 
 def visible_team(request: Request, slug: str) -> Team:
@@ -92,11 +116,27 @@ class TeamDetailApi(APIView):
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
+class TeamGrantsApi(APIView):
+    """What the team grants its members (all of them, through its group) and single users."""
+
+    @extend_schema(request=GrantsInput, responses=GrantsInput)
+    def put(self, request: Request, slug: str) -> Response:
+        team = visible_team(request, slug)
+        rbac.require_operator(request.user)
+        data = GrantsInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        team_grants_set(team=team, team_grants=data.validated_data["team"],
+                        user_grants=data.validated_data.get("users"))
+        return Response(team_grants(team=team))
+
+
 class TeamMemberListApi(APIView):
+    """Operators and the team's managers manage its members."""
+
     @extend_schema(request=MemberInput, responses={201: MemberOutput})
     def post(self, request: Request, slug: str) -> Response:
         team = visible_team(request, slug)
-        rbac.require_operator(request.user)
+        rbac.require_team_manager(request.user, team)
         data = MemberInput(data=request.data)
         data.is_valid(raise_exception=True)
         membership = team_member_set(team=team, **data.validated_data)
@@ -107,7 +147,7 @@ class TeamMemberDetailApi(APIView):
     @extend_schema(responses={204: None})
     def delete(self, request: Request, slug: str, username: str) -> Response:
         team = visible_team(request, slug)
-        rbac.require_operator(request.user)
+        rbac.require_team_manager(request.user, team)
         user = get_user_model().objects.filter(username=username, memberships__team=team).first()
         if user is None:
             raise NotFound(f"{username!r} is not a member of {slug!r}.")

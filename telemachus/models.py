@@ -14,6 +14,13 @@ class Team(models.Model):
 
     class Meta:
         ordering = ["slug"]
+        # Granted as guardian object permissions on a team (to its group, or to single users), or
+        # globally; see telemachus/rbac.py for which job types need which.
+        permissions = [
+            ("use_chat", "chat:use (chat and translate jobs)"),
+            ("invoke_tools", "tools:invoke (tool jobs)"),
+            ("run_flows", "flows:run (flow and task jobs)"),
+        ]
 
     def __str__(self) -> str:
         return self.slug

@@ -1,18 +1,35 @@
 """Who may see and do what. Every authorization decision in the project is made here, so views,
-services and (later) dashboard broadcasts agree by construction.
+services and the dashboard agree by construction.
 
-Operators are superusers or holders of `scheduler.manage`. Team members see and submit within their
-teams. Objects a principal may not see are reported as not found, never as forbidden, so existence
-does not leak."""
+* Operators (superusers, or holders of `scheduler.manage`) may do everything.
+* In a team, a `member` submits jobs with the permissions the team grants it and sees and cancels
+  its own jobs; a `manager` also sees and cancels all the team's jobs and manages its members.
+* Job types need a permission: chat and translate `chat:use`, tool `tools:invoke`, flow and task
+  `flows:run`. They are Django permissions on Team, granted with django-guardian on a team (to the
+  team's group, so every member has it, or to single users) or globally.
+* A job can also be shown to a user with guardian's `scheduler.view_job` on it; a team-owned
+  executor serves other teams whose group holds `executors.use_executor` on it.
+
+Objects a principal may not see are reported as not found, never as forbidden, so existence does
+not leak; a denial on a visible object is a 403 naming the missing permission."""
 
 from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
+from guardian.models import GroupObjectPermission
+from guardian.shortcuts import get_objects_for_user
 
+from executors.models import Executor
 from scheduler.models import Job
 from telemachus.errors import Forbidden, ValidationFailed
 from telemachus.models import Membership, Team
 
 MANAGE_PERMISSION = "scheduler.manage"
+CHAT, TOOLS, FLOWS = "chat:use", "tools:invoke", "flows:run"
+# The API's permission names and the Django permissions (on Team) behind them.
+PERMISSIONS = {CHAT: "use_chat", TOOLS: "invoke_tools", FLOWS: "run_flows"}
+JOB_TYPE_PERMISSION = {
+    Job.Type.CHAT: CHAT, Job.Type.TRANSLATE: CHAT, Job.Type.TOOL: TOOLS, Job.Type.FLOW: FLOWS, Job.Type.TASK: FLOWS,
+}
 
 Principal = AbstractBaseUser | AnonymousUser
 
@@ -24,6 +41,17 @@ def is_operator(user: Principal) -> bool:
 def require_operator(user: Principal) -> None:
     if not is_operator(user):
         raise Forbidden(f"Requires the {MANAGE_PERMISSION} permission.", permission=MANAGE_PERMISSION)
+
+
+def require(user: Principal, permission: str, *, team: Team) -> None:
+    """RBAC.require: the one check every path makes before doing something in a team. Granted
+    globally or on the team (to the user or the team's group, through guardian)."""
+    if is_operator(user):
+        return
+    codename = f"telemachus.{PERMISSIONS[permission]}"
+    if user.is_authenticated and user.is_active and (user.has_perm(codename) or user.has_perm(codename, team)):
+        return
+    raise Forbidden(f"Requires {permission} in team {team.slug!r}.", permission=permission, team=team.slug)
 
 
 def team_role(user: Principal, team: Team) -> str | None:
@@ -50,9 +78,53 @@ def team_for_submit(user: Principal, slug: str) -> Team:
     return team
 
 
+def require_team_manager(user: Principal, team: Team) -> None:
+    """Managing members: the team's managers and operators."""
+    if is_operator(user) or team_role(user, team) == Membership.Role.MANAGER:
+        return
+    raise Forbidden(f"Requires the manager role in team {team.slug!r}.", permission="team:manage", team=team.slug)
+
+
 def visible_jobs(user: Principal) -> QuerySet[Job]:
+    """Lists and detail views filter through this, so a list can never show a job its detail
+    would hide: own jobs in a team one is still in, every job of a team one manages, and jobs
+    shared through guardian's `scheduler.view_job`."""
     if is_operator(user):
         return Job.objects.all()
-    if not user.is_authenticated:
+    if not user.is_authenticated or not user.is_active:
         return Job.objects.none()
-    return Job.objects.filter(team__memberships__user=user)
+    memberships = Membership.objects.filter(user=user)
+    shared = get_objects_for_user(
+        user, "scheduler.view_job", klass=Job, accept_global_perms=False, with_superuser=False
+    ).values("pk")
+    return Job.objects.filter(
+        Q(team__in=memberships.filter(role=Membership.Role.MANAGER).values("team"))
+        | Q(user=user, team__in=memberships.values("team"))
+        | Q(pk__in=shared)
+    )
+
+
+def require_cancel(user: Principal, job: Job) -> None:
+    """Cancel a job one can see: its owner, a manager of its team, an operator, or a holder of
+    guardian's `scheduler.change_job` on it."""
+    if is_operator(user) or job.user_id == user.pk or team_role(user, job.team) == Membership.Role.MANAGER:
+        return
+    if user.has_perm("scheduler.change_job", job):
+        return
+    raise Forbidden("Only the job's owner, a manager of its team or an operator may cancel it.",
+                    permission="job:cancel")
+
+
+def executor_teams() -> dict[int, set[int]]:
+    """For each team-owned executor, the teams that may place jobs on it: its owner and every team
+    whose group holds `executors.use_executor` on it. One query."""
+    granted = GroupObjectPermission.objects.filter(
+        permission__codename="use_executor", permission__content_type__app_label="executors",
+        group__team__isnull=False,
+    ).values_list("object_pk", "group__team")
+    teams: dict[int, set[int]] = {}
+    for executor_id, owner in Executor.objects.filter(team__isnull=False).values_list("pk", "team_id"):
+        teams[executor_id] = {owner}
+    for object_pk, team_id in granted:
+        teams.setdefault(int(object_pk), set()).add(team_id)
+    return teams

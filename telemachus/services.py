@@ -6,19 +6,63 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser, Group
 from django.db import transaction
 from django.db.models import ProtectedError
+from guardian.shortcuts import assign_perm, get_perms, get_users_with_perms, remove_perm
 
+from telemachus import rbac
 from telemachus.errors import Conflict, ValidationFailed
 from telemachus.models import Membership, Team
 
 
-def team_create(*, slug: str, name: str, members: list[dict] | None = None) -> Team:
+def team_create(
+    *, slug: str, name: str, members: list[dict] | None = None, grants: list[str] | tuple[str, ...] = (rbac.CHAT,)
+) -> Team:
+    """A team and its group; by default the team grants its members chat:use, nothing more."""
     with transaction.atomic():
         if Team.objects.filter(slug=slug).exists():
             raise ValidationFailed({"slug": [f"A team {slug!r} already exists."]})
         team = Team.objects.create(group=team_group(slug=slug), slug=slug, name=name)
+        team_grants_set(team=team, team_grants=list(grants))
         for member in members or []:
             team_member_set(team=team, username=member["username"], role=member.get("role", Membership.Role.MEMBER))
     return team
+
+
+def team_grants(*, team: Team) -> dict:
+    """What the team grants: to all its members (its group) and to single users."""
+    by_user: dict[str, list[str]] = {}
+    for user, perms in get_users_with_perms(team, attach_perms=True, with_group_users=False).items():
+        names = sorted(name for name, codename in rbac.PERMISSIONS.items() if codename in perms)
+        if names:
+            by_user[user.get_username()] = names
+    group_perms = set(get_perms(team.group, team))
+    return {"team": sorted(name for name, codename in rbac.PERMISSIONS.items() if codename in group_perms),
+            "users": by_user}
+
+
+def team_grants_set(*, team: Team, team_grants: list[str], user_grants: dict[str, list[str]] | None = None) -> None:
+    """Replace the team's grants (guardian object permissions on the team): `team_grants` to its
+    group, `user_grants` to single users (who need not be members to hold them, but can use them
+    only in teams they belong to). Unknown permission names or users are a validation error."""
+    user_grants = user_grants or {}
+    unknown = sorted({p for p in [*team_grants, *(p for ps in user_grants.values() for p in ps)]} - set(rbac.PERMISSIONS))
+    if unknown:
+        raise ValidationFailed({"grants": [f"Unknown permission(s) {', '.join(unknown)}; known: {', '.join(rbac.PERMISSIONS)}."]})
+    User = get_user_model()
+    users = {u.get_username(): u for u in User.objects.filter(username__in=list(user_grants))}
+    missing = sorted(set(user_grants) - set(users))
+    if missing:
+        raise ValidationFailed({"users": [f"No user {name!r}." for name in missing]})
+    with transaction.atomic():
+        for name, codename in rbac.PERMISSIONS.items():
+            perm = f"telemachus.{codename}"
+            (assign_perm if name in team_grants else remove_perm)(perm, team.group, team)
+        for user, perms in get_users_with_perms(team, attach_perms=True, with_group_users=False).items():
+            for codename in perms:
+                if codename in rbac.PERMISSIONS.values():
+                    remove_perm(f"telemachus.{codename}", user, team)
+        for name, perms in user_grants.items():
+            for perm in perms:
+                assign_perm(f"telemachus.{rbac.PERMISSIONS[perm]}", users[name], team)
 
 
 def team_group(*, slug: str) -> Group:

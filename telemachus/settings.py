@@ -156,6 +156,8 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
 ]
 GUARDIAN_RAISE_403 = False
+# Anonymous users get no object permissions, so guardian needs no AnonymousUser row.
+ANONYMOUS_USER_NAME = None
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -204,6 +206,7 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    "ENUM_NAME_OVERRIDES": {"PermissionEnum": "telemachus.api.PERMISSION_CHOICES"},
 }
 
 # Deployment hardening: on with DEBUG off, so `manage.py check --deploy` is clean in production.

@@ -12,6 +12,7 @@ api = [
     path("queue/", scheduler_views.QueueApi.as_view(), name="queue"),
     path("teams/", teams_api.TeamListCreateApi.as_view(), name="team-list"),
     path("teams/<slug:slug>/", teams_api.TeamDetailApi.as_view(), name="team-detail"),
+    path("teams/<slug:slug>/grants/", teams_api.TeamGrantsApi.as_view(), name="team-grants"),
     path("teams/<slug:slug>/members/", teams_api.TeamMemberListApi.as_view(), name="team-members"),
     path("teams/<slug:slug>/members/<str:username>/", teams_api.TeamMemberDetailApi.as_view(), name="team-member"),
     path("executors/", executors_api.ExecutorListCreateApi.as_view(), name="executor-list"),
@@ -20,6 +21,7 @@ api = [
     path("executors/<int:executor_id>/events/", executors_api.ExecutorEventListApi.as_view(), name="executor-events"),
     path("quota-policies/", quotas_api.QuotaPolicyListCreateApi.as_view(), name="quota-policy-list"),
     path("quota-policies/<int:policy_id>/", quotas_api.QuotaPolicyDetailApi.as_view(), name="quota-policy-detail"),
+    path("usage/", quotas_api.UsageApi.as_view(), name="usage"),
     path("schema/", SpectacularAPIView.as_view(), name="schema"),
     path("docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
 ]

@@ -7,6 +7,7 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from executors.models import Executor
+from telemachus import rbac
 from telemachus.models import Team
 from telemachus.services import team_create, team_member_set
 from tests.processes import Processes
@@ -38,8 +39,10 @@ def make_user(db):
 
 @pytest.fixture
 def make_team(db):
-    def make(slug: str | None = None, members: dict | None = None) -> Team:
-        team = team_create(slug=slug or f"team{next(_names)}", name="Team")
+    """Teams granting their members every job permission unless told otherwise (RBAC tests do)."""
+
+    def make(slug: str | None = None, members: dict | None = None, grants=tuple(rbac.PERMISSIONS)) -> Team:
+        team = team_create(slug=slug or f"team{next(_names)}", name="Team", grants=grants)
         for user, role in (members or {}).items():
             team_member_set(team=team, username=user.username, role=role)
         return team

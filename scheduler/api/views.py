@@ -68,7 +68,7 @@ class JobDetailApi(APIView):
 class JobCancelApi(APIView):
     @extend_schema(request=None, responses=JobOutput)
     def post(self, request: Request, job_id: int) -> Response:
-        visible_job(request, job_id)
+        rbac.require_cancel(request.user, visible_job(request, job_id))
         job = job_cancel(job_id=job_id, by=request.user)
         return Response(JobOutput(visible_job(request, job.pk)).data)
 

@@ -1,6 +1,7 @@
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
+from quotas.budget import quota_settle
 from scheduler import signals
 from scheduler.locks import lock_job
 from scheduler.models import Job, JobEvent, Slot
@@ -9,7 +10,7 @@ from telemachus.errors import Conflict, NotFound
 
 
 def job_cancel(*, job_id: int, by: AbstractBaseUser | None = None) -> Job:
-    """End a queued or running job as `canceled` and free its slots at once.
+    """End a queued or running job as `canceled`, free its slots and its budget reservation at once.
 
     Locks the job row (lock level 3). A running job's slots are deleted and its lease cleared in this
     transaction, so the capacity is free for the next claim immediately and the holder's next
@@ -21,14 +22,14 @@ def job_cancel(*, job_id: int, by: AbstractBaseUser | None = None) -> Job:
             raise NotFound(f"Job {job_id} not found.")
         if job.is_terminal:
             raise Conflict(f"Job {job_id} is already {job.status}.", status=job.status)
-        was = job.status
-        now = job.db_now
+        was, now, reservation = job.status, job.db_now, job.reservation
         Slot.objects.filter(job=job).delete()
         job.status = Job.Status.CANCELED
         job.finished_at = now
         job.lease = None
         job.lease_expires_at = None
-        job.save(update_fields=["status", "finished_at", "lease", "lease_expires_at"])
+        job.reservation = None
+        job.save(update_fields=["status", "finished_at", "lease", "lease_expires_at", "reservation"])
         event_record(
             job=job, event=JobEvent.Type.CANCELED, at=now, was=was,
             by=by.get_username() if by is not None else None,
@@ -36,4 +37,5 @@ def job_cancel(*, job_id: int, by: AbstractBaseUser | None = None) -> Job:
         if was == Job.Status.RUNNING:
             signals.notify_workers(f"{signals.CANCELED}:{job.pk}")
             signals.notify_workers(signals.FREED)
+        quota_settle(reservations=[reservation], bills=[], now=now)
     return job

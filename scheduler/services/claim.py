@@ -1,6 +1,6 @@
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
@@ -8,6 +8,8 @@ from django.db.models import F
 
 from executors.health import breaker_trial_started
 from executors.models import Executor
+from quotas.budget import Account
+from scheduler.bulk import update_rows
 from scheduler.locks import lock_claim
 from scheduler.models import Job, JobEvent, Slot
 from scheduler.policy import policy_for
@@ -55,23 +57,27 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
     with transaction.atomic(durable=True):
         record, now = lock_claim()
         state = ClaimState.load(policy=record, now=now)
-        if state.global_free() <= 0:
-            return ClaimBatch(claims=[], backlog=True)
-        policy = policy_for(record)
         chosen: list[tuple[Job, ExecutorView]] = []
+        deferred: dict[int, tuple[Job, Account]] = {}
         passed_over = False
         # A job passed over because a cap filled during this batch may hide others that now fit
         # (a teammate behind a user who just reached their cap): ask the policy again, with the
         # caps as they stand, while each round still makes progress.
-        for _ in range(MAX_ORDER_ROUNDS):
+        policy = policy_for(record)
+        for _ in range(MAX_ORDER_ROUNDS if state.global_free() > 0 else 0):
             taken_before, passed_over = len(chosen), False
             for job in policy.order(state, limit=limit - len(chosen)):
                 if len(chosen) >= limit or state.global_free() <= 0:
                     passed_over = True
                     break
-                view = policy.place(job, state.candidates(job)) if state.fits(job) else None
+                account = state.over_budget(job)
+                view = policy.place(job, state.candidates(job)) if account is None and state.fits(job) else None
                 if view is None:
                     passed_over = True
+                    # An empty budget gets one event of its own (below); a job too big for what is
+                    # left of a budget gets one of its own.
+                    if account is not None and account.remaining > 0:
+                        deferred[job.pk] = (job, account)
                     continue
                 state.take(job, view)
                 chosen.append((job, view))
@@ -81,17 +87,39 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
             passed_over or len(chosen) >= limit or state.global_free() <= 0
             or bool(state.capped_teams() or state.capped_users())
         )
-        if not chosen:
-            return ClaimBatch(claims=[], backlog=backlog)
         for view in {view.pk: view for _, view in chosen if view.trial}.values():
             breaker_trial_started(executor=view.executor, now=now)
-        owned = set(
-            Job.objects.select_for_update(skip_locked=True)
-            .filter(pk__in=sorted(job.pk for job, _ in chosen), status=Job.Status.QUEUED)
-            .values_list("pk", flat=True)
+        if chosen:
+            owned = set(
+                Job.objects.select_for_update(skip_locked=True)
+                .filter(pk__in=sorted(job.pk for job, _ in chosen), status=Job.Status.QUEUED)
+                .values_list("pk", flat=True)
+            )
+            chosen = [(job, view) for job, view in chosen if job.pk in owned]
+        claims = _start(chosen, worker=worker, state=state) if chosen else []
+        _record_deferrals(list(deferred.values()), now=now)
+        # Ledger rows last (lock level 4): the reservations of the jobs actually started, and one
+        # `deferred` event for each budget found empty for the first time in its window.
+        state.budgets.hold([job.reservation for job, _ in chosen])
+        events_record(
+            job_event(job=None, event=JobEvent.Type.DEFERRED, at=now, **account.describe())
+            for account in state.budgets.note_exhausted()
         )
-        chosen = [(job, view) for job, view in chosen if job.pk in owned]
-        return ClaimBatch(claims=_start(chosen, worker=worker, state=state), backlog=backlog)
+        return ClaimBatch(claims=claims, backlog=backlog)
+
+
+def _record_deferrals(deferred: list[tuple[Job, Account]], *, now: datetime) -> None:
+    """One `deferred` event per job per budget window: a job whose estimate the remaining budget
+    cannot cover stays queued until the window resets, and says so once, not on every claim."""
+    fresh = [(job, account) for job, account in deferred if job.deferred_until != account.end]
+    if not fresh:
+        return
+    for (job, account) in fresh:
+        Job.objects.filter(pk=job.pk, status=Job.Status.QUEUED).update(deferred_until=account.end)
+    events_record(
+        job_event(job=job, event=JobEvent.Type.DEFERRED, at=now, estimate=job.cost_estimate, **account.describe())
+        for job, account in fresh
+    )
 
 
 def _start(chosen: list[tuple[Job, ExecutorView]], *, worker: str, state: ClaimState) -> list[Claim]:
@@ -109,6 +137,8 @@ def _start(chosen: list[tuple[Job, ExecutorView]], *, worker: str, state: ClaimS
             status=Job.Status.RUNNING, executor_id=executor_id, started_at=now, attempts=F("attempts") + 1,
             worker=worker, lease=lease, lease_expires_at=expires,
         )
+    reserved = [{"id": job.pk, "reservation": job.reservation} for job, _ in chosen if job.reservation]
+    update_rows(Job, reserved)
     slots = Slot.objects.bulk_create(
         [
             Slot(job=job, executor=view.executor, team_id=job.team_id, user_id=job.user_id, worker=worker, acquired_at=now)

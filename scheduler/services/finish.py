@@ -9,6 +9,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models.functions import Now
 
+from quotas.budget import Bill, quota_settle
 from scheduler import signals
 from scheduler.bulk import update_rows
 from scheduler.models import Job, JobEvent, Slot
@@ -72,9 +73,13 @@ def jobs_finish(*, outcomes: Sequence[Outcome]) -> FinishReport:
             .filter(pk__in=sorted(by_job))
             .annotate(db_now=Now())
             .order_by("pk")
-            .only("pk", "status", "lease", "lease_expires_at", "executor_id", "tokens_used", "worker", "attempts")
+            .only("pk", "status", "lease", "lease_expires_at", "executor_id", "tokens_used", "worker", "attempts",
+                  "team_id", "user_id", "reservation")
         }
-        finished, retrying, events, refused = [], [], [], []
+        if not held:
+            return FinishReport(accepted=[], refused=sorted(by_job))
+        now = next(iter(held.values())).db_now
+        finished, retrying, events, refused, bills = [], [], [], [], []
         for job_id, outcome in by_job.items():
             job = held.get(job_id)
             reason = _refusal(job, outcome)
@@ -86,12 +91,15 @@ def jobs_finish(*, outcomes: Sequence[Outcome]) -> FinishReport:
                 continue
             tokens = (job.tokens_used or 0) + (outcome.tokens_used or 0)
             meta = {"tokens": outcome.tokens_used, **outcome.meta}
+            bills.append(Bill(team_id=job.team_id, user_id=job.user_id, executor_id=job.executor_id,
+                              tokens=outcome.tokens_used or 0))
             if not outcome.ok and outcome.retryable and job.attempts < max_attempts:
                 delay = retry_delay(attempt=job.attempts, retry_after=outcome.retry_after)
                 retrying.append({
                     "id": job_id, "status": Job.Status.QUEUED, "executor": None, "started_at": None,
                     "lease": None, "lease_expires_at": None, "error": outcome.error, "tokens_used": tokens,
                     "run_after": job.db_now + timedelta(seconds=delay), "avoid_executor": job.executor_id,
+                    "reservation": None,
                 })
                 events.append(job_event(job=job, event=JobEvent.Type.RETRY_SCHEDULED, at=job.db_now,
                                         executor=job.executor_id, error=outcome.error, attempt=job.attempts,
@@ -109,6 +117,7 @@ def jobs_finish(*, outcomes: Sequence[Outcome]) -> FinishReport:
                 "finished_at": job.db_now,
                 "lease": None,
                 "lease_expires_at": None,
+                "reservation": None,
             })
             if not outcome.ok:
                 meta["error"] = error
@@ -121,6 +130,10 @@ def jobs_finish(*, outcomes: Sequence[Outcome]) -> FinishReport:
             update_rows(Job, retrying)
             signals.notify_workers(signals.FREED)
         events_record(events)
+        # Ledger rows last (lock level 4).
+        quota_settle(
+            reservations=[held[row["id"]].reservation for row in finished + retrying], bills=bills, now=now
+        )
     return FinishReport(
         accepted=[row["id"] for row in finished], refused=refused, retrying=[row["id"] for row in retrying]
     )

@@ -7,6 +7,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 
+from quotas.budget import quota_settle
 from scheduler import signals
 from scheduler.models import Job, JobEvent, Slot
 from scheduler.services.claim import lease_length
@@ -55,13 +56,14 @@ def jobs_release(*, held: Mapping[int, uuid.UUID], reason: str) -> list[int]:
         if not jobs:
             return []
         Slot.objects.filter(job__in=jobs).delete()
-        events = []
+        events, reservations = [], [job.reservation for job in jobs]
         for job in jobs:
             events.append(job_event(job=job, event=JobEvent.Type.REQUEUED, at=job.db_now, reason=reason, worker=job.worker))
             job.return_to_queue()
             job.attempts = max(job.attempts - 1, 0)
         Job.objects.bulk_update(jobs, Job.REQUEUE_FIELDS)
         events_record(events)
+        quota_settle(reservations=reservations, bills=[], now=jobs[0].db_now)
         signals.notify_workers(signals.QUEUED)
         signals.notify_workers(signals.FREED)
     return [job.pk for job in jobs]

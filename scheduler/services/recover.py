@@ -3,6 +3,7 @@ from dataclasses import dataclass
 from django.db import transaction
 from django.db.models.functions import Now
 
+from quotas.budget import quota_settle
 from scheduler import signals
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
 from scheduler.selectors import queue_policy
@@ -35,6 +36,9 @@ def jobs_recover(*, limit: int = 500) -> RecoveryReport:
         if not jobs:
             return RecoveryReport(requeued=[], failed=[])
         Slot.objects.filter(job__in=jobs).delete()
+        # The outcome of an attempt whose worker vanished is unknown: its reservation is released
+        # and nothing is billed.
+        reservations = [job.reservation for job in jobs]
         requeued, failed, events = [], [], []
         for job in jobs:
             context = {"worker": job.worker, "attempt": job.attempts, "reason": "lease expired"}
@@ -51,13 +55,15 @@ def jobs_recover(*, limit: int = 500) -> RecoveryReport:
                 job.finished_at = job.db_now
                 job.lease = None
                 job.lease_expires_at = None
+                job.reservation = None
                 events.append(job_event(job=job, event=JobEvent.Type.FAILED, at=job.db_now, error=job.error, **context))
                 failed.append(job)
         if requeued:
             Job.objects.bulk_update(requeued, Job.REQUEUE_FIELDS)
             signals.notify_workers(signals.QUEUED)
         if failed:
-            Job.objects.bulk_update(failed, ["status", "error", "finished_at", "lease", "lease_expires_at"])
+            Job.objects.bulk_update(failed, ["status", "error", "finished_at", "lease", "lease_expires_at", "reservation"])
         events_record(events)
+        quota_settle(reservations=reservations, bills=[], now=jobs[0].db_now)
         signals.notify_workers(signals.FREED)
     return RecoveryReport(requeued=[job.pk for job in requeued], failed=[job.pk for job in failed])

@@ -10,6 +10,7 @@ from django.db.models.functions import Now
 
 from executors.health import breaker_trial_started
 from executors.models import Executor
+from quotas.budget import Bill, quota_settle
 from scheduler import signals
 from scheduler.locks import lock_claim
 from scheduler.models import Job, JobEvent, Slot
@@ -64,11 +65,12 @@ def slot_acquire(*, job_id: int, lease: uuid.UUID, worker: str) -> StepSlot | No
 
 
 def slot_release(*, slot_id: int, job_id: int, lease: uuid.UUID, tokens_used: int = 0, **step: Any) -> None:
-    """Free a step's slot in the transaction that records the step (tokens billed to the job, a
-    `step` event). Raises LeaseLost when `lease` no longer holds the job; in that case its slots
+    """Free a step's slot in the transaction that records the step (tokens billed to the job and to
+    its budgets, a `step` event). Raises LeaseLost when `lease` no longer holds the job; in that case its slots
     were already freed by whoever took the job away. Locks the job (level 3)."""
     with transaction.atomic(durable=True):
         job = _held_job(job_id, lease)
+        slot = Slot.objects.filter(pk=slot_id, job=job).values_list("executor_id", flat=True).first()
         deleted, _ = Slot.objects.filter(pk=slot_id, job=job).delete()
         if tokens_used:
             job.tokens_used = (job.tokens_used or 0) + tokens_used
@@ -78,3 +80,6 @@ def slot_release(*, slot_id: int, job_id: int, lease: uuid.UUID, tokens_used: in
             tokens=tokens_used, held=bool(deleted), **step,
         )
         signals.notify_workers(signals.FREED)
+        # Every round is a dispatch: billed like a finished job (ledger rows last, lock level 4).
+        quota_settle(reservations=[], now=job.db_now,
+                     bills=[Bill(team_id=job.team_id, user_id=job.user_id, executor_id=slot, tokens=tokens_used)])

@@ -5,6 +5,7 @@ from django.core.management.base import BaseCommand
 from django.db import transaction
 
 from executors.models import Executor
+from telemachus import rbac
 from telemachus.models import Team
 from telemachus.services import team_create, team_member_set
 
@@ -23,7 +24,9 @@ class Command(BaseCommand):
             if admin is None:
                 password = secrets.token_urlsafe(12)
                 admin = User.objects.create_superuser("admin", "admin@localhost", password)
-            team = Team.objects.filter(slug="demo").first() or team_create(slug="demo", name="Demo team")
+            team = Team.objects.filter(slug="demo").first() or team_create(
+                slug="demo", name="Demo team", grants=list(rbac.PERMISSIONS)
+            )
             team_member_set(team=team, username="admin", role="manager")
             _, created = Executor.objects.get_or_create(
                 name="sim",

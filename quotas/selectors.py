@@ -1,0 +1,59 @@
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.utils import timezone
+
+from quotas.budget import Budgets
+from quotas.models import QuotaPolicy
+from telemachus import rbac
+from telemachus.errors import NotFound
+from telemachus.models import Membership
+
+Scope = QuotaPolicy.Scope
+
+
+def usage_report(*, user: rbac.Principal, team: str | None = None, username: str | None = None) -> list[dict[str, Any]]:
+    """Usage against every token and request budget the caller may see, in the current windows:
+    limit, used, reserved (attempts in flight), remaining and reset time. Operators see every
+    budget; others the global ones, their teams' and their own (a manager: also its members').
+    `team` and `username` narrow the answer; naming a team or user one cannot see is a 404."""
+    operator = rbac.is_operator(user)
+    teams = set(rbac.visible_teams(user).values_list("slug", flat=True))
+    managed = Membership.objects.filter(user=user, role=Membership.Role.MANAGER).values("team") if not operator else None
+    users = {user.get_username()} if not operator else None
+    if managed is not None:
+        users |= set(Membership.objects.filter(team__in=managed).values_list("user__username", flat=True))
+    if team is not None and team not in teams:
+        raise NotFound(f"Team {team!r} not found.")
+    if username is not None and not (operator and get_user_model().objects.filter(username=username).exists()) and (
+        users is None or username not in users
+    ):
+        raise NotFound(f"User {username!r} not found.")
+
+    def wanted(scope: str, subject: str) -> bool:
+        if scope == Scope.GLOBAL:
+            return True
+        if scope == Scope.TEAM:
+            return subject in teams and team in (None, subject) and username is None
+        if scope == Scope.USER:
+            return (operator or subject in users) and username in (None, subject) and team is None
+        return operator and team is None and username is None
+
+    now = timezone.now()
+    return [
+        {
+            "policy": account.rule.pk,
+            "scope": account.rule.scope,
+            "subject": account.rule.subject or None,
+            "dimension": account.rule.dimension,
+            "window": account.rule.window,
+            "limit": account.rule.limit,
+            "used": account.used,
+            "reserved": account.reserved,
+            "remaining": max(account.remaining, 0),
+            "window_start": account.start,
+            "reset_at": account.end,
+        }
+        for account in Budgets.load(now=now).accounts
+        if wanted(account.rule.scope, account.rule.subject)
+    ]
