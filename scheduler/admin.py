@@ -3,6 +3,7 @@ from django.http import HttpRequest
 
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
 from scheduler.services.cancel import job_cancel
+from scheduler.services.policy import EDITABLE, queue_policy_update
 from telemachus.errors import DomainError
 
 
@@ -75,7 +76,13 @@ class SlotAdmin(ReadOnlyAdmin):
 
 @admin.register(QueuePolicy)
 class QueuePolicyAdmin(admin.ModelAdmin):
-    list_display = ["__str__", "placement", "recovery", "max_attempts", "default_weight", "updated_at"]
+    """Saved through the policy service, so admin edits are audited like API edits."""
+
+    list_display = ["__str__", "placement", "cost", "half_life_seconds", "recovery", "max_attempts", "updated_at"]
+    fields = EDITABLE
+
+    def save_model(self, request: HttpRequest, obj: QueuePolicy, form, change: bool) -> None:
+        queue_policy_update(changes={name: form.cleaned_data[name] for name in form.changed_data}, by=request.user)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return not QueuePolicy.objects.exists()

@@ -7,6 +7,8 @@
     2. executor rows, in ascending id (breaker and probe updates; the claim's move of a breaker
        to half open).
     3. job rows, in ascending id.
+    4. usage ledger rows (quotas.Usage), in key order (quotas/budget.py).
+    5. team share rows (scheduler.TeamShare), in ascending team id (services/shares.py).
 
 Finish, cancel, release and recovery lock job rows only; breaker updates from their outcomes run
 in a transaction of their own afterwards (executors/health.py), never inside one holding jobs.

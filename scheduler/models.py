@@ -1,3 +1,5 @@
+from datetime import datetime
+
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
@@ -79,6 +81,8 @@ class Job(models.Model):
             models.Index(models.F("priority").desc(), "id", name="job_queue_idx", condition=Q(status="queued")),
             # Recovery scans running jobs whose lease ran out.
             models.Index("lease_expires_at", name="job_lease_idx", condition=Q(status="running")),
+            # The starvation guard also looks at each team's oldest queued job.
+            models.Index("team", "id", name="job_team_age_idx", condition=Q(status="queued")),
             models.Index("team", "status", name="job_team_status_idx"),
             models.Index("user", "status", name="job_user_status_idx"),
         ]
@@ -130,6 +134,7 @@ class JobEvent(models.Model):
         FAILED = "failed"
         CANCELED = "canceled"
         REQUEUED = "requeued"
+        PRIORITY_CLAMPED = "priority_clamped"
         RETRY_SCHEDULED = "retry_scheduled"
         DEFERRED = "deferred"
         FINISH_REFUSED = "finish_refused"
@@ -138,6 +143,7 @@ class JobEvent(models.Model):
         BREAKER_HALF_OPEN = "breaker_half_open"
         BREAKER_CLOSED = "breaker_closed"
         HEALTH_CHANGED = "health_changed"
+        POLICY_CHANGED = "policy_changed"
 
     job = models.ForeignKey(Job, null=True, blank=True, on_delete=models.CASCADE, related_name="events")
     executor = models.ForeignKey(Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="events")
@@ -174,7 +180,8 @@ class Slot(models.Model):
 
 class QueuePolicy(models.Model):
     """The operator-editable policy record; a singleton (pk=1). Its row is also the global claim lock:
-    every transaction that creates slots locks it first (see scheduler/locks.py)."""
+    every transaction that creates slots locks it first (see scheduler/locks.py), so an edit applies
+    to the next claim. Edits go through scheduler/services/policy.py, which audits them."""
 
     class Placement(models.TextChoices):
         LEAST_LOADED = "least-loaded"
@@ -185,16 +192,42 @@ class QueuePolicy(models.Model):
         REQUEUE = "requeue"
         FAIL = "fail"
 
-    SINGLETON_ID = 1
+    class Cost(models.TextChoices):
+        SLOT_SECONDS = "slot-seconds"
+        TOKENS = "tokens"
 
-    team_weights = models.JSONField(default=dict, blank=True)
+    class OverLimit(models.TextChoices):
+        CLAMP = "clamp"
+        REJECT = "reject"
+
+    SINGLETON_ID = 1
+    DEFAULT_MAX_QUEUE_DEPTH = 10_000
+
+    # Weighted fair share across teams, within a priority.
+    team_weights = models.JSONField(default=dict, blank=True, help_text='{"<team slug>": weight}; 0 = spare capacity only')
     default_weight = models.FloatField(default=1.0)
+    cost = models.CharField(max_length=16, choices=Cost.choices, default=Cost.SLOT_SECONDS)
+    half_life_seconds = models.FloatField(default=300.0, help_text="Half-life of past usage in the fair-share key.")
+    entry_penalty = models.FloatField(
+        default=1.0, help_text="Charged to a team's usage when one of its jobs starts (slot-seconds; tokens: the estimate)."
+    )
+    # Starvation guard: a queued job gains one priority level per step after waiting, up to the boost.
+    aging_after_seconds = models.FloatField(default=300.0)
+    aging_step_seconds = models.FloatField(default=60.0)
+    aging_max_boost = models.PositiveSmallIntegerField(default=10)
+    # Admission.
     max_queue_depth = models.JSONField(default=dict, blank=True, help_text='{"default": N, "<team slug>": N}')
-    priority_map = models.JSONField(default=dict, blank=True)
+    priority_map = models.JSONField(
+        default=dict, blank=True,
+        help_text='Highest priority allowed: {"member": 0, "manager": 10, "team:<slug>": N, "user:<name>": N}',
+    )
+    priority_over_limit = models.CharField(max_length=8, choices=OverLimit.choices, default=OverLimit.CLAMP)
+    # Placement and recovery.
     placement = models.CharField(max_length=16, choices=Placement.choices, default=Placement.LEAST_LOADED)
     recovery = models.CharField(max_length=16, choices=Recovery.choices, default=Recovery.REQUEUE)
     max_attempts = models.PositiveSmallIntegerField(default=3)
     policy_class = models.CharField(max_length=300, blank=True, default="")
+    share_window_seconds = models.FloatField(default=300.0, help_text="Window of the actual shares in /api/queue/.")
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -203,3 +236,25 @@ class QueuePolicy(models.Model):
 
     def __str__(self) -> str:
         return "Queue policy"
+
+    def weight(self, team_slug: str) -> float:
+        return float(self.team_weights.get(team_slug, self.default_weight))
+
+    def queue_depth_limit(self, team_slug: str) -> int:
+        return int(self.max_queue_depth.get(team_slug, self.max_queue_depth.get("default", self.DEFAULT_MAX_QUEUE_DEPTH)))
+
+
+class TeamShare(models.Model):
+    """A team's past usage for fair share, decayed lazily: stored as of `updated_at`, read as
+    usage * 0.5 ** (elapsed / half-life), so no job ever has to run to age it."""
+
+    team = models.OneToOneField(Team, on_delete=models.CASCADE, primary_key=True, related_name="share")
+    usage = models.FloatField(default=0.0)
+    updated_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.team_id}: {self.usage:.1f} at {self.updated_at:%H:%M:%S}"
+
+    def decayed(self, now: datetime, half_life: float) -> float:
+        elapsed = max((now - self.updated_at).total_seconds(), 0.0)
+        return self.usage * 0.5 ** (elapsed / half_life) if half_life > 0 else 0.0

@@ -1,41 +1,86 @@
-"""Queue policies: which job goes next and where it runs.
+"""Queue policies: whether a job is admitted, which job goes next, and where it runs.
 
 A policy is a class with `admit(job, state)`, `order(state)` and `place(job, candidates)`. The
-claim calls it with the claim lock held and never special-cases the default: a deployment swaps
-it by naming a class in the TELEMACHUS_QUEUE_POLICY setting or in the QueuePolicy record.
-See docs/policy.md."""
+claim and the submit call them and never special-case the default: a deployment swaps it by
+naming a class in the TELEMACHUS_QUEUE_POLICY setting or in the QueuePolicy record.
+See docs/policy.md.
 
-import heapq
+The default, `FairSharePolicy`:
+  order   priority first (a queued job's priority ages upward after a wait, bounded, so low
+          priority is delayed but never starved); within a priority, the team with the lowest
+          (running cost + next job's cost + decayed past usage) / weight goes next, FIFO within
+          the team. Weight 0 takes only capacity no team with a positive weight wants.
+  admit   a per-team queue depth cap: beyond it, try later (with a Retry-After from the team's
+          recent drain rate).
+  place   least-loaded (default), pack or weighted, among executors that fit the job.
+"""
+
+import math
 from collections.abc import Iterator
-from enum import StrEnum
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from functools import cache
 
 from django.conf import settings
 from django.utils.module_loading import import_string
 
-from scheduler.models import Job, QueuePolicy
+from scheduler.models import Job, QueuePolicy, TeamShare
 from scheduler.selectors import queued_heads
 from scheduler.state import ClaimState, ExecutorView
 from telemachus.models import Team
 
-DEFAULT_POLICY = "scheduler.policy.DefaultQueuePolicy"
+DEFAULT_POLICY = "scheduler.policy.FairSharePolicy"
+# Drain-rate look-back for the Retry-After of a full queue, and its bounds.
+DRAIN_WINDOW = timedelta(minutes=5)
+RETRY_AFTER_BOUNDS = (1, 3600)
 
 
-class Admission(StrEnum):
-    NOW = "now"
-    ENQUEUE = "enqueue"
-    REJECT = "reject"
+@dataclass(frozen=True)
+class Admission:
+    """`admit`'s answer: now | enqueue | reject (with a reason and, for a full queue, when to retry)."""
+
+    decision: str
+    reason: str = ""
+    retry_after: int | None = None
+
+    NOW, ENQUEUE, REJECT = "now", "enqueue", "reject"
+
+
+class AdmissionState:
+    """What admission may ask about the queue, computed only when asked (each is one query)."""
+
+    def __init__(self, *, team: Team, now: datetime) -> None:
+        self.team = team
+        self.now = now
+
+    def queued(self, *, at_most: int) -> int:
+        """The team's queue depth, counted no further than `at_most` (cheap on a deep queue)."""
+        return Job.objects.filter(team=self.team, status=Job.Status.QUEUED).order_by()[:at_most].count()
+
+    def drain_rate(self) -> float:
+        """Jobs of the team that ended per second, over the last few minutes."""
+        ended = Job.objects.filter(team=self.team, finished_at__gte=self.now - DRAIN_WINDOW).count()
+        return ended / DRAIN_WINDOW.total_seconds()
 
 
 class BaseQueuePolicy:
-    """The contract, with default behaviour a custom policy may keep or override."""
+    """The contract, with behaviour a custom policy may keep or override."""
 
     def __init__(self, record: QueuePolicy) -> None:
         self.record = record
 
-    def admit(self, job: Job, state: object) -> Admission:
-        """At submit: take the job now, queue it, or reject it."""
-        return Admission.ENQUEUE
+    def admit(self, job: Job, state: AdmissionState) -> Admission:
+        """At submit, before the job is written: a team whose queue is at its depth cap is told to
+        try later, with an estimate of when its queue will have drained enough."""
+        limit = self.record.queue_depth_limit(state.team.slug)
+        depth = state.queued(at_most=limit + 1)
+        if depth < limit:
+            return Admission(Admission.ENQUEUE)
+        rate = state.drain_rate()
+        wait = (depth - limit + 1) / rate if rate > 0 else 60
+        low, high = RETRY_AFTER_BOUNDS
+        return Admission(Admission.REJECT, f"team {state.team.slug!r} has {limit} jobs queued, its limit",
+                         retry_after=int(min(max(math.ceil(wait), low), high)))
 
     def order(self, state: ClaimState, *, limit: int) -> Iterator[Job]:
         """Yield queued jobs in the order they should be tried, lazily: the claim takes slots
@@ -58,29 +103,91 @@ class BaseQueuePolicy:
 
     # Helpers for subclasses.
 
+    def effective_priority(self, job: Job, now: datetime) -> int:
+        """The starvation guard: after `aging_after_seconds` in the queue a job gains a level per
+        `aging_step_seconds`, at most `aging_max_boost` (never past the top priority)."""
+        record = self.record
+        waited = (now - job.submitted_at).total_seconds() - record.aging_after_seconds
+        if waited < 0 or record.aging_step_seconds <= 0:
+            return job.priority
+        boost = min(record.aging_max_boost, 1 + int(waited // record.aging_step_seconds))
+        return min(job.priority + boost, Job.PRIORITY_MAX)
+
     def eligible_heads(self, state: ClaimState, *, limit: int) -> dict[int, list[Job]]:
-        """Each team's next jobs that could run now: teams and users at their cap or out of budget
-        are excluded in the query, as are models no usable executor has room for."""
+        """Each team's next jobs that could run now, best first by effective priority: teams and
+        users at their cap or out of budget are excluded in the query, as are models no usable
+        executor has room for. Also looks at each team's oldest jobs, which aging may have
+        lifted above newer, higher-priority ones."""
         blocked = state.blocked_teams()
         wanted = {}
-        for team_id in Team.objects.exclude(pk__in=blocked).order_by().values_list("pk", flat=True):
+        for team_id, slug in Team.objects.exclude(pk__in=blocked).order_by().values_list("pk", "slug"):
+            state.team_slugs[team_id] = slug
             wanted[team_id] = (state.placeable_models(team_id), int(min(limit, state.team_free(team_id))))
-        return queued_heads(wanted=wanted, exclude_users=state.blocked_users(), now=state.now)
+        aging = self.record.aging_max_boost > 0
+        heads = queued_heads(wanted=wanted, exclude_users=state.blocked_users(), now=state.now, oldest_too=aging)
+        for jobs in heads.values():
+            jobs.sort(key=lambda job: (-self.effective_priority(job, state.now), job.pk))
+        return heads
 
 
-class DefaultQueuePolicy(BaseQueuePolicy):
-    """Priority first, then submission order across all teams (the merge of the teams' heads)."""
+class PriorityFifoPolicy(BaseQueuePolicy):
+    """Priority, then submission order across all teams (the merge of the teams' heads)."""
 
     def order(self, state: ClaimState, *, limit: int) -> Iterator[Job]:
         heads = self.eligible_heads(state, limit=limit)
-        frontier = [(-jobs[0].priority, jobs[0].pk, team_id, 0) for team_id, jobs in heads.items()]
-        heapq.heapify(frontier)
-        while frontier:
-            _, _, team_id, index = heapq.heappop(frontier)
-            yield heads[team_id][index]
-            if index + 1 < len(heads[team_id]):
-                following = heads[team_id][index + 1]
-                heapq.heappush(frontier, (-following.priority, following.pk, team_id, index + 1))
+        cursor = dict.fromkeys(heads, 0)
+        while cursor:
+            team_id = min(cursor, key=lambda t: (-self.effective_priority(heads[t][cursor[t]], state.now),
+                                                  heads[t][cursor[t]].pk))
+            yield heads[team_id][cursor[team_id]]
+            cursor[team_id] += 1
+            if cursor[team_id] == len(heads[team_id]):
+                del cursor[team_id]
+
+
+class FairSharePolicy(BaseQueuePolicy):
+    """Priority, then weighted fair share across teams with eligible work, FIFO within a team."""
+
+    def order(self, state: ClaimState, *, limit: int) -> Iterator[Job]:
+        heads = self.eligible_heads(state, limit=limit)
+        usage = team_usage(team_ids=list(heads), now=state.now, half_life=self.record.half_life_seconds)
+        tokens = self.record.cost == QueuePolicy.Cost.TOKENS
+        running = state.running_tokens() if tokens else state.team_in_use
+        cursor = dict.fromkeys(heads, 0)
+
+        def key(team_id: int) -> tuple:
+            job = heads[team_id][cursor[team_id]]
+            weight = self.record.weight(state.team_slugs[team_id])
+            return (
+                weight <= 0,
+                -self.effective_priority(job, state.now),
+                self.share_key(running=running[team_id], next_cost=job.cost_estimate if tokens else 1,
+                               usage=usage.get(team_id, 0.0), weight=weight),
+                job.pk,
+            )
+
+        while cursor:
+            team_id = min(cursor, key=key)
+            job = heads[team_id][cursor[team_id]]
+            yield job
+            cursor[team_id] += 1
+            if cursor[team_id] == len(heads[team_id]):
+                del cursor[team_id]
+
+    def share_key(self, *, running: float, next_cost: float, usage: float, weight: float) -> float:
+        """(running cost + next job's cost + decayed usage) / weight, in one unit: slots for the
+        slot-seconds cost (past usage in slot-seconds / half-life = slots held on average over the
+        recent past), tokens for the tokens cost."""
+        if weight <= 0:
+            return math.inf
+        if self.record.cost == QueuePolicy.Cost.SLOT_SECONDS:
+            usage = usage / self.record.half_life_seconds if self.record.half_life_seconds > 0 else 0.0
+        return (running + next_cost + usage) / weight
+
+
+def team_usage(*, team_ids: list[int], now: datetime, half_life: float) -> dict[int, float]:
+    """Each team's past usage, decayed to `now` (one query)."""
+    return {share.team_id: share.decayed(now, half_life) for share in TeamShare.objects.filter(team_id__in=team_ids)}
 
 
 @cache
@@ -95,3 +202,4 @@ def policy_for(record: QueuePolicy) -> BaseQueuePolicy:
     """The policy in force: the setting wins, then the record's dotted path, then the default."""
     path = settings.TELEMACHUS_QUEUE_POLICY or record.policy_class or DEFAULT_POLICY
     return _policy_class(path)(record)
+

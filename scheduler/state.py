@@ -6,15 +6,18 @@ time a slot is taken, so one transaction can place several jobs without re-readi
 and without overshooting a cap."""
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime
+
+from django.db.models import Sum
 
 from executors.models import Executor
 from quotas.budget import Budgets
 from quotas.concurrency import ConcurrencyCaps, SlotCounts, concurrency_caps, executor_limit, slot_counts
 from quotas.models import QuotaPolicy
 from quotas.rules import quota_rules
-from scheduler.models import Job, QueuePolicy
+from scheduler.models import Job, QueuePolicy, Slot
 from telemachus import rbac
 
 UNCAPPED = math.inf
@@ -73,6 +76,8 @@ class ClaimState:
         self.team_in_use = counts.team.copy()
         self.user_in_use = counts.user.copy()
         self.executors = executors
+        self.team_slugs: dict[int, str] = {}
+        self._running_tokens: Counter | None = None
 
     @classmethod
     def load(cls, *, policy: QueuePolicy, now: datetime) -> "ClaimState":
@@ -100,6 +105,15 @@ class ClaimState:
             ))
         budgets = Budgets.load(now=now, rules=rules)
         return cls(now=now, policy=policy, caps=caps, counts=counts, executors=executors, budgets=budgets)
+
+    def running_tokens(self) -> Counter:
+        """Estimated tokens of each team's running jobs (for fair share by tokens), read on first
+        use and kept current as this claim takes jobs."""
+        if self._running_tokens is None:
+            self._running_tokens = Counter(dict(
+                Slot.objects.order_by().values_list("team_id").annotate(tokens=Sum("job__cost_estimate"))
+            ))
+        return self._running_tokens
 
     def global_free(self) -> float:
         if self.budgets.global_exhausted():
@@ -160,6 +174,8 @@ class ClaimState:
         self.team_in_use[job.team_id] += 1
         self.user_in_use[job.user_id] += 1
         view.in_use += 1
+        if self._running_tokens is not None:
+            self._running_tokens[job.team_id] += job.cost_estimate
         job.reservation = self.budgets.reserve(
             team_id=job.team_id, user_id=job.user_id, executor_id=view.pk, tokens=job.cost_estimate
         )

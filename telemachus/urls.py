@@ -5,11 +5,13 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from executors import api as executors_api
 from quotas import api as quotas_api
 from scheduler.api import views as scheduler_views
+from scheduler.api.policy import PolicyApi
 from telemachus import api as teams_api
 
 api = [
     path("", include("scheduler.api.urls")),
     path("queue/", scheduler_views.QueueApi.as_view(), name="queue"),
+    path("policy/", PolicyApi.as_view(), name="policy"),
     path("teams/", teams_api.TeamListCreateApi.as_view(), name="team-list"),
     path("teams/<slug:slug>/", teams_api.TeamDetailApi.as_view(), name="team-detail"),
     path("teams/<slug:slug>/grants/", teams_api.TeamGrantsApi.as_view(), name="team-grants"),

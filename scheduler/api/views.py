@@ -9,7 +9,7 @@ from rest_framework.views import APIView
 
 from scheduler.api.serializers import JobEventOutput, JobListFilter, JobOutput, JobSubmitInput
 from scheduler.models import Job, JobEvent
-from scheduler.selectors import queue_snapshot
+from scheduler.snapshot import queue_snapshot
 from scheduler.services.cancel import job_cancel
 from scheduler.services.submit import job_submit
 from telemachus import rbac

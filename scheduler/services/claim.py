@@ -1,4 +1,5 @@
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -14,6 +15,7 @@ from scheduler.locks import lock_claim
 from scheduler.models import Job, JobEvent, Slot
 from scheduler.policy import policy_for
 from scheduler.services.events import events_record, job_event
+from scheduler.services.shares import team_shares_charge
 from scheduler.state import ClaimState, ExecutorView
 
 
@@ -64,9 +66,12 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
         # (a teammate behind a user who just reached their cap): ask the policy again, with the
         # caps as they stand, while each round still makes progress.
         policy = policy_for(record)
+        taken: set[int] = set()
         for _ in range(MAX_ORDER_ROUNDS if state.global_free() > 0 else 0):
             taken_before, passed_over = len(chosen), False
             for job in policy.order(state, limit=limit - len(chosen)):
+                if job.pk in taken:  # a later round (or a custom policy) may offer a job again
+                    continue
                 if len(chosen) >= limit or state.global_free() <= 0:
                     passed_over = True
                     break
@@ -81,6 +86,7 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
                     continue
                 state.take(job, view)
                 chosen.append((job, view))
+                taken.add(job.pk)
             if not passed_over or len(chosen) == taken_before or len(chosen) >= limit or state.global_free() <= 0:
                 break
         backlog = (
@@ -105,6 +111,12 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
             job_event(job=None, event=JobEvent.Type.DEFERRED, at=now, **account.describe())
             for account in state.budgets.note_exhausted()
         )
+        # Fair share's entry penalty, last (lock level 5): a burst pays as it starts, before its
+        # usage is known, so it cannot take more than its share in the meantime.
+        charges: Counter = Counter()
+        for job, _ in chosen:
+            charges[job.team_id] += job.cost_estimate if record.cost == record.Cost.TOKENS else record.entry_penalty
+        team_shares_charge(charges=charges, now=now, half_life=record.half_life_seconds)
         return ClaimBatch(claims=claims, backlog=backlog)
 
 

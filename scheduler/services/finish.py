@@ -1,5 +1,6 @@
 import random
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -12,9 +13,10 @@ from django.db.models.functions import Now
 from quotas.budget import Bill, quota_settle
 from scheduler import signals
 from scheduler.bulk import update_rows
-from scheduler.models import Job, JobEvent, Slot
+from scheduler.models import Job, JobEvent, QueuePolicy, Slot
 from scheduler.selectors import queue_policy
 from scheduler.services.events import events_record, job_event
+from scheduler.services.shares import team_shares_charge
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,8 @@ def jobs_finish(*, outcomes: Sequence[Outcome]) -> FinishReport:
     if not outcomes:
         return FinishReport(accepted=[], refused=[])
     by_job = {outcome.job_id: outcome for outcome in outcomes}
-    max_attempts = queue_policy().max_attempts
+    record = queue_policy()
+    max_attempts = record.max_attempts
     with transaction.atomic(durable=True):
         held = {
             row.pk: row
@@ -74,12 +77,12 @@ def jobs_finish(*, outcomes: Sequence[Outcome]) -> FinishReport:
             .annotate(db_now=Now())
             .order_by("pk")
             .only("pk", "status", "lease", "lease_expires_at", "executor_id", "tokens_used", "worker", "attempts",
-                  "team_id", "user_id", "reservation")
+                  "team_id", "user_id", "reservation", "started_at")
         }
         if not held:
             return FinishReport(accepted=[], refused=sorted(by_job))
         now = next(iter(held.values())).db_now
-        finished, retrying, events, refused, bills = [], [], [], [], []
+        finished, retrying, events, refused, bills, charges = [], [], [], [], [], Counter()
         for job_id, outcome in by_job.items():
             job = held.get(job_id)
             reason = _refusal(job, outcome)
@@ -93,6 +96,10 @@ def jobs_finish(*, outcomes: Sequence[Outcome]) -> FinishReport:
             meta = {"tokens": outcome.tokens_used, **outcome.meta}
             bills.append(Bill(team_id=job.team_id, user_id=job.user_id, executor_id=job.executor_id,
                               tokens=outcome.tokens_used or 0))
+            charges[job.team_id] += (
+                outcome.tokens_used or 0 if record.cost == QueuePolicy.Cost.TOKENS
+                else max((now - job.started_at).total_seconds(), 0.0)
+            )
             if not outcome.ok and outcome.retryable and job.attempts < max_attempts:
                 delay = retry_delay(attempt=job.attempts, retry_after=outcome.retry_after)
                 retrying.append({
@@ -134,6 +141,8 @@ def jobs_finish(*, outcomes: Sequence[Outcome]) -> FinishReport:
         quota_settle(
             reservations=[held[row["id"]].reservation for row in finished + retrying], bills=bills, now=now
         )
+        # What the attempts cost, for fair share (lock level 5, the last).
+        team_shares_charge(charges=charges, now=now, half_life=record.half_life_seconds)
     return FinishReport(
         accepted=[row["id"] for row in finished], refused=refused, retrying=[row["id"] for row in retrying]
     )

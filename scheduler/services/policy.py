@@ -1,0 +1,35 @@
+from typing import Any
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
+
+from scheduler.locks import lock_claim
+from scheduler.models import JobEvent, QueuePolicy
+from scheduler.services.events import event_record
+
+EDITABLE = (
+    "team_weights", "default_weight", "cost", "half_life_seconds", "entry_penalty", "aging_after_seconds",
+    "aging_step_seconds", "aging_max_boost", "max_queue_depth", "priority_map", "priority_over_limit", "placement",
+    "recovery", "max_attempts", "policy_class", "share_window_seconds",
+)
+
+
+def queue_policy_update(*, changes: dict[str, Any], by: AbstractBaseUser | None) -> QueuePolicy:
+    """Edit the queue policy (fields validated by the caller) and audit it: one `policy_changed`
+    event with the fields' values before and after. Takes the claim lock (level 1), so the change
+    lands between two claims and applies to the next one, on every worker, without a restart."""
+    unknown = set(changes) - set(EDITABLE)
+    if unknown:
+        raise ValueError(f"not editable: {', '.join(sorted(unknown))}")
+    with transaction.atomic():
+        record, now = lock_claim()
+        changed = {name: value for name, value in changes.items() if getattr(record, name) != value}
+        if not changed:
+            return record
+        before = {name: getattr(record, name) for name in changed}
+        for name, value in changed.items():
+            setattr(record, name, value)
+        record.save(update_fields=[*changed, "updated_at"])
+        event_record(job=None, event=JobEvent.Type.POLICY_CHANGED, at=now,
+                     by=by.get_username() if by is not None else None, before=before, after=changed)
+    return record

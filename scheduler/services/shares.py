@@ -1,0 +1,22 @@
+from collections.abc import Mapping
+from datetime import datetime
+
+from scheduler.models import TeamShare
+
+
+def team_shares_charge(*, charges: Mapping[int, float], now: datetime, half_life: float) -> None:
+    """Add to teams' fair-share usage, decaying what was there to `now` first. Locks the teams'
+    share rows in ascending team id (lock level 5, the last), so callers run it at the end of their
+    transaction: the claim (the entry penalty of jobs it starts) and the finish (what attempts
+    actually cost)."""
+    charges = {team_id: amount for team_id, amount in charges.items() if amount}
+    if not charges:
+        return
+    TeamShare.objects.bulk_create(
+        [TeamShare(team_id=team_id, usage=0.0, updated_at=now) for team_id in charges], ignore_conflicts=True
+    )
+    shares = list(TeamShare.objects.select_for_update().filter(team_id__in=sorted(charges)).order_by("team_id"))
+    for share in shares:
+        share.usage = share.decayed(now, half_life) + charges[share.team_id]
+        share.updated_at = max(now, share.updated_at)
+    TeamShare.objects.bulk_update(shares, ["usage", "updated_at"])
