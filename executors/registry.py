@@ -43,7 +43,10 @@ def driver_class(kind: str) -> type[ExecutorDriver]:
         path = driver_paths()[kind]
     except KeyError:
         raise ImproperlyConfigured(f"No driver registered for executor kind {kind!r}") from None
-    cls = import_string(path)
+    try:
+        cls = import_string(path)
+    except ImportError as exc:
+        raise ImproperlyConfigured(f"driver {path} (executor kind {kind!r}) cannot be imported: {exc}") from exc
     if not (isinstance(cls, type) and issubclass(cls, ExecutorDriver)):
         raise ImproperlyConfigured(f"{path} (executor kind {kind!r}) is not an ExecutorDriver")
     return cls
@@ -56,15 +59,18 @@ def driver_for(executor: Executor) -> ExecutorDriver:
 
 class DriverPool:
     """One driver per executor row, rebuilt when its configuration changes (an operator edited the
-    endpoint, transport or meta, by any means), so connection pools are reused across dispatches.
-    Owned by one worker process."""
+    endpoint, capacity, transport or meta, by any means), so connection and process pools are
+    reused across dispatches and sized to the executor. Owned by one worker process."""
 
     def __init__(self) -> None:
         self._drivers: dict[int, tuple[object, ExecutorDriver]] = {}
 
     def get(self, executor: Executor) -> tuple[ExecutorDriver, ExecutorDriver | None]:
         """The driver for this version of the row, and the replaced driver (to close) if any."""
-        version = (executor.kind, executor.endpoint, json.dumps([executor.transport, executor.meta], sort_keys=True))
+        version = (
+            executor.kind, executor.endpoint, executor.max_concurrency,
+            json.dumps([executor.transport, executor.meta], sort_keys=True),
+        )
         cached = self._drivers.get(executor.pk)
         if cached is not None and cached[0] == version:
             return cached[1], None

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from django.conf import settings
-from django.db import DatabaseError, close_old_connections, connection
+from django.db import DatabaseError, InterfaceError, OperationalError, close_old_connections, connection
 
 from executors.contract import DispatchError, DispatchRequest, ExecutorDriver, Probe
 from executors.health import DispatchReport, breaker_record, probe_record, probes_due
@@ -50,7 +50,7 @@ T = TypeVar("T")
 @dataclass
 class InFlight:
     claim: Claim
-    driver: ExecutorDriver
+    driver: ExecutorDriver | None
     task: asyncio.Task | None = None
     renewed_at: float = 0.0
     started: float = 0.0
@@ -202,16 +202,26 @@ class Worker:
     # --- dispatching --------------------------------------------------------------------------
 
     def _start(self, claim: Claim) -> None:
-        driver, retired = self.drivers.get(claim.executor)
-        if retired is not None:
-            asyncio.create_task(_close_when_idle(retired))
-        now = time.monotonic()
-        flight = InFlight(claim=claim, driver=driver, renewed_at=now, started=now)
-        self.inflight[claim.job.pk] = flight
-        flight.task = asyncio.create_task(self._dispatch(flight), name=f"job-{claim.job.pk}")
-        job = claim.job
+        job, now = claim.job, time.monotonic()
         log.info("job %d claimed: %s on %s (team %s, attempt %d)", job.pk, job.type, claim.executor.name,
                  job.team_id, job.attempts)
+        try:
+            driver = self._driver(claim.executor)
+        except Exception as exc:  # a driver that cannot be built fails its job, never the worker
+            log.error("job %d: no driver for executor %s: %s", job.pk, claim.executor.name, exc)
+            self.inflight[job.pk] = InFlight(claim=claim, driver=None, renewed_at=now, started=now, executor_fault=True)
+            self.outcomes.put_nowait(Outcome(job_id=job.pk, lease=claim.lease, ok=False,
+                                             error=f"executor {claim.executor.name} has no usable driver: {exc}"))
+            return
+        flight = InFlight(claim=claim, driver=driver, renewed_at=now, started=now)
+        self.inflight[job.pk] = flight
+        flight.task = asyncio.create_task(self._dispatch(flight), name=f"job-{job.pk}")
+
+    def _driver(self, executor: Executor) -> ExecutorDriver:
+        driver, retired = self.drivers.get(executor)
+        if retired is not None:
+            asyncio.create_task(_close_when_idle(retired))
+        return driver
 
     async def _dispatch(self, flight: InFlight) -> None:
         job = flight.claim.job
@@ -250,7 +260,7 @@ class Worker:
         if flight is None or flight.abort_reason is not None:
             return
         flight.abort_reason = reason
-        if flight.task is not None and not flight.task.done():
+        if flight.driver is not None and flight.task is not None and not flight.task.done():
             log.info("job %d: aborting dispatch (%s)", job_id, reason)
             asyncio.create_task(flight.driver.cancel(job_id))
 
@@ -265,12 +275,7 @@ class Worker:
             batch = [await self.outcomes.get()]
             while not self.outcomes.empty() and len(batch) < 256:
                 batch.append(self.outcomes.get_nowait())
-            dispatches = [
-                DispatchReport(executor_id=flight.claim.executor.pk, ok=outcome.ok, executor_fault=flight.executor_fault)
-                for outcome in batch
-                if (flight := self.inflight.get(outcome.job_id)) is not None
-            ]
-            report, breaker_events = await self._retrying(_finish_then_record, outcomes=batch, dispatches=dispatches)
+            report, breaker_events = await self._finish(batch)
             refused, retrying = set(report.refused), set(report.retrying)
             for outcome in batch:
                 self.inflight.pop(outcome.job_id, None)
@@ -287,14 +292,41 @@ class Worker:
                 log.warning("executor %s: %s %s", event.meta.get("executor_name"), event.event, event.meta)
             self._capacity_freed()
 
+    async def _finish(self, batch: list[Outcome]) -> tuple[FinishReport, list]:
+        """Write a batch of results. A result the database refuses (not an outage: bad data) is
+        isolated by writing the batch one by one, and that job fails with the reason instead of
+        blocking every later result of this worker."""
+        dispatches = [
+            DispatchReport(executor_id=flight.claim.executor.pk, ok=outcome.ok, executor_fault=flight.executor_fault)
+            for outcome in batch
+            if (flight := self.inflight.get(outcome.job_id)) is not None
+        ]
+        try:
+            return await self._retrying(_finish_then_record, outcomes=batch, dispatches=dispatches)
+        except DatabaseError as exc:
+            if len(batch) > 1:
+                reports = [await self._finish([outcome]) for outcome in batch]
+                return (
+                    FinishReport(accepted=[i for r, _ in reports for i in r.accepted],
+                                 refused=[i for r, _ in reports for i in r.refused],
+                                 retrying=[i for r, _ in reports for i in r.retrying]),
+                    [event for _, events in reports for event in events],
+                )
+            (outcome,) = batch
+            log.error("job %d: result could not be stored (%s); failing the job", outcome.job_id, exc)
+            stored = Outcome(job_id=outcome.job_id, lease=outcome.lease, ok=False, tokens_used=outcome.tokens_used,
+                             error=f"the result could not be stored: {exc}"[:2000])
+            return await self._retrying(_finish_then_record, outcomes=[stored], dispatches=[])
+
     async def _retrying(self, fn: Callable[..., T], /, **kwargs: Any) -> T:
         """Writes that must not be lost (results, releases) are retried until the database answers.
-        Results written after the lease ran out are refused by fencing, which is correct."""
+        Results written after the lease ran out are refused by fencing, which is correct. Only
+        outages are retried; an error about the data itself is the caller's to handle."""
         delay = 0.1
         while True:
             try:
                 return await self.db(fn, **kwargs)
-            except DatabaseError as exc:
+            except (OperationalError, InterfaceError) as exc:
                 log.warning("%s failed (%s); retrying in %.1fs", fn.__name__, exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
@@ -358,11 +390,8 @@ class Worker:
             await asyncio.sleep(min(interval, 5.0))
 
     async def _probe(self, executor: Executor) -> tuple[int, Probe]:
-        driver, retired = self.drivers.get(executor)
-        if retired is not None:
-            asyncio.create_task(_close_when_idle(retired))
         try:
-            return executor.pk, await asyncio.wait_for(driver.probe(), timeout=30)
+            return executor.pk, await asyncio.wait_for(self._driver(executor).probe(), timeout=30)
         except Exception as exc:  # a probe that crashes says the executor cannot be trusted
             return executor.pk, Probe(health=Executor.Health.DOWN, detail=f"probe error: {exc!r}")
 

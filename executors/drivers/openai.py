@@ -3,11 +3,14 @@ server, LM Studio, hosted providers).
 
 `endpoint` is the API base including its version prefix, for example http://127.0.0.1:11434/v1;
 a chat step is `POST {endpoint}/chat/completions`, discovery and probes `GET {endpoint}/models`.
-`transport` may set `timeout_s` (default 120), `connect_timeout_s` (default 5) and, for
+`transport` may set `timeout_s` (default 120), `connect_timeout_s` (default 5), `http_clients`
+(connection pools to spread requests over; default one per 32 slots, at most 32) and, for
 `remote-model`, `api_key_env`: the name of the environment variable holding the API key. The key
 itself is never stored in the database, returned by the API, written to events or logged."""
 
+import itertools
 import json
+import math
 import os
 import time
 from collections.abc import AsyncIterator
@@ -29,6 +32,18 @@ PASSTHROUGH_OPTIONS = (
 RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
 # Slower than this to answer a probe is `degraded`.
 SLOW_PROBE_MS = 2000
+# Requests per connection pool: httpcore's pool gets slow (quadratic) with hundreds of connections
+# in one pool (encode/httpcore#1035), so a busy executor's requests are spread over several.
+SLOTS_PER_CLIENT, MAX_CLIENTS = 32, 32
+
+
+def strict_json(text: str | bytes) -> Any:
+    """JSON as servers should send it: NaN and Infinity, which Python accepts and the database's
+    JSON does not, are malformed."""
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
 
 
 class LocalModelDriver(ExecutorDriver):
@@ -36,7 +51,8 @@ class LocalModelDriver(ExecutorDriver):
 
     def __init__(self, executor: Executor) -> None:
         super().__init__(executor)
-        self._client: httpx.AsyncClient | None = None
+        self._clients: list[httpx.AsyncClient] = []
+        self._turn = itertools.count()
 
     # --- configuration --------------------------------------------------------------------------
 
@@ -48,20 +64,26 @@ class LocalModelDriver(ExecutorDriver):
         return []
 
     def client(self) -> httpx.AsyncClient:
-        """One pooled client per executor and worker process, created on first use so it binds to
-        the worker's event loop. Concurrency is bounded by slots, not by the pool."""
-        if self._client is None:
+        """The next of this executor's pooled clients (per worker process), round robin, created on
+        first use so they bind to the worker's event loop. Concurrency is bounded by slots, not by
+        the pools, and every connection a pool opens is kept alive for the next request."""
+        if not self._clients:
             transport = self.executor.transport or {}
+            count = int(transport.get("http_clients") or min(MAX_CLIENTS, max(1, math.ceil(self.executor.max_concurrency / SLOTS_PER_CLIENT))))
             timeout = httpx.Timeout(
                 float(transport.get("timeout_s", 120)), connect=float(transport.get("connect_timeout_s", 5))
             )
-            self._client = httpx.AsyncClient(
-                base_url=(self.executor.endpoint or "").rstrip("/"),
-                timeout=timeout,
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-                headers=self.headers(),
-            )
-        return self._client
+            headers = self.headers()
+            self._clients = [
+                httpx.AsyncClient(
+                    base_url=(self.executor.endpoint or "").rstrip("/"),
+                    timeout=timeout,
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+                    headers=headers,
+                )
+                for _ in range(max(count, 1))
+            ]
+        return self._clients[next(self._turn) % len(self._clients)]
 
     def request_body(self, request: DispatchRequest) -> dict[str, Any]:
         body: dict[str, Any] = {"model": request.model, "messages": request.input.get("messages") or []}
@@ -138,7 +160,7 @@ class LocalModelDriver(ExecutorDriver):
         if response.status_code >= 400:
             raise self._status_error(response, upstream_message(response))
         try:
-            return [str(item["id"]) for item in response.json()["data"]]
+            return [str(item["id"]) for item in strict_json(response.content)["data"]]
         except (ValueError, KeyError, TypeError) as exc:
             raise DispatchError(f"{self.executor.name}: malformed model list", retryable=False) from exc
 
@@ -161,9 +183,9 @@ class LocalModelDriver(ExecutorDriver):
         return Probe(health=Executor.Health.OK, latency_ms=latency, models=served)
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        clients, self._clients = self._clients, []
+        for client in clients:
+            await client.aclose()
 
     # --- errors ---------------------------------------------------------------------------------
 
@@ -192,7 +214,7 @@ class LocalModelDriver(ExecutorDriver):
 
     def _parse_chunk(self, data: str) -> dict[str, Any]:
         try:
-            chunk = json.loads(data)
+            chunk = strict_json(data)
         except ValueError as exc:
             raise DispatchError(f"{self.executor.name}: malformed stream chunk {data[:100]!r}", retryable=True,
                                 executor_fault=True) from exc
@@ -203,7 +225,7 @@ class LocalModelDriver(ExecutorDriver):
 
     def _parse_completion(self, response: httpx.Response) -> DispatchResult:
         try:
-            data = response.json()
+            data = strict_json(response.content)
             choice = data["choices"][0]
             message = choice["message"]
         except (ValueError, KeyError, IndexError, TypeError) as exc:

@@ -8,6 +8,8 @@ The first path segment picks the behaviour of `POST /<mode>/v1/chat/completions`
     malformed   200 with a body that is not JSON
     reset       starts an SSE stream, then drops the connection mid-stream
     nousage     a well-formed SSE stream whose chunks carry no usage (the driver must count)
+    nan         a completion with NaN in it (Python's json accepts it; JSON and databases do not)
+    nul         a completion whose text holds a NUL character (PostgreSQL's jsonb cannot store it)
     auth        200 only with `Authorization: Bearer $FAULT_EXPECTED_KEY`, else 401 echoing the header
     switch      fails with 503 while the switch is on (POST /switch/on, /switch/off; starts on)
 
@@ -81,6 +83,16 @@ class FaultServer:
             chunk = {"choices": [{"index": 0, "delta": {"content": "partial"}, "finish_reason": None}]}
             await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(), "more_body": True})
             raise ConnectionResetError("dropping the connection mid-stream, on purpose")
+        if mode == "nan":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+            body = b'{"choices": [{"message": {"role": "assistant", "content": "x"}}], "usage": {"prompt_tokens": NaN}}'
+            return await send({"type": "http.response.body", "body": body})
+        if mode == "nul":
+            return await respond(send, 200, {
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "bad\u0000byte"},
+                             "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1},
+            })
         if mode == "nousage":
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
             for word in ("one", " two", " three"):

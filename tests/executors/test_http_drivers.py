@@ -109,6 +109,7 @@ class TestFaults:
             ("403", False, False, "answered 403"),
             ("404model", False, False, "answered 404: The model 'm' does not exist"),
             ("malformed", True, True, "malformed completion"),
+            ("nan", True, True, "malformed completion"),
         ],
     )
     def test_status_classification(self, faults, mode, retryable, fault, text):

@@ -193,3 +193,39 @@ def test_cancel_of_a_streamed_job_stops_the_upstream_request(processes, alice):
     assert not Slot.objects.exists()
     wait_until(lambda: http_json(f"{base}/stats")["disconnects"] == 1, timeout=5, what="the upstream stream to stop")
     assert Job.objects.get(pk=job.pk).status == "canceled"
+
+
+def test_a_result_the_database_refuses_fails_only_its_job(processes, alice, on_postgres):
+    """PostgreSQL's jsonb cannot hold a NUL character; a model reply with one must fail its own job
+    and not block the worker's other results (SQLite stores it: the job is done there)."""
+    faults = processes.faultserver()
+    good = processes.simllm(latency_ms=0)
+    executor("nul", f"{faults}/nul/v1", weight=10, max_concurrency=1)
+    executor("fine", f"{good}/v1")
+    jobs = submit(alice, 6)
+    worker = processes.worker("w", **FAST)
+    wait_until(lambda: ended(jobs), timeout=30, what="the jobs to end")
+    on_nul = Job.objects.filter(executor__name="nul")
+    assert on_nul.exists()
+    if on_postgres:
+        assert all(j.status == "failed" and "could not be stored" in j.error for j in on_nul)
+    assert Job.objects.filter(executor__name="fine", status="done").count() == 6 - on_nul.count()
+    assert worker.poll() is None
+    assert not Slot.objects.exists()
+
+
+def test_an_executor_without_a_usable_driver_fails_its_jobs_not_the_worker(processes, alice):
+    Executor.objects.create(name="ghost", kind="ghost", capabilities={"models": ["m"]}, weight=10,
+                            last_probed_at=timezone.now())
+    (job,) = submit(alice)
+    worker = processes.worker("w", TELEMACHUS_EXECUTOR_DRIVERS="ghost=no.such.module.Driver",
+                              TELEMACHUS_PROBE_INTERVAL_SECONDS="3600")
+    wait_until(lambda: ended([job]), timeout=20, what="the job to end")
+    job.refresh_from_db()
+    assert job.status == "failed" and "has no usable driver" in job.error and "no.such.module" in job.error
+    good = processes.simllm(latency_ms=0)
+    Executor.objects.filter(name="ghost").update(enabled=False)
+    executor("fine", f"{good}/v1")
+    (after,) = submit(alice)
+    wait_until(lambda: ended([after]), timeout=20, what="a later job on a good executor")
+    assert Job.objects.get(pk=after.pk).status == "done" and worker.poll() is None
