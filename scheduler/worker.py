@@ -6,7 +6,7 @@ never while a model call is awaited in it: claim, run, finish are separate steps
 
   claim loop   claims as many jobs as there are free local slots, then waits to be woken: by
                NOTIFY on PostgreSQL (work queued, capacity freed, a job canceled), by its own
-               finishes, or by a poll timer with backoff on SQLite.
+               finishes, or on SQLite by a watch on its data_version (another process committed).
   dispatches   one task per job; the driver's dispatch() runs outside any transaction.
   finisher     writes results in batches (the finish is fenced by each job's lease).
   heartbeat    renews leases; a lease that is not renewed is lost and its dispatch is aborted,
@@ -21,6 +21,7 @@ grace period running out): abort the dispatches and give their jobs back to the 
 import asyncio
 import logging
 import signal
+import sqlite3
 import time
 import uuid
 from collections.abc import Callable
@@ -44,6 +45,7 @@ from scheduler.services.lease import jobs_release, leases_renew
 from scheduler.services.recover import jobs_recover
 
 log = logging.getLogger("telemachus.worker")
+SQLITE_WATCH_SECONDS = 0.01
 T = TypeVar("T")
 
 
@@ -107,6 +109,8 @@ class Worker:
         ]
         if connection.vendor == "postgresql":
             background.append(asyncio.create_task(self._listen(), name="listener"))
+        elif connection.vendor == "sqlite":
+            background.append(asyncio.create_task(self._watch_sqlite(), name="watcher"))
         try:
             await self._claim_loop()
             await self._drain()
@@ -414,6 +418,25 @@ class Worker:
             self.listening = False
             await asyncio.sleep(delay)
             delay = min(delay * 2, 10.0)
+
+    async def _watch_sqlite(self) -> None:
+        """SQLite has no LISTEN. Its `PRAGMA data_version` changes whenever another connection
+        commits a change, and reading it costs microseconds without touching any table, so
+        checking it every few milliseconds wakes the claim loop about as promptly as NOTIFY."""
+        path = connection.settings_dict["NAME"]
+        if not path or str(path).startswith(":memory:") or str(path).startswith("file:"):
+            return
+        watcher = sqlite3.connect(path, check_same_thread=False)
+        try:
+            seen = watcher.execute("PRAGMA data_version").fetchone()[0]
+            while True:
+                await asyncio.sleep(SQLITE_WATCH_SECONDS)
+                version = watcher.execute("PRAGMA data_version").fetchone()[0]
+                if version != seen:
+                    seen = version
+                    self.wake.set()
+        finally:
+            watcher.close()
 
     def _on_notify(self, payload: str) -> None:
         if payload == signals.QUEUED:
