@@ -79,13 +79,7 @@ class SimLLM:
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            return await lifespan(receive, send)
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
@@ -160,6 +154,17 @@ class SimLLM:
         include_usage = (body.get("stream_options") or {}).get("include_usage")
         await event({}, "stop", **({"usage": usage} if include_usage else {}))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+async def lifespan(receive: Any, send: Any) -> None:
+    """ASGI lifespan: nothing to set up or tear down, but say so."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
 
 
 class ClientGone(Exception):

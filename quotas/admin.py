@@ -8,6 +8,7 @@ from django.utils import timezone
 from quotas.budget import Account, Budgets
 from quotas.models import QuotaPolicy, Usage
 from quotas.rules import quota_rule_errors
+from telemachus.admin import ReadOnlyAdmin
 
 
 _accounts: ContextVar[dict[int, Account]] = ContextVar("quota_accounts", default={})
@@ -71,7 +72,7 @@ class QuotaPolicyAdmin(admin.ModelAdmin):
 
 
 @admin.register(Usage)
-class UsageAdmin(admin.ModelAdmin):
+class UsageAdmin(ReadOnlyAdmin):
     """The ledger, read-only: it changes only through claims and finishes."""
 
     list_display = ["scope", "subject", "window", "window_start", "tokens", "requests", "reserved_tokens",
@@ -79,12 +80,3 @@ class UsageAdmin(admin.ModelAdmin):
     list_filter = ["scope", "window"]
     search_fields = ["subject"]
     date_hierarchy = "window_start"
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj=None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj=None) -> bool:
-        return False

@@ -4,20 +4,8 @@ from django.http import HttpRequest
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
 from scheduler.services.cancel import job_cancel
 from scheduler.services.policy import EDITABLE, queue_policy_update
+from telemachus.admin import ReadOnlyAdmin
 from telemachus.errors import DomainError
-
-
-class ReadOnlyAdmin(admin.ModelAdmin):
-    """State changes go through services; the admin shows rows and offers service-backed actions."""
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj=None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj=None) -> bool:
-        return False
 
 
 class JobEventInline(admin.TabularInline):

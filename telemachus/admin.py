@@ -6,6 +6,19 @@ from telemachus.models import Membership, Team
 from telemachus.services import team_group, team_group_sync
 
 
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """State changes go through services; the admin shows rows and offers service-backed actions."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj=None) -> bool:
+        return False
+
+
 class MembershipInline(admin.TabularInline):
     model = Membership
     extra = 1

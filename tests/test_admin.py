@@ -7,7 +7,7 @@ pytestmark = pytest.mark.django_db
 
 PAGES = [
     "/admin/", "/admin/telemachus/team/", "/admin/telemachus/membership/", "/admin/executors/executor/",
-    "/admin/quotas/quotapolicy/", "/admin/scheduler/job/", "/admin/scheduler/jobevent/", "/admin/scheduler/slot/",
+    "/admin/quotas/quotapolicy/", "/admin/quotas/usage/", "/admin/scheduler/job/", "/admin/scheduler/jobevent/", "/admin/scheduler/slot/",
     "/admin/scheduler/queuepolicy/",
 ]
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import uvicorn
 
-from executors.simllm import error_body, read_json, respond
+from executors.simllm import error_body, lifespan, read_json, respond
 
 MODEL = "m"
 
@@ -38,13 +38,7 @@ class FaultServer:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            return await lifespan(receive, send)
         path = scope["path"].strip("/").split("/")
         if path == ["stats"]:
             return await respond(send, 200, dict(self.requests))
