@@ -26,18 +26,21 @@ from scheduler.models import Job, QueuePolicy
 
 
 def lock_claim() -> tuple[QueuePolicy, datetime]:
-    """Lock the claim lock and read the policy and the database clock in one round trip.
+    """Lock the claim lock, and read the policy and then the database clock.
 
-    Must run inside a transaction. The returned time is the database's, so leases do not depend
-    on the worker hosts' clocks agreeing."""
-    query = QueuePolicy.objects.select_for_update().annotate(db_now=Now())
+    Must run inside a transaction. The time is the database's, so leases do not depend on the
+    worker hosts' clocks agreeing, and it is read once the lock is held: a statement's timestamp is
+    taken when it starts, so one read with the locking SELECT would be early by the time spent
+    waiting for the lock (stamping starts, leases and events before the job could start)."""
+    query = QueuePolicy.objects.select_for_update()
     policy = query.filter(pk=QueuePolicy.SINGLETON_ID).first()
     if policy is None:
         # The data migration creates the row; a flushed test database or a manual delete may not
         # have it. Creating it concurrently is harmless: one insert wins, the other is ignored.
         QueuePolicy.objects.bulk_create([QueuePolicy(pk=QueuePolicy.SINGLETON_ID)], ignore_conflicts=True)
         policy = query.get(pk=QueuePolicy.SINGLETON_ID)
-    return policy, policy.db_now
+    now = QueuePolicy.objects.filter(pk=policy.pk).annotate(db_now=Now()).values_list("db_now", flat=True).get()
+    return policy, now
 
 
 def lock_job(job_id: int) -> Job | None:

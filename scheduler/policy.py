@@ -120,9 +120,10 @@ class BaseQueuePolicy:
         lifted above newer, higher-priority ones."""
         blocked = state.blocked_teams()
         wanted = {}
-        for team_id, slug in Team.objects.exclude(pk__in=blocked).order_by().values_list("pk", "slug"):
+        for team_id, slug in Team.objects.order_by().values_list("pk", "slug"):
             state.team_slugs[team_id] = slug
-            wanted[team_id] = (state.placeable_models(team_id), int(min(limit, state.team_free(team_id))))
+            if team_id not in blocked:
+                wanted[team_id] = (state.placeable_models(team_id), int(min(limit, state.team_free(team_id))))
         aging = self.record.aging_max_boost > 0
         heads = queued_heads(wanted=wanted, exclude_users=state.blocked_users(), now=state.now, oldest_too=aging)
         for jobs in heads.values():
@@ -146,7 +147,11 @@ class PriorityFifoPolicy(BaseQueuePolicy):
 
 
 class FairSharePolicy(BaseQueuePolicy):
-    """Priority, then weighted fair share across teams with eligible work, FIFO within a team."""
+    """Priority, then weighted fair share across teams with eligible work, FIFO within a team.
+
+    Past usage lets a team that has had less than its share catch up, but only up to its share of
+    the slots (plus one) while other teams wait: a team that has been idle and then submits a
+    burst takes the freed slots until it holds its share, not all of them."""
 
     def order(self, state: ClaimState, *, limit: int) -> Iterator[Job]:
         heads = self.eligible_heads(state, limit=limit)
@@ -154,13 +159,23 @@ class FairSharePolicy(BaseQueuePolicy):
         tokens = self.record.cost == QueuePolicy.Cost.TOKENS
         running = state.running_tokens() if tokens else state.team_in_use
         cursor = dict.fromkeys(heads, 0)
+        weights = {team_id: self.record.weight(slug) for team_id, slug in state.team_slugs.items()}
+        active = {t for t in (*heads, *(t for t, n in state.team_in_use.items() if n)) if weights.get(t, 0) > 0}
+        total_weight = sum(weights[t] for t in active)
+        capacity = state.capacity()
+
+        def share_cap(team_id: int) -> float:
+            if not total_weight or capacity == math.inf:
+                return math.inf
+            return math.floor(weights[team_id] / total_weight * capacity) + 1
 
         def key(team_id: int) -> tuple:
             job = heads[team_id][cursor[team_id]]
-            weight = self.record.weight(state.team_slugs[team_id])
+            weight = weights[team_id]
             return (
                 weight <= 0,
                 -self.effective_priority(job, state.now),
+                weight > 0 and state.team_in_use[team_id] >= share_cap(team_id),
                 self.share_key(running=running[team_id], next_cost=job.cost_estimate if tokens else 1,
                                usage=usage.get(team_id, 0.0), weight=weight),
                 job.pk,

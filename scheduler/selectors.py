@@ -3,9 +3,11 @@
 from datetime import datetime
 
 from django.db import connection
-from django.db.models import Q
 
 from scheduler.models import Job, QueuePolicy
+
+# SQLite allows at most 500 terms in a compound SELECT.
+LOOKUPS_PER_STATEMENT = 200
 
 
 def queue_policy() -> QueuePolicy:
@@ -19,34 +21,42 @@ def queued_heads(
     """The head of each team's line: for each team id in `wanted`, up to n of its queued jobs for
     the given models, highest priority then oldest first, skipping users at their cap and retries
     still waiting out their backoff; with `oldest_too`, also its n oldest (which aging may lift).
+    Each team's jobs come back unsorted.
 
     Indexed lookups per team (job_team_queue_idx, job_team_age_idx), so rows examined grow with
-    the number of teams and the batch size, not with the depth of any queue. On PostgreSQL the
-    lookups travel as one UNION ALL; SQLite cannot slice inside a compound query, and its queries
-    are in-process calls, so it runs them one by one. Each team's jobs come back unsorted."""
-    queries = []
+    the number of teams and the batch size, not with the depth of any queue; all of them travel
+    as one UNION ALL. Written as SQL rather than with the ORM: this runs in every claim, under
+    the claim lock, and compiling two querysets per team cost more than the database's work. The
+    status is a literal, so both backends can use the partial indexes, and each lookup asks for at
+    least two rows: at LIMIT 1 PostgreSQL may walk the primary key instead of the team's index."""
+    qn = connection.ops.quote_name
+    columns = ", ".join(qn(field.column) for field in Job._meta.concrete_fields)
+    lookups: list[tuple[str, list]] = []
     for team_id, (models, n) in wanted.items():
         if not models or n <= 0:
             continue
-        query = Job.objects.filter(
-            Q(run_after__isnull=True) | Q(run_after__lte=now),
-            team_id=team_id, status=Job.Status.QUEUED, model__in=sorted(models),
-        )
+        where = [
+            f"{qn('team_id')} = %s",
+            f"{qn('status')} = '{Job.Status.QUEUED.value}'",
+            f"{qn('model')} IN ({', '.join(['%s'] * len(models))})",
+            f"({qn('run_after')} IS NULL OR {qn('run_after')} <= %s)",
+        ]
+        params = [team_id, *sorted(models), connection.ops.adapt_datetimefield_value(now)]
         if exclude_users:
-            query = query.exclude(user_id__in=exclude_users)
-        queries.append(query.order_by("-priority", "id")[:n])
-        if oldest_too:
-            queries.append(query.order_by("id")[:n])
+            where.append(f"{qn('user_id')} NOT IN ({', '.join(['%s'] * len(exclude_users))})")
+            params += sorted(exclude_users)
+        orders = [f"{qn('priority')} DESC, {qn('id')}", *([qn("id")] if oldest_too else [])]
+        for order in orders:
+            sql = (f"SELECT {columns} FROM {qn(Job._meta.db_table)} WHERE {' AND '.join(where)} "
+                   f"ORDER BY {order} LIMIT %s")
+            lookups.append((sql, [*params, max(n, 2)]))
     heads: dict[int, list[Job]] = {}
-    if not queries:
-        return heads
-    if connection.features.supports_slicing_ordering_in_compound:
-        rows = list(queries[0].union(*queries[1:], all=True)) if len(queries) > 1 else list(queries[0])
-    else:
-        rows = [job for query in queries for job in query]
-    seen = set()
-    for job in rows:
-        if job.pk not in seen:
-            seen.add(job.pk)
-            heads.setdefault(job.team_id, []).append(job)
+    seen: set[int] = set()
+    for start in range(0, len(lookups), LOOKUPS_PER_STATEMENT):
+        chunk = lookups[start:start + LOOKUPS_PER_STATEMENT]
+        sql = " UNION ALL ".join(f"SELECT * FROM ({part}) AS head{i}" for i, (part, _) in enumerate(chunk))
+        for job in Job.objects.raw(sql, [param for _, params in chunk for param in params]):
+            if job.pk not in seen:
+                seen.add(job.pk)
+                heads.setdefault(job.team_id, []).append(job)
     return heads

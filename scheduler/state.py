@@ -115,6 +115,12 @@ class ClaimState:
             ))
         return self._running_tokens
 
+    def capacity(self) -> float:
+        """Slots in the system: the placeable executors' limits, within the global cap."""
+        total = sum(view.limit for view in self.executors)
+        cap = self.caps.global_cap
+        return total if cap is None else min(total, cap)
+
     def global_free(self) -> float:
         if self.budgets.global_exhausted():
             return 0

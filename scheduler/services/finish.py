@@ -77,7 +77,7 @@ def jobs_finish(*, outcomes: Sequence[Outcome]) -> FinishReport:
             .annotate(db_now=Now())
             .order_by("pk")
             .only("pk", "status", "lease", "lease_expires_at", "executor_id", "tokens_used", "worker", "attempts",
-                  "team_id", "user_id", "reservation", "started_at")
+                  "team_id", "user_id", "reservation", "started_at", "cost_estimate")
         }
         if not held:
             return FinishReport(accepted=[], refused=sorted(by_job))
@@ -96,10 +96,8 @@ def jobs_finish(*, outcomes: Sequence[Outcome]) -> FinishReport:
             meta = {"tokens": outcome.tokens_used, **outcome.meta}
             bills.append(Bill(team_id=job.team_id, user_id=job.user_id, executor_id=job.executor_id,
                               tokens=outcome.tokens_used or 0))
-            charges[job.team_id] += (
-                outcome.tokens_used or 0 if record.cost == QueuePolicy.Cost.TOKENS
-                else max((now - job.started_at).total_seconds(), 0.0)
-            )
+            charges[job.team_id] += attempt_cost(record, started_at=job.started_at, now=now,
+                                                 tokens=outcome.tokens_used or 0, estimate=job.cost_estimate)
             if not outcome.ok and outcome.retryable and job.attempts < max_attempts:
                 delay = retry_delay(attempt=job.attempts, retry_after=outcome.retry_after)
                 retrying.append({
@@ -146,6 +144,15 @@ def jobs_finish(*, outcomes: Sequence[Outcome]) -> FinishReport:
     return FinishReport(
         accepted=[row["id"] for row in finished], refused=refused, retrying=[row["id"] for row in retrying]
     )
+
+
+def attempt_cost(record: QueuePolicy, *, started_at, now, tokens: int, estimate: int) -> float:
+    """What an attempt adds to its team's fair-share usage when it ends: its real cost (slot-seconds
+    or tokens) less the entry penalty charged when it started. The penalty only holds a burst back
+    until the real cost is known; history keeps the real cost alone."""
+    if record.cost == QueuePolicy.Cost.TOKENS:
+        return tokens - estimate
+    return max((now - started_at).total_seconds(), 0.0) - record.entry_penalty
 
 
 def _refusal(job: Job | None, outcome: Outcome) -> str | None:

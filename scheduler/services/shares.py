@@ -8,7 +8,7 @@ def team_shares_charge(*, charges: Mapping[int, float], now: datetime, half_life
     """Add to teams' fair-share usage, decaying what was there to `now` first. Locks the teams'
     share rows in ascending team id (lock level 5, the last), so callers run it at the end of their
     transaction: the claim (the entry penalty of jobs it starts) and the finish (what attempts
-    actually cost)."""
+    actually cost, less that penalty)."""
     charges = {team_id: amount for team_id, amount in charges.items() if amount}
     if not charges:
         return
@@ -17,6 +17,7 @@ def team_shares_charge(*, charges: Mapping[int, float], now: datetime, half_life
     )
     shares = list(TeamShare.objects.select_for_update().filter(team_id__in=sorted(charges)).order_by("team_id"))
     for share in shares:
-        share.usage = share.decayed(now, half_life) + charges[share.team_id]
+        # A settlement (real cost less the entry penalty) may be negative; usage never is.
+        share.usage = max(share.decayed(now, half_life) + charges[share.team_id], 0.0)
         share.updated_at = max(now, share.updated_at)
     TeamShare.objects.bulk_update(shares, ["usage", "updated_at"])

@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from django.utils import timezone
 
+from quotas.models import QuotaPolicy
 from scheduler.models import Job, JobEvent, QueuePolicy, TeamShare
 from scheduler.policy import FairSharePolicy, policy_for
 from scheduler.services.claim import job_claim
@@ -78,16 +79,30 @@ class TestFairShare:
         assert [c.job.pk for c in job_claim(worker="w", limit=1).claims] == [t2_job.pk]
         assert t1_heavy.decayed(now + timedelta(seconds=60), 60) == pytest.approx(3000)
 
-    def test_entry_penalty_and_finish_charge_usage(self, three_teams):
+    def test_entry_penalty_is_held_until_the_real_cost_is_known(self, three_teams):
         u1 = three_teams["u1"]
         policy(entry_penalty=2.5)
         job = submit(u1, "t1")
         (claim,) = job_claim(worker="w", limit=1).claims
         share = TeamShare.objects.get(team_id=job.team_id)
         assert share.usage == pytest.approx(2.5)
+        Job.objects.filter(pk=job.pk).update(started_at=timezone.now() - timedelta(seconds=4))
         job_finish(job_id=job.pk, lease=claim.lease, result={})
         share.refresh_from_db()
-        assert share.usage >= 2.5
+        assert share.usage == pytest.approx(4.0, abs=0.2), "history keeps the 4 slot-seconds, not the penalty"
+
+    def test_an_idle_team_catches_up_only_to_its_share(self, three_teams):
+        u1, u2, _ = three_teams.values()
+        policy(entry_penalty=0)
+        # t1 has a long history; t2 none. With 12 slots and equal weights, t2's share is 6 (+1).
+        TeamShare.objects.create(team_id=submit(u1, "t1").team_id, usage=1e6, updated_at=timezone.now())
+        QuotaPolicy.objects.create(scope="global", dimension="ai.concurrency", limit=12)
+        for _ in range(30):
+            submit(u1, "t1")
+            submit(u2, "t2")
+        claims = job_claim(worker="w", limit=12).claims
+        per_team = {slug: sum(1 for c in claims if c.job.team.slug == slug) for slug in ("t1", "t2")}
+        assert per_team == {"t1": 5, "t2": 7}
 
     def test_weight_zero_only_takes_spare_capacity(self, three_teams):
         u1, u2, _ = three_teams.values()
