@@ -216,7 +216,7 @@ def quota_settle(*, reservations: Iterable[dict[str, Any] | None], bills: Iterab
         _add_reservation(deltas, reservation, sign=-1)
     bills = list(bills)
     if bills:
-        rules = [r for r in quota_rules() if r.dimension in BUDGET_DIMENSIONS]
+        rules = quota_rules(dimensions=BUDGET_DIMENSIONS)
         budgets = Budgets([Account(r, *window_bounds(r.window, now)) for r in rules], now)
         for bill in bills:
             for account in budgets.applicable(team_id=bill.team_id, user_id=bill.user_id, executor_id=bill.executor_id):

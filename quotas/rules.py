@@ -4,7 +4,6 @@ all of them loaded at once for the claim and admission."""
 from dataclasses import dataclass
 
 from django.contrib.auth import get_user_model
-from django.db.models import OuterRef, Subquery
 
 from executors.models import Executor
 from quotas.models import QuotaPolicy
@@ -69,18 +68,28 @@ class Rule:
         return executor_id is not None and self.subject_id == executor_id
 
 
-def quota_rules() -> list[Rule]:
-    """Every quota rule in one query, subjects resolved to ids (None when the subject is gone)."""
-    by_name = {
-        Scope.TEAM: Team.objects.filter(slug=OuterRef("subject")),
-        Scope.USER: get_user_model().objects.filter(username=OuterRef("subject")),
-        Scope.EXECUTOR: Executor.objects.filter(name=OuterRef("subject")),
+def quota_rules(
+    *, dimensions: tuple[str, ...] | None = None, known: dict[str, dict[str, int]] | None = None
+) -> list[Rule]:
+    """Quota rules (of these dimensions, or all), subjects resolved to ids (None when the subject
+    is gone). Plain queries: one for the rules, one per scope whose rules name subjects, unless
+    the caller already holds that scope's name -> id map (`known`; the claim has teams and
+    executors loaded). The claim runs this every time, so it avoids costlier compiled forms."""
+    rules = QuotaPolicy.objects.all()
+    if dimensions is not None:
+        rules = rules.filter(dimension__in=dimensions)
+    rows = list(rules.values_list("pk", "scope", "subject", "dimension", "limit", "window"))
+    by_scope = {
+        Scope.TEAM: (Team.objects, "slug"),
+        Scope.USER: (get_user_model().objects, "username"),
+        Scope.EXECUTOR: (Executor.objects, "name"),
     }
-    rows = QuotaPolicy.objects.annotate(
-        **{f"{scope}_id": Subquery(query.values("pk")[:1]) for scope, query in by_name.items()}
-    ).values_list("pk", "scope", "subject", "dimension", "limit", "window", "team_id", "user_id", "executor_id")
-    rules = []
-    for pk, scope, subject, dimension, limit, window, team_id, user_id, executor_id in rows:
-        subject_id = {Scope.TEAM: team_id, Scope.USER: user_id, Scope.EXECUTOR: executor_id}.get(scope)
-        rules.append(Rule(pk, scope, subject, dimension, limit, window, subject_id))
-    return rules
+    ids: dict[str, dict[str, int]] = dict(known or {})
+    for scope, (objects, field) in by_scope.items():
+        names = {row[2] for row in rows if row[1] == scope}
+        if names and scope not in ids:
+            ids[scope] = dict(objects.filter(**{f"{field}__in": names}).values_list(field, "pk"))
+    return [
+        Rule(pk, scope, subject, dimension, limit, window, ids.get(scope, {}).get(subject))
+        for pk, scope, subject, dimension, limit, window in rows
+    ]

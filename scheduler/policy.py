@@ -119,11 +119,11 @@ class BaseQueuePolicy:
         executor has room for. Also looks at each team's oldest jobs, which aging may have
         lifted above newer, higher-priority ones."""
         blocked = state.blocked_teams()
-        wanted = {}
-        for team_id, slug in Team.objects.order_by().values_list("pk", "slug"):
-            state.team_slugs[team_id] = slug
-            if team_id not in blocked:
-                wanted[team_id] = (state.placeable_models(team_id), int(min(limit, state.team_free(team_id))))
+        wanted = {
+            team_id: (state.placeable_models(team_id), int(min(limit, state.team_free(team_id))))
+            for team_id in state.team_slugs
+            if team_id not in blocked
+        }
         aging = self.record.aging_max_boost > 0
         heads = queued_heads(wanted=wanted, exclude_users=state.blocked_users(), now=state.now, oldest_too=aging)
         for jobs in heads.values():

@@ -19,6 +19,7 @@ from quotas.models import QuotaPolicy
 from quotas.rules import quota_rules
 from scheduler.models import Job, QueuePolicy, Slot
 from telemachus import rbac
+from telemachus.models import Team
 
 UNCAPPED = math.inf
 
@@ -81,19 +82,24 @@ class ClaimState:
 
     @classmethod
     def load(cls, *, policy: QueuePolicy, now: datetime) -> "ClaimState":
-        """Three or four queries: quota rules, live slots grouped by scope, placeable executors
-        (enabled, not down, breaker not open; an executor past its breaker cooldown takes one
-        trial at a time), and the budget ledger when there are budget rules. Call with the claim
-        lock held, so slot counts can only fall and budgets only grow while the state is in use."""
-        rules = quota_rules()
+        """A few plain queries: executors, teams, quota rules (and users they name), live slots
+        grouped by scope, and the budget ledger when there are budget rules. Placeable executors
+        are enabled, not down, breaker not open; one past its breaker cooldown takes one trial at
+        a time. Call with the claim lock held, so slot counts can only fall and budgets only grow
+        while the state is in use."""
+        every = list(Executor.objects.all())
+        teams = dict(Team.objects.order_by().values_list("pk", "slug"))
+        rules = quota_rules(known={
+            QuotaPolicy.Scope.TEAM: {slug: pk for pk, slug in teams.items()},
+            QuotaPolicy.Scope.EXECUTOR: {e.name: e.pk for e in every},
+        })
         caps = concurrency_caps(rules)
         counts = slot_counts()
-        placeable = (
-            Executor.objects.filter(enabled=True)
-            .exclude(health=Executor.Health.DOWN)
-            .exclude(breaker=Executor.Breaker.OPEN, breaker_until__gt=now)
-        )
-        placeable = list(placeable)
+        placeable = [
+            e for e in every
+            if e.enabled and e.health != Executor.Health.DOWN
+            and not (e.breaker == Executor.Breaker.OPEN and e.breaker_until and e.breaker_until > now)
+        ]
         owned_by = rbac.executor_teams() if any(e.team_id for e in placeable) else {}
         executors = []
         for e in placeable:
@@ -104,7 +110,9 @@ class ClaimState:
                 teams=owned_by.get(e.pk, {e.team_id}) if e.team_id else None,
             ))
         budgets = Budgets.load(now=now, rules=rules)
-        return cls(now=now, policy=policy, caps=caps, counts=counts, executors=executors, budgets=budgets)
+        state = cls(now=now, policy=policy, caps=caps, counts=counts, executors=executors, budgets=budgets)
+        state.team_slugs.update(teams)
+        return state
 
     def running_tokens(self) -> Counter:
         """Estimated tokens of each team's running jobs (for fair share by tokens), read on first
