@@ -25,6 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PG_ADMIN_URL = os.environ.get("BENCH_PG_URL", "postgres://postgres@127.0.0.1:5432/postgres")
 PG_BENCH_DB = "telemachus_bench"
+# As a deployment runs: DEBUG off (Django then keeps no per-query log), quiet logs.
+PRODUCTION_ENV = {"DJANGO_SETTINGS_MODULE": "telemachus.settings", "LOG_LEVEL": "WARNING", "DEBUG": "0",
+                  "SECRET_KEY": "bench-only-" + "x" * 50, "ALLOWED_HOSTS": "127.0.0.1"}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -36,9 +39,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def child(database_url: str, jobs: int) -> dict:
-    os.environ["DATABASE_URL"] = database_url
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "telemachus.settings")
-    os.environ["LOG_LEVEL"] = "WARNING"
+    os.environ.update(DATABASE_URL=database_url, **PRODUCTION_ENV)
     sys.path.insert(0, str(ROOT))
     import django
 
@@ -107,8 +108,7 @@ def clear() -> None:
 
 
 def start_workers(n: int, database_url: str, *, burst: bool) -> list[subprocess.Popen]:
-    env = {**os.environ, "DATABASE_URL": database_url, "DJANGO_SETTINGS_MODULE": "telemachus.settings",
-           "LOG_LEVEL": "WARNING"}
+    env = {**os.environ, "DATABASE_URL": database_url, **PRODUCTION_ENV}
     args = ["--burst"] if burst else []
     return [
         subprocess.Popen([sys.executable, "manage.py", "scheduler_worker", "--concurrency", "16",

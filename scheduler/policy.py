@@ -124,8 +124,12 @@ class BaseQueuePolicy:
             for team_id in state.team_slugs
             if team_id not in blocked
         }
-        aging = self.record.aging_max_boost > 0
-        heads = queued_heads(wanted=wanted, exclude_users=state.blocked_users(), now=state.now, oldest_too=aging)
+        record = self.record
+        aged_before = (
+            state.now - timedelta(seconds=record.aging_after_seconds)
+            if record.aging_max_boost > 0 and record.aging_step_seconds > 0 else None
+        )
+        heads = queued_heads(wanted=wanted, exclude_users=state.blocked_users(), now=state.now, aged_before=aged_before)
         for jobs in heads.values():
             jobs.sort(key=lambda job: (-self.effective_priority(job, state.now), job.pk))
         return heads

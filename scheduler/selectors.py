@@ -8,6 +8,10 @@ from scheduler.models import Job, QueuePolicy
 
 # SQLite allows at most 500 terms in a compound SELECT.
 LOOKUPS_PER_STATEMENT = 200
+# The payload columns: the claim reads many more heads than it takes, so these are left out of
+# the lookups (deferred: a policy that reads them still gets them, one query per job) and the
+# claim reads them only for the jobs it takes. A prompt can be far bigger than the rest of a row.
+PAYLOAD_FIELDS = ("input", "result", "error")
 
 
 def queue_policy() -> QueuePolicy:
@@ -16,12 +20,14 @@ def queue_policy() -> QueuePolicy:
 
 
 def queued_heads(
-    *, wanted: dict[int, tuple[set[str], int]], exclude_users: set[int], now: datetime, oldest_too: bool = False
+    *, wanted: dict[int, tuple[set[str], int]], exclude_users: set[int], now: datetime,
+    aged_before: datetime | None = None,
 ) -> dict[int, list[Job]]:
     """The head of each team's line: for each team id in `wanted`, up to n of its queued jobs for
     the given models, highest priority then oldest first, skipping users at their cap and retries
-    still waiting out their backoff; with `oldest_too`, also its n oldest (which aging may lift).
-    Each team's jobs come back unsorted.
+    still waiting out their backoff; with `aged_before`, also those of its n oldest submitted by
+    then (which aging may have lifted: a job not yet aged can never outrank the head by priority).
+    Each team's jobs come back unsorted, without their payload (PAYLOAD_FIELDS).
 
     Indexed lookups per team (job_team_queue_idx, job_team_age_idx), so rows examined grow with
     the number of teams and the batch size, not with the depth of any queue; all of them travel
@@ -30,7 +36,7 @@ def queued_heads(
     status is a literal, so both backends can use the partial indexes, and each lookup asks for at
     least two rows: at LIMIT 1 PostgreSQL may walk the primary key instead of the team's index."""
     qn = connection.ops.quote_name
-    columns = ", ".join(qn(field.column) for field in Job._meta.concrete_fields)
+    columns = ", ".join(qn(f.column) for f in Job._meta.concrete_fields if f.name not in PAYLOAD_FIELDS)
     lookups: list[tuple[str, list]] = []
     for team_id, (models, n) in wanted.items():
         if not models or n <= 0:
@@ -45,11 +51,15 @@ def queued_heads(
         if exclude_users:
             where.append(f"{qn('user_id')} NOT IN ({', '.join(['%s'] * len(exclude_users))})")
             params += sorted(exclude_users)
-        orders = [f"{qn('priority')} DESC, {qn('id')}", *([qn("id")] if oldest_too else [])]
-        for order in orders:
-            sql = (f"SELECT {columns} FROM {qn(Job._meta.db_table)} WHERE {' AND '.join(where)} "
-                   f"ORDER BY {order} LIMIT %s")
-            lookups.append((sql, [*params, max(n, 2)]))
+        table = qn(Job._meta.db_table)
+        lookups.append((f"SELECT {columns} FROM {table} WHERE {' AND '.join(where)} "
+                        f"ORDER BY {qn('priority')} DESC, {qn('id')} LIMIT %s", [*params, max(n, 2)]))
+        if aged_before is not None:
+            # The n oldest, then those of them that have aged: filtering inside the lookup would
+            # walk a whole deep queue by id whenever nothing has aged yet.
+            lookups.append((f"SELECT * FROM (SELECT {columns} FROM {table} WHERE {' AND '.join(where)} "
+                            f"ORDER BY {qn('id')} LIMIT %s) AS oldest WHERE {qn('submitted_at')} <= %s",
+                            [*params, max(n, 2), connection.ops.adapt_datetimefield_value(aged_before)]))
     heads: dict[int, list[Job]] = {}
     seen: set[int] = set()
     for start in range(0, len(lookups), LOOKUPS_PER_STATEMENT):

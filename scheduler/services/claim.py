@@ -96,12 +96,15 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
         for view in {view.pk: view for _, view in chosen if view.trial}.values():
             breaker_trial_started(executor=view.executor, now=now)
         if chosen:
-            owned = set(
+            # Lock the chosen rows and read their payload, left out of the heads the policy read.
+            owned = dict(
                 Job.objects.select_for_update(skip_locked=True)
                 .filter(pk__in=sorted(job.pk for job, _ in chosen), status=Job.Status.QUEUED)
-                .values_list("pk", flat=True)
+                .values_list("pk", "input")
             )
             chosen = [(job, view) for job, view in chosen if job.pk in owned]
+            for job, _ in chosen:
+                job.input = owned[job.pk]
         claims = _start(chosen, worker=worker, state=state) if chosen else []
         _record_deferrals(list(deferred.values()), now=now)
         # Ledger rows last (lock level 4): the reservations of the jobs actually started, and one

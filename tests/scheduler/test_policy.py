@@ -148,6 +148,16 @@ class TestFairShare:
             submit(u1, "t1", priority=10)
         assert claim_order(1) == [old.pk]
 
+    def test_aging_reaches_an_old_job_while_newer_ones_have_not_aged(self, three_teams):
+        u1 = three_teams["u1"]
+        policy(aging_after_seconds=60, aging_step_seconds=1, aging_max_boost=100)
+        old = submit(u1, "t1", priority=-50)
+        Job.objects.filter(pk=old.pk).update(submitted_at=timezone.now() - timedelta(seconds=120))
+        for _ in range(5):
+            submit(u1, "t1", priority=10)
+        # waited 60 s past the threshold at a level a second: -50 + 61 = 11 > 10
+        assert claim_order(1) == [old.pk]
+
     def test_tokens_cost(self, three_teams):
         u1, u2, _ = three_teams.values()
         policy(cost="tokens", entry_penalty=0)

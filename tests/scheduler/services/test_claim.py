@@ -51,6 +51,17 @@ class TestClaimWrites:
         assert list(job.events.values_list("event", flat=True)) == ["queued", "placed", "started"]
         assert job.events.get(event="placed").executor == executor
 
+    def test_claimed_job_carries_its_input(self, member_setup, submit):
+        # The worker dispatches from async code, where a lazy load of a deferred field would raise:
+        # the claim must hand over the payload it left out of the queue lookups.
+        alice, _, a, _, _ = member_setup
+        submit(alice, a)
+        (claim,) = job_claim(worker="w", limit=1).claims
+        assert "input" not in claim.job.get_deferred_fields()
+        with CaptureQueriesContext(connection) as reads:
+            assert claim.job.input == {"messages": [{"role": "user", "content": "hi"}]}
+        assert reads.captured_queries == []
+
     def test_query_count_does_not_grow_with_queue_depth(self, member_setup, submit):
         alice, bob, a, b, _ = member_setup
         submit(alice, a)
