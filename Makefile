@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test migrate bench clean
+.PHONY: run test lint migrate clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ run: migrate
 
 test: $(VENV)/.installed-dev
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV) var .pytest_cache

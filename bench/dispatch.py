@@ -68,10 +68,10 @@ def start_simllm(latency_ms: int, database_url: str) -> tuple[subprocess.Popen, 
         try:
             http_json(f"{base}/v1/models")
             return proc, base
-        except OSError:
+        except OSError as error:
             if time.monotonic() > deadline:
                 proc.kill()
-                raise SystemExit("simllm did not start")
+                raise SystemExit("simllm did not start") from error
             time.sleep(0.1)
 
 

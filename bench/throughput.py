@@ -15,7 +15,6 @@ PostgreSQL runs in a scratch database `telemachus_bench` on 127.0.0.1 (created a
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile

@@ -11,7 +11,7 @@ from quotas.rules import quota_rule_errors
 from telemachus.admin import ReadOnlyAdmin
 
 
-_accounts: ContextVar[dict[int, Account]] = ContextVar("quota_accounts", default={})
+_accounts: ContextVar[dict[int, Account]] = ContextVar("quota_accounts")
 
 
 class QuotaPolicyForm(forms.ModelForm):
@@ -53,7 +53,7 @@ class QuotaPolicyAdmin(admin.ModelAdmin):
             _accounts.reset(token)
 
     def _account(self, policy: QuotaPolicy) -> Account | None:
-        return _accounts.get().get(policy.pk)
+        return _accounts.get({}).get(policy.pk)
 
     @admin.display(description="used (+ reserved)")
     def used(self, policy: QuotaPolicy) -> str:

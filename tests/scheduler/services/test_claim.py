@@ -155,7 +155,7 @@ class TestPlacement:
     def test_only_executors_offering_the_model(self, member_setup, submit, make_executor):
         alice, _, a, _, _ = member_setup
         make_executor("llama-box", models=["llama"])
-        job = submit(alice, a, model="llama")
+        submit(alice, a, model="llama")
         assert job_claim(worker="w", limit=1).claims[0].executor.name == "llama-box"
 
     def test_full_model_does_not_block_the_teams_other_models(self, member_setup, submit, make_executor):
