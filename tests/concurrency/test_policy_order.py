@@ -45,11 +45,16 @@ def test_one_job_of_a_quiet_team_goes_before_a_thousand_of_a_busy_one(processes,
     worker = processes.worker("w0", concurrency=4)
     wait_until(lambda: Job.objects.filter(status="running").exists(), timeout=20, what="team a to start")
     lone = submit(bob, "b")
+    submitted = timezone.now()
     wait_until(lambda: Job.objects.get(pk=lone.pk).status == "done", timeout=20, what="team b's job")
     started = list(JobEvent.objects.filter(event="started").order_by("at", "id").values_list("job_id", flat=True))
     position = started.index(lone.pk)
     assert position <= 2, f"team b's job started {position}th"
     assert started[0] == first.pk
+    # Exactly: every claim that began after the submit had returned (a claim reads its clock once
+    # it holds the claim lock, so it could see the job) took team b's job, not team a's.
+    lone.refresh_from_db()
+    assert not Job.objects.filter(team=team_a, started_at__gt=submitted, started_at__lt=lone.started_at).exists()
     worker.terminate()
 
 

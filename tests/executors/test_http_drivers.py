@@ -79,6 +79,12 @@ class TestAgainstSimllm:
         probe = run(d.probe())
         assert probe.health == "degraded" and "llama-70b" in probe.detail
 
+    def test_fail_rate_answers_500(self, processes):
+        base = processes.simllm(latency_ms=0, fail_rate=1)
+        with pytest.raises(DispatchError) as caught:
+            run(dispatch(driver(f"{base}/v1"), request()))
+        assert caught.value.retryable and "answered 500" in str(caught.value)
+
     def test_cancel_stops_the_upstream_request(self, processes):
         base = processes.simllm(latency_ms=0, tokens_per_s=2, output_tokens=100)
         d = driver(f"{base}/v1")

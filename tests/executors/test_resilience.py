@@ -126,7 +126,7 @@ def test_exhausted_retries_fail_and_free_the_slot(processes, alice, mode, input_
     assert not Slot.objects.exists()
 
 
-def test_breaker_opens_half_opens_and_closes(processes, alice):
+def test_breaker_opens_half_opens_and_closes(processes, alice, api, operator):
     faults = processes.faultserver()
     executor("switchy", f"{faults}/switch/v1")
     QueuePolicy.objects.update_or_create(pk=1, defaults={"max_attempts": 1})
@@ -148,6 +148,10 @@ def test_breaker_opens_half_opens_and_closes(processes, alice):
     switchy = Executor.objects.get(name="switchy")
     assert switchy.breaker == "closed" and switchy.consecutive_failures == 0
     assert executor_events("switchy") == ["breaker_opened", "breaker_half_open", "breaker_closed"]
+    # Operators see the same transitions through the API.
+    listed = api(operator).get(f"/api/executors/{switchy.pk}/events/").json()["results"]
+    assert [(e["event"], e["executor"]) for e in listed] == [
+        ("breaker_opened", "switchy"), ("breaker_half_open", "switchy"), ("breaker_closed", "switchy")]
     opened = JobEvent.objects.get(event="breaker_opened")
     first_start = min(JobEvent.objects.filter(job__in=later, event="started").values_list("at", flat=True))
     assert (first_start - opened.at).total_seconds() >= 2.0

@@ -238,6 +238,22 @@ class TestPlacement:
         placed = [c.executor.name for c in job_claim(worker="w", limit=4).claims]
         assert {name: placed.count(name) for name in ("small", "big")} == expected
 
+    @pytest.mark.parametrize(("rule", "expected"), [
+        ("least-loaded", {"light": 2, "heavy": 2}),  # same capacity: same load, whatever the weight
+        ("pack", {"light": 0, "heavy": 4}),
+        ("weighted", {"light": 1, "heavy": 3}),  # spread 1:3 by weight
+    ])
+    def test_rules_tell_capacity_from_weight(self, member_setup, make_executor, rule, expected):
+        alice, _, _, _, shared = member_setup
+        shared.delete()
+        make_executor("light", models=["m"], max_concurrency=4, weight=1)
+        make_executor("heavy", models=["m"], max_concurrency=4, weight=3)
+        policy(placement=rule)
+        for _ in range(4):
+            submit(alice, "a")
+        placed = [c.executor.name for c in job_claim(worker="w", limit=4).claims]
+        assert {name: placed.count(name) for name in ("light", "heavy")} == expected
+
 
 class TestCustomPolicy:
     def test_loaded_from_the_setting(self, settings, three_teams):

@@ -62,6 +62,21 @@ def test_why_a_team_is_not_served_and_actual_shares(api, operator, member_setup,
     assert 0.8 < teams["b"]["actual_share"] < 1.0 and 0 < teams["a"]["actual_share"] < 0.2
 
 
+def test_user_and_global_caps_are_named(api, operator, member_setup):
+    alice, bob, *_ = member_setup
+    QuotaPolicy.objects.create(scope="user", subject="alice", dimension="ai.concurrency", limit=1)
+    submit(alice, "a")
+    submit(alice, "a")
+    job_claim(worker="w", limit=5)
+    teams = {t["team"]: t for t in api(operator).get("/api/queue/").json()["teams"]}
+    assert teams["a"]["not_served"] == ["at user cap"]
+
+    QuotaPolicy.objects.create(scope="global", subject="", dimension="ai.concurrency", limit=1)
+    submit(bob, "b")
+    teams = {t["team"]: t for t in api(operator).get("/api/queue/").json()["teams"]}
+    assert teams["b"]["not_served"] == ["at global cap"]
+
+
 def test_members_see_only_their_teams(api, member_setup, make_executor):
     alice, bob, _, team_b, _ = member_setup
     make_executor("b-private", team=team_b)

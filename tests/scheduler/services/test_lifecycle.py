@@ -6,10 +6,11 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from quotas.models import QuotaPolicy as QuotaRule, Usage
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
 from scheduler.services.cancel import job_cancel
 from scheduler.services.claim import job_claim
-from scheduler.services.finish import Outcome, job_finish, jobs_finish
+from scheduler.services.finish import Outcome, job_finish, jobs_finish, retry_delay
 from scheduler.services.lease import jobs_release, leases_renew
 from scheduler.services.recover import jobs_recover
 from scheduler.services.steps import LeaseLost, slot_acquire, slot_release
@@ -180,9 +181,32 @@ class TestSteps:
         released = JobEvent.objects.filter(job=job, event="step").last()
         assert released.meta == {"action": "released", "slot": step.slot_id, "tokens": 7, "held": True, "round": 1}
 
+    def test_every_round_is_billed_to_the_ledger(self, running):
+        for dimension, limit in (("ai.tokens", 1000), ("ai.requests", 100)):
+            QuotaRule.objects.create(scope="team", subject="a", dimension=dimension, limit=limit, window="day")
+        for round_number in (1, 2):
+            step = slot_acquire(job_id=running.job.pk, lease=running.lease, worker="w1")
+            slot_release(slot_id=step.slot_id, job_id=running.job.pk, lease=running.lease, tokens_used=7,
+                         round=round_number)
+        usage = Usage.objects.get(scope="team", subject="a", window="day")
+        assert (usage.tokens, usage.requests, usage.reserved_tokens) == (14, 2, 0)
+
     def test_lost_lease_raises(self, running):
         expire(running.job.pk)
         with pytest.raises(LeaseLost):
             slot_acquire(job_id=running.job.pk, lease=running.lease, worker="w1")
         with pytest.raises(LeaseLost):
             slot_release(slot_id=running.slot_id, job_id=running.job.pk, lease=running.lease)
+
+
+class TestRetryDelay:
+    def test_doubles_per_attempt_up_to_the_cap_with_full_jitter(self, settings):
+        settings.TELEMACHUS_RETRY_BASE_SECONDS, settings.TELEMACHUS_RETRY_MAX_SECONDS = 1, 60
+        for attempt, cap in ((1, 1), (2, 2), (3, 4), (6, 32), (7, 60), (30, 60)):
+            delays = [retry_delay(attempt=attempt, retry_after=None) for _ in range(200)]
+            assert all(cap / 2 <= delay <= cap for delay in delays), attempt
+            assert len(set(delays)) > 100, "jittered, so a burst of retries spreads out"
+
+    def test_never_sooner_than_retry_after(self, settings):
+        settings.TELEMACHUS_RETRY_BASE_SECONDS, settings.TELEMACHUS_RETRY_MAX_SECONDS = 1, 60
+        assert all(retry_delay(attempt=1, retry_after=30) == 30 for _ in range(50))

@@ -1,0 +1,34 @@
+"""The in-process `sim` executor: knobs from the executor's meta, labelled results."""
+
+import asyncio
+
+import pytest
+
+from executors.contract import DispatchError, DispatchRequest
+from executors.drivers.sim import SimDriver
+from executors.models import Executor
+
+
+def dispatch(**meta):
+    executor = Executor(name="s", kind="sim", capabilities={"models": ["m"]}, meta={"latency_ms": 0, **meta})
+    request = DispatchRequest(job_id=1, type="chat", model="m",
+                              input={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    return asyncio.run(SimDriver(executor).dispatch(request))
+
+
+def test_result_is_labelled_and_counts_tokens():
+    result = dispatch(output_tokens=10)
+    assert result.output["simulated"] is True
+    assert result.output["message"]["content"] == "[simulated reply from s] hi"
+    assert result.completion_tokens == 3 and result.output["finish_reason"] == "length"
+
+
+def test_fail_rate_one_always_fails_and_zero_never_does():
+    with pytest.raises(DispatchError, match="simulated failure") as caught:
+        dispatch(fail_rate=1)
+    assert caught.value.retryable is False
+    assert all(dispatch(fail_rate=0).output["simulated"] for _ in range(20))
+
+
+def test_bad_knob_values_fall_back_to_defaults():
+    assert dispatch(fail_rate="often", output_tokens=None).completion_tokens == 3
