@@ -1,5 +1,8 @@
 import pytest
+from django.utils import timezone
 
+from quotas.budget import Bill, quota_settle
+from quotas.models import QuotaPolicy
 from scheduler.models import Job
 from scheduler.services.submit import job_submit
 
@@ -65,3 +68,12 @@ def test_team_created_in_admin_gets_a_group(admin_client_with_data, make_user):
     assert team.group.name == "team:ops"
     assert carol.groups.filter(pk=team.group_id).exists()
     assert team.memberships.get().role == "manager"
+
+
+def test_budget_rules_show_their_usage(admin_client_with_data, member_setup):
+    alice, _, team_a, _, _ = member_setup
+    QuotaPolicy.objects.create(scope="team", subject="a", dimension="ai.tokens", limit=1000, window="day")
+    quota_settle(reservations=[], bills=[Bill(team_id=team_a.pk, user_id=alice.pk, executor_id=None, tokens=300)],
+                 now=timezone.now())
+    page = admin_client_with_data.get("/admin/quotas/quotapolicy/").content.decode()
+    assert "300 (+0)" in page and ">700<" in page and " UTC" in page

@@ -13,8 +13,8 @@ The first path segment picks the behaviour of `POST /<mode>/v1/chat/completions`
     auth        200 only with `Authorization: Bearer $FAULT_EXPECTED_KEY`, else 401 echoing the header
     switch      fails with 503 while the switch is on (POST /switch/on, /switch/off; starts on)
 
-`GET /<mode>/v1/models` always answers 200 (the breaker is passive: probes do not feed it). `GET /stats` counts requests per
-mode. Run: python -m tests.executors.faultserver --port P
+`GET /<mode>/v1/models` always answers 200 (the breaker is passive: probes do not feed it), after 0.5 s
+in mode `slow`. `GET /stats` counts requests per mode. Run: python -m tests.executors.faultserver --port P
 """
 
 import argparse
@@ -47,6 +47,8 @@ class FaultServer:
             return await respond(send, 200, {"on": self.switch_on})
         mode, rest = path[0], "/".join(path[1:])
         if rest == "v1/models":
+            if mode == "slow":
+                await asyncio.sleep(0.5)
             return await respond(send, 200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
         if rest != "v1/chat/completions":
             return await respond(send, 404, error_body("no such route", "not_found"))

@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from executors.contract import DispatchError, DispatchRequest
+from executors.drivers import openai as openai_driver
 from executors.drivers.openai import LocalModelDriver, RemoteModelDriver
 from executors.models import Executor
 from tests.processes import free_port, http_json, wait_until
@@ -130,6 +131,12 @@ class TestFaults:
             run(dispatch(driver(f"{faults}/429/v1"), request()))
         assert caught.value.retryable and not caught.value.executor_fault
         assert caught.value.retry_after == 1.0 and caught.value.status == 429
+
+    def test_slow_probe_is_degraded(self, faults, monkeypatch):
+        monkeypatch.setattr(openai_driver, "SLOW_PROBE_MS", 300)
+        assert run(driver(f"{faults}/ok/v1").probe()).health == "ok"
+        probe = run(driver(f"{faults}/slow/v1").probe())
+        assert probe.health == "degraded" and probe.detail.startswith("slow: ") and probe.latency_ms >= 500
 
     def test_hang_past_the_timeout(self, faults):
         with pytest.raises(DispatchError) as caught:

@@ -2,7 +2,7 @@ import json
 
 import pytest
 from django.db import connection
-from django.test import override_settings
+from django.test import Client, override_settings
 from django.test.utils import CaptureQueriesContext
 
 from scheduler.models import Job, JobEvent
@@ -39,6 +39,19 @@ class TestSubmit:
         assert response.status_code == 401
         assert response.json()["error"] == "not_authenticated"
         assert not Job.objects.exists()
+
+    def test_session_authentication_with_csrf(self, member_setup):
+        # A browser session (the admin's login) works too; unsafe methods then need the CSRF token.
+        alice = member_setup[0]
+        browser = Client(enforce_csrf_checks=True)
+        browser.force_login(alice)
+        assert browser.get("/api/jobs/").status_code == 200
+        refused = browser.post("/api/jobs/", chat_body("a"), content_type="application/json")
+        assert refused.status_code == 403 and "CSRF" in refused.json()["detail"]
+        browser.get("/admin/login/")  # sets the csrftoken cookie
+        accepted = browser.post("/api/jobs/", chat_body("a"), content_type="application/json",
+                                HTTP_X_CSRFTOKEN=browser.cookies["csrftoken"].value)
+        assert accepted.status_code == 201 and accepted.json()["user"] == "alice"
 
     @pytest.mark.parametrize("team", ["b", "nope"])
     def test_team_not_joined_or_missing_reads_the_same(self, api, member_setup, team):
