@@ -1,11 +1,12 @@
 """Throughput and latency of the governed claim, on PostgreSQL and SQLite. Prints a table.
 
-    .venv/bin/python bench/throughput.py [--jobs 5000] [--backends postgres,sqlite]
+    .venv/bin/python bench/throughput.py [--jobs 5000] [--backends postgres,sqlite] [--concurrency 16,64]
 
 For each backend, in a fresh database with all four caps in force (global, executor, team, user):
   * jobs/s: N no-op jobs (sim executor, zero latency) queued, then drained by 1, 2 and 4 worker
-    processes (concurrency 16 each); measured from the first start to the last finish in the
-    database, so process start-up is not counted;
+    processes, at each --concurrency (dispatches in flight per worker, so also the most jobs one
+    claim takes); measured from the first start to the last finish in the database, so process
+    start-up is not counted;
   * claim latency p50/p99 (one job per claim, in-process) with 1k, 10k and 100k jobs queued;
   * placement latency p50/p99: submit -> start of dispatch, one worker idle and waiting, jobs
     submitted one at a time.
@@ -37,7 +38,7 @@ def percentile(values: list[float], q: float) -> float:
 # --- child: one backend ---------------------------------------------------------------------
 
 
-def child(database_url: str, jobs: int) -> dict:
+def child(database_url: str, jobs: int, concurrencies: list[int]) -> dict:
     os.environ.update(DATABASE_URL=database_url, **PRODUCTION_ENV)
     sys.path.insert(0, str(ROOT))
     import django
@@ -48,8 +49,10 @@ def child(database_url: str, jobs: int) -> dict:
     call_command("migrate", verbosity=0)
     setup = seed()
     results = {"drain": {}, "claim": {}, "placement": None}
-    for workers in (1, 2, 4):
-        results["drain"][workers] = drain(jobs, workers, setup, database_url)
+    for concurrency in concurrencies:
+        results["drain"][concurrency] = {
+            workers: drain(jobs, workers, setup, database_url, concurrency) for workers in (1, 2, 4)
+        }
     for depth in (1_000, 10_000, 100_000):
         results["claim"][depth] = claim_latency(depth, setup)
     results["placement"] = placement_latency(setup, database_url)
@@ -106,24 +109,24 @@ def clear() -> None:
     Job.objects.all().delete()
 
 
-def start_workers(n: int, database_url: str, *, burst: bool) -> list[subprocess.Popen]:
+def start_workers(n: int, database_url: str, *, burst: bool, concurrency: int = 16) -> list[subprocess.Popen]:
     env = {**os.environ, "DATABASE_URL": database_url, **PRODUCTION_ENV}
     args = ["--burst"] if burst else []
     return [
-        subprocess.Popen([sys.executable, "manage.py", "scheduler_worker", "--concurrency", "16",
+        subprocess.Popen([sys.executable, "manage.py", "scheduler_worker", "--concurrency", str(concurrency),
                           "--name", f"bench-{i}", *args], cwd=ROOT, env=env)
         for i in range(n)
     ]
 
 
-def drain(jobs: int, workers: int, setup: dict, database_url: str) -> float:
+def drain(jobs: int, workers: int, setup: dict, database_url: str, concurrency: int) -> float:
     from django.db.models import Max, Min
 
     from scheduler.models import Job
 
     clear()
     queue(jobs, setup)
-    procs = start_workers(workers, database_url, burst=True)
+    procs = start_workers(workers, database_url, burst=True, concurrency=concurrency)
     for proc in procs:
         proc.wait(timeout=1800)
     done = Job.objects.filter(status="done")
@@ -176,9 +179,9 @@ def placement_latency(setup: dict, database_url: str, samples: int = 200) -> tup
 # --- parent: run each backend in its own process and print the table ------------------------------
 
 
-def run_backend(url: str, jobs: int) -> dict:
-    result = subprocess.run([sys.executable, __file__, "--child", url, "--jobs", str(jobs)],
-                            cwd=ROOT, capture_output=True, text=True)
+def run_backend(url: str, jobs: int, concurrency: str) -> dict:
+    argv = [sys.executable, __file__, "--child", url, "--jobs", str(jobs), "--concurrency", concurrency]
+    result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"benchmark on {url} failed:\n{result.stderr[-4000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -197,10 +200,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=5000)
     parser.add_argument("--backends", default="postgres,sqlite")
+    parser.add_argument("--concurrency", default="16,64", help="worker --concurrency values to drain with")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.jobs)))
+        print(json.dumps(child(args.child, args.jobs, [int(c) for c in args.concurrency.split(",")])))
         return
 
     table = {}
@@ -208,17 +212,19 @@ def main() -> None:
         if backend == "postgres":
             pg_database("create")
             try:
-                table[backend] = run_backend(PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{PG_BENCH_DB}", args.jobs)
+                table[backend] = run_backend(PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{PG_BENCH_DB}", args.jobs, args.concurrency)
             finally:
                 pg_database("drop")
         else:
             with tempfile.TemporaryDirectory() as tmp:
-                table[backend] = run_backend(f"sqlite:///{tmp}/bench.sqlite3", args.jobs)
+                table[backend] = run_backend(f"sqlite:///{tmp}/bench.sqlite3", args.jobs, args.concurrency)
 
     print(f"\nthroughput: {args.jobs} no-op jobs through sim, caps in force at all four scopes\n")
-    print(f"{'backend':<10} {'1 worker':>10} {'2 workers':>10} {'4 workers':>10}   (jobs/s)")
+    print(f"{'backend':<10} {'concurrency':>11} {'1 worker':>10} {'2 workers':>10} {'4 workers':>10}   (jobs/s)")
     for backend, r in table.items():
-        print(f"{backend:<10} " + " ".join(f"{r['drain'][str(w)]:>10.0f}" for w in (1, 2, 4)))
+        for concurrency, by_workers in r["drain"].items():
+            rates = " ".join(f"{by_workers[str(w)]:>10.0f}" for w in (1, 2, 4))
+            print(f"{backend:<10} {concurrency:>11} {rates}")
     print(f"\n{'backend':<10} {'queued':>8} {'claim p50 ms':>13} {'claim p99 ms':>13}")
     for backend, r in table.items():
         for depth in ("1000", "10000", "100000"):

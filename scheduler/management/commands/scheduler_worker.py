@@ -4,7 +4,7 @@ import socket
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from scheduler.worker import Worker
+from scheduler.worker import DEFAULT_CONCURRENCY, Worker
 
 
 class Command(BaseCommand):
@@ -14,7 +14,8 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--concurrency", type=int, default=16, help="dispatches in flight at once (default 16)")
+        parser.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY,
+                            help=f"dispatches in flight at once (default {DEFAULT_CONCURRENCY})")
         parser.add_argument("--name", default=None, help="worker name, unique per process (default host:pid)")
         parser.add_argument(
             "--burst", action="store_true", help="exit once nothing is claimable and nothing is in flight"
