@@ -119,3 +119,24 @@ def not_served(team: Team, *, queued: int, caps, slots, out_of_budget: bool) -> 
     if caps.global_cap is not None and slots.total >= caps.global_cap:
         reasons.append("at global cap")
     return reasons
+
+
+RECENT_JOBS = 25
+
+
+def dashboard_state(*, user: rbac.Principal) -> dict[str, Any]:
+    """What the live dashboard shows: the queue snapshot, and the latest jobs the user may see."""
+    jobs = rbac.visible_jobs(user).select_related("team", "user", "executor").order_by("-id")[:RECENT_JOBS]
+    return {
+        "queue": queue_snapshot(user=user),
+        "jobs": [
+            {
+                "id": job.pk, "team": job.team.slug, "user": job.user.get_username(), "type": job.type,
+                "model": job.model, "priority": job.priority, "status": job.status,
+                "executor": job.executor.name if job.executor else None, "attempts": job.attempts,
+                "tokens_used": job.tokens_used, "submitted_at": job.submitted_at, "started_at": job.started_at,
+                "finished_at": job.finished_at, "error": job.error[:200],
+            }
+            for job in jobs.defer("input", "result")
+        ],
+    }

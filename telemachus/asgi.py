@@ -1,4 +1,4 @@
-"""ASGI entry point for daphne: HTTP (API, admin, dashboard) and, later, WebSocket routes."""
+"""ASGI entry point for daphne: HTTP (API, admin, dashboard) and the dashboard's WebSocket."""
 
 import os
 
@@ -8,6 +8,19 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "telemachus.settings")
 
 django_asgi_app = get_asgi_application()
 
-from channels.routing import ProtocolTypeRouter  # noqa: E402  (needs the app registry loaded above)
+# These need the app registry loaded above.
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from django.urls import path  # noqa: E402
 
-application = ProtocolTypeRouter({"http": django_asgi_app})
+from scheduler.consumers import DashboardConsumer  # noqa: E402
+
+application = ProtocolTypeRouter({
+    "http": django_asgi_app,
+    # Session authentication, as for the page itself; the Origin check stops other sites' pages
+    # from opening the socket with a signed-in user's cookie.
+    "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter([
+        path("ws/dashboard/", DashboardConsumer.as_asgi()),
+    ]))),
+})

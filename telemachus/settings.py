@@ -165,6 +165,10 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
+# The dashboard's sign-in (team members are not admin staff, so not the admin's login page).
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "dashboard"
+LOGOUT_REDIRECT_URL = "login"
 STATIC_ROOT = VAR_DIR / "static"
 # WhiteNoise serves admin and dashboard assets from daphne itself, so no separate web server is
 # needed. In DEBUG it reads them straight from the apps; in production run collectstatic.
@@ -243,6 +247,8 @@ TELEMACHUS_BREAKER_THRESHOLD = env_int("TELEMACHUS_BREAKER_THRESHOLD", 5)
 TELEMACHUS_BREAKER_COOLDOWN_SECONDS = env_float("TELEMACHUS_BREAKER_COOLDOWN_SECONDS", 30)
 # Active health probe of each executor (GET {endpoint}/models), by one worker per interval.
 TELEMACHUS_PROBE_INTERVAL_SECONDS = env_float("TELEMACHUS_PROBE_INTERVAL_SECONDS", 15)
+# How often the live dashboard re-reads the queue for each open page.
+TELEMACHUS_DASHBOARD_INTERVAL_SECONDS = env_float("TELEMACHUS_DASHBOARD_INTERVAL_SECONDS", 1)
 # Largest request body the API accepts (bytes); larger bodies get 413 payload_too_large.
 TELEMACHUS_MAX_BODY_BYTES = env_int("TELEMACHUS_MAX_BODY_BYTES", 1_048_576)
 # Dotted path of a custom QueuePolicy class; empty means the record's choice or the default.

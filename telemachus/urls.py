@@ -1,9 +1,12 @@
 from django.contrib import admin
+from django.contrib.auth import views as auth_views
 from django.urls import include, path
+from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from executors import api as executors_api
 from quotas import api as quotas_api
+from scheduler import views as pages
 from scheduler.api import views as scheduler_views
 from scheduler.api.policy import PolicyApi
 from telemachus import api as teams_api
@@ -29,6 +32,10 @@ api = [
 ]
 
 urlpatterns = [
+    path("", RedirectView.as_view(pattern_name="dashboard"), name="home"),
+    path("dashboard/", pages.dashboard, name="dashboard"),
+    path("login/", auth_views.LoginView.as_view(template_name="scheduler/login.html"), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
     path("api/", include(api)),
 ]

@@ -49,6 +49,8 @@ def test_fresh_database_to_a_finished_job_and_a_clean_stop(tmp_path):
     try:
         base = f"http://127.0.0.1:{port}/api"
         wait_until(lambda: _answers(f"{base}/schema/"), timeout=30, what="daphne to listen")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as home:  # the dashboard's sign-in
+            assert home.url.endswith("/login/?next=/dashboard/") and b"Sign in" in home.read()
         job = call(f"{base}/jobs/", token, {
             "type": "chat", "team": "demo", "requirements": {"model": "sim", "est_tokens": 50},
             "input": {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16},
