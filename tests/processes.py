@@ -84,7 +84,7 @@ class Processes:
         port = free_port()
         self.spawn(f"faultserver-{port}", "-m", "tests.executors.faultserver", "--port", str(port), **env)
         base = f"http://127.0.0.1:{port}"
-        wait_until(lambda: _answers(base + "/ok/v1/models"), timeout=20, what="the fault server to listen")
+        wait_until(lambda: answers(base + "/ok/v1/models"), timeout=20, what="the fault server to listen")
         return base
 
     def simllm(self, *, latency_ms: float = 50, models: str = "m", **options: str) -> str:
@@ -95,7 +95,7 @@ class Processes:
             args += [f"--{key.replace('_', '-')}", str(value)]
         self.start(f"simllm-{port}", *args)
         base = f"http://127.0.0.1:{port}"
-        wait_until(lambda: _answers(base + "/v1/models"), timeout=20, what="simllm to listen")
+        wait_until(lambda: answers(base + "/v1/models"), timeout=20, what="simllm to listen")
         return base
 
     def stop_all(self) -> None:
@@ -106,7 +106,7 @@ class Processes:
             proc.wait(timeout=10)
 
 
-def _answers(url: str) -> bool:
+def answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1):
             return True

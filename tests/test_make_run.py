@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from tests.processes import ROOT, free_port, wait_until
+from tests.processes import ROOT, answers, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ def test_fresh_database_to_a_finished_job_and_a_clean_stop(tmp_path):
                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}/api"
-        wait_until(lambda: _answers(f"{base}/schema/"), timeout=30, what="daphne to listen")
+        wait_until(lambda: answers(f"{base}/schema/"), timeout=30, what="daphne to listen")
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as home:  # the dashboard's sign-in
             assert home.url.endswith("/login/?next=/dashboard/") and b"Sign in" in home.read()
         job = call(f"{base}/jobs/", token, {
@@ -63,12 +63,5 @@ def test_fresh_database_to_a_finished_job_and_a_clean_stop(tmp_path):
         os.killpg(run.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group
         code = run.wait(timeout=30)
     assert code == 0, (tmp_path / "run.log").read_text()
-    assert not _answers(f"http://127.0.0.1:{port}/api/schema/")
+    assert not answers(f"http://127.0.0.1:{port}/api/schema/")
 
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2):
-            return True
-    except OSError:
-        return False

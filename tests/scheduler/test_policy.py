@@ -222,37 +222,29 @@ class TestAdmission:
 
 
 class TestPlacement:
-    @pytest.mark.parametrize(("rule", "expected"), [
-        ("least-loaded", {"small": 1, "big": 3}),
-        ("pack", {"small": 2, "big": 2}),  # fills the fullest executor first
-        ("weighted", {"small": 1, "big": 3}),
-    ])
-    def test_rules(self, member_setup, make_executor, rule, expected):
-        alice, _, _, _, shared = member_setup
-        shared.delete()
-        make_executor("small", models=["m"], max_concurrency=2, weight=1)
-        make_executor("big", models=["m"], max_concurrency=6, weight=3)
-        policy(placement=rule)
-        for _ in range(4):
-            submit(alice, "a")
-        placed = [c.executor.name for c in job_claim(worker="w", limit=4).claims]
-        assert {name: placed.count(name) for name in ("small", "big")} == expected
+    # Four jobs onto two executors (name: max_concurrency, weight), so each rule's answer differs
+    # from the others' in at least one of the set-ups.
+    UNEQUAL = {"small": (2, 1), "big": (6, 3)}
+    EQUAL_CAPACITY = {"light": (4, 1), "heavy": (4, 3)}
 
-    @pytest.mark.parametrize(("rule", "expected"), [
-        ("least-loaded", {"light": 2, "heavy": 2}),  # same capacity: same load, whatever the weight
-        ("pack", {"light": 0, "heavy": 4}),
-        ("weighted", {"light": 1, "heavy": 3}),  # spread 1:3 by weight
+    @pytest.mark.parametrize(("executors", "rule", "expected"), [
+        (UNEQUAL, "least-loaded", {"small": 1, "big": 3}),
+        (UNEQUAL, "pack", {"small": 2, "big": 2}),  # fills the fullest executor first
+        (UNEQUAL, "weighted", {"small": 1, "big": 3}),
+        (EQUAL_CAPACITY, "least-loaded", {"light": 2, "heavy": 2}),  # same load, whatever the weight
+        (EQUAL_CAPACITY, "pack", {"light": 0, "heavy": 4}),
+        (EQUAL_CAPACITY, "weighted", {"light": 1, "heavy": 3}),  # spread 1:3 by weight
     ])
-    def test_rules_tell_capacity_from_weight(self, member_setup, make_executor, rule, expected):
+    def test_rules(self, member_setup, make_executor, executors, rule, expected):
         alice, _, _, _, shared = member_setup
         shared.delete()
-        make_executor("light", models=["m"], max_concurrency=4, weight=1)
-        make_executor("heavy", models=["m"], max_concurrency=4, weight=3)
+        for name, (max_concurrency, weight) in executors.items():
+            make_executor(name, models=["m"], max_concurrency=max_concurrency, weight=weight)
         policy(placement=rule)
         for _ in range(4):
             submit(alice, "a")
         placed = [c.executor.name for c in job_claim(worker="w", limit=4).claims]
-        assert {name: placed.count(name) for name in ("light", "heavy")} == expected
+        assert {name: placed.count(name) for name in executors} == expected
 
 
 class TestCustomPolicy:
