@@ -4,6 +4,7 @@ from django.http import HttpRequest
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
 from scheduler.services.cancel import job_cancel
 from scheduler.services.policy import EDITABLE, queue_policy_update
+from scheduler.services.requeue import job_requeue
 from telemachus.admin import ReadOnlyAdmin
 from telemachus.errors import DomainError
 
@@ -27,7 +28,7 @@ class JobAdmin(ReadOnlyAdmin):
     list_select_related = ["team", "user", "executor"]
     date_hierarchy = "submitted_at"
     inlines = [JobEventInline]
-    actions = ["cancel"]
+    actions = ["cancel", "requeue"]
 
     @admin.action(description="Cancel the selected jobs")
     def cancel(self, request: HttpRequest, queryset) -> None:
@@ -39,6 +40,17 @@ class JobAdmin(ReadOnlyAdmin):
             except DomainError as exc:
                 self.message_user(request, f"Job {job.pk}: {exc.detail}", messages.WARNING)
         self.message_user(request, f"Canceled {canceled} job(s).")
+
+    @admin.action(description="Requeue the selected failed or canceled jobs")
+    def requeue(self, request: HttpRequest, queryset) -> None:
+        requeued = 0
+        for job in queryset:
+            try:
+                job_requeue(job_id=job.pk, by=request.user)
+                requeued += 1
+            except DomainError as exc:
+                self.message_user(request, f"Job {job.pk}: {exc.detail}", messages.WARNING)
+        self.message_user(request, f"Requeued {requeued} job(s).")
 
 
 @admin.register(JobEvent)

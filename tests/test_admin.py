@@ -4,6 +4,7 @@ from django.utils import timezone
 from quotas.budget import Bill, quota_settle
 from quotas.models import QuotaPolicy
 from scheduler.models import Job
+from scheduler.services.cancel import job_cancel
 from scheduler.services.submit import job_submit
 
 pytestmark = pytest.mark.django_db
@@ -77,3 +78,14 @@ def test_budget_rules_show_their_usage(admin_client_with_data, member_setup):
                  now=timezone.now())
     page = admin_client_with_data.get("/admin/quotas/quotapolicy/").content.decode()
     assert "300 (+0)" in page and ">700<" in page and " UTC" in page
+
+
+def test_requeue_action_uses_the_service(admin_client_with_data):
+    job = Job.objects.get()
+    job_cancel(job_id=job.pk)
+    response = admin_client_with_data.post(
+        "/admin/scheduler/job/", {"action": "requeue", "_selected_action": [job.pk]}, follow=True
+    )
+    assert b"Requeued 1 job(s)." in response.content
+    job.refresh_from_db()
+    assert job.status == "queued" and job.events.last().meta["was"] == "canceled"

@@ -7,6 +7,7 @@ urlpatterns = [
     path("jobs/", views.JobListCreateApi.as_view(), name="job-list"),
     path("jobs/<int:job_id>/", views.JobDetailApi.as_view(), name="job-detail"),
     path("jobs/<int:job_id>/cancel/", views.JobCancelApi.as_view(), name="job-cancel"),
+    path("jobs/<int:job_id>/requeue/", views.JobRequeueApi.as_view(), name="job-requeue"),
     path("jobs/<int:job_id>/events/", views.JobEventListApi.as_view(), name="job-events"),
     path("jobs/<int:job_id>/wait/", job_wait, name="job-wait"),
 ]

@@ -11,6 +11,7 @@ from scheduler.api.serializers import JobEventOutput, JobListFilter, JobOutput, 
 from scheduler.models import Job, JobEvent
 from scheduler.snapshot import queue_snapshot
 from scheduler.services.cancel import job_cancel
+from scheduler.services.requeue import job_requeue
 from scheduler.services.submit import job_submit
 from telemachus import rbac
 from telemachus.errors import NotFound
@@ -70,6 +71,15 @@ class JobCancelApi(APIView):
     def post(self, request: Request, job_id: int) -> Response:
         rbac.require_cancel(request.user, visible_job(request, job_id))
         job = job_cancel(job_id=job_id, by=request.user)
+        return Response(JobOutput(visible_job(request, job.pk)).data)
+
+
+class JobRequeueApi(APIView):
+    """Operators send a failed or canceled job back to the queue (scheduler.manage)."""
+
+    @extend_schema(request=None, responses=JobOutput)
+    def post(self, request: Request, job_id: int) -> Response:
+        job = job_requeue(job_id=visible_job(request, job_id).pk, by=request.user)
         return Response(JobOutput(visible_job(request, job.pk)).data)
 
 

@@ -6,6 +6,8 @@ from django.test import Client, override_settings
 from django.test.utils import CaptureQueriesContext
 
 from scheduler.models import Job, JobEvent
+from scheduler.services.claim import job_claim
+from scheduler.services.finish import job_finish
 from scheduler.services.submit import job_submit
 from tests.conftest import chat_body
 
@@ -274,3 +276,44 @@ class TestCancel:
 
     def test_cancel_missing_job_is_404(self, api, member_setup):
         assert api(member_setup[0]).post("/api/jobs/424242/cancel/").status_code == 404
+
+
+class TestRequeue:
+    def failed_job(self, member_setup) -> Job:
+        alice = member_setup[0]
+        job = job_submit(user=alice, team="a", type="chat", requirements={"model": "m"},
+                         input={"messages": [{"role": "user", "content": "hi"}]})
+        (claim,) = job_claim(worker="w", limit=1).claims
+        job_finish(job_id=job.pk, lease=claim.lease, error="upstream said no", tokens_used=5)
+        return Job.objects.get(pk=job.pk)
+
+    def test_operator_requeues_a_failed_job_which_then_runs_again(self, api, operator, member_setup):
+        job = self.failed_job(member_setup)
+        assert (job.status, job.attempts) == ("failed", 1)
+        response = api(operator).post(f"/api/jobs/{job.pk}/requeue/")
+        assert response.status_code == 200, response.json()
+        body = response.json()
+        assert (body["status"], body["attempts"], body["error"], body["finished_at"]) == ("queued", 0, "", None)
+        requeued = JobEvent.objects.filter(job=job).last()
+        assert (requeued.event, requeued.meta) == ("requeued", {"reason": "operator", "was": "failed", "by": "operator"})
+        assert [c.job.pk for c in job_claim(worker="w", limit=1).claims] == [job.pk]
+
+    def test_a_member_may_not(self, api, member_setup):
+        job = self.failed_job(member_setup)
+        response = api(member_setup[0]).post(f"/api/jobs/{job.pk}/requeue/")
+        assert response.status_code == 403
+        assert response.json()["error"] == "forbidden" and response.json()["permission"] == "scheduler.manage"
+        assert Job.objects.get(pk=job.pk).status == "failed"
+
+    def test_another_teams_member_gets_404(self, api, member_setup):
+        job = self.failed_job(member_setup)
+        assert api(member_setup[1]).post(f"/api/jobs/{job.pk}/requeue/").status_code == 404
+
+    def test_only_failed_or_canceled_jobs(self, api, operator, member_setup):
+        queued = job_submit(user=member_setup[0], team="a", type="chat", requirements={"model": "m"},
+                            input={"messages": []})
+        response = api(operator).post(f"/api/jobs/{queued.pk}/requeue/")
+        assert response.status_code == 409 and response.json()["status"] == "queued"
+        job_claim(worker="w", limit=1)
+        assert api(operator).post(f"/api/jobs/{queued.pk}/requeue/").json()["status"] == "running"
+        assert api(operator).post("/api/jobs/424242/requeue/").status_code == 404

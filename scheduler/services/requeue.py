@@ -1,0 +1,41 @@
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
+
+from scheduler import signals
+from scheduler.locks import lock_job
+from scheduler.models import Job, JobEvent
+from scheduler.services.events import event_record
+from telemachus import rbac
+from telemachus.errors import Conflict, NotFound
+
+REQUEUEABLE = (Job.Status.FAILED, Job.Status.CANCELED)
+
+
+def job_requeue(*, job_id: int, by: AbstractBaseUser) -> Job:
+    """An operator sends a failed or canceled job back to the queue, once whatever failed it is
+    fixed: a fresh start with its attempts reset and its result and error cleared. Its events (and
+    the tokens it used, which were billed) stay. It keeps its place by age, bypasses the depth cap
+    (an operator's decision), and still meets caps and budgets at the claim like any queued job.
+
+    Locks the job row (level 3). A queued, running or done job is a 409 conflict: cancel a running
+    job first; submit a done one again."""
+    rbac.require_operator(by)
+    with transaction.atomic():
+        job = lock_job(job_id)
+        if job is None:
+            raise NotFound(f"Job {job_id} not found.")
+        if job.status not in REQUEUEABLE:
+            raise Conflict(f"Job {job_id} is {job.status}; only failed or canceled jobs can be requeued.",
+                           status=job.status)
+        was = job.status
+        job.status = Job.Status.QUEUED
+        job.attempts = 0
+        job.error, job.result = "", None
+        job.executor = job.avoid_executor = None
+        job.started_at = job.finished_at = job.run_after = job.deferred_until = None
+        job.save(update_fields=["status", "attempts", "error", "result", "executor", "avoid_executor",
+                                "started_at", "finished_at", "run_after", "deferred_until"])
+        event_record(job=job, event=JobEvent.Type.REQUEUED, at=job.db_now, reason="operator", was=was,
+                     by=by.get_username())
+        signals.notify_workers(signals.QUEUED)
+    return job
