@@ -126,7 +126,7 @@ RECENT_JOBS = 25
 
 def dashboard_state(*, user: rbac.Principal) -> dict[str, Any]:
     """What the live dashboard shows: the queue snapshot, and the latest jobs the user may see."""
-    jobs = rbac.visible_jobs(user).select_related("team", "user", "executor").order_by("-id")[:RECENT_JOBS]
+    jobs = rbac.visible_jobs(user).select_related("team", "user", "executor").defer("input", "result")
     return {
         "queue": queue_snapshot(user=user),
         "jobs": [
@@ -137,6 +137,6 @@ def dashboard_state(*, user: rbac.Principal) -> dict[str, Any]:
                 "tokens_used": job.tokens_used, "submitted_at": job.submitted_at, "started_at": job.started_at,
                 "finished_at": job.finished_at, "error": job.error[:200],
             }
-            for job in jobs.defer("input", "result")
+            for job in jobs.order_by("-id")[:RECENT_JOBS]
         ],
     }
