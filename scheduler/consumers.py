@@ -9,12 +9,13 @@ import asyncio
 import json
 import logging
 import time
+from importlib import import_module
 from typing import Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
-from django.contrib.auth import get_user_model
+from django.contrib.auth import SESSION_KEY, get_user_model
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import DatabaseError
 from django.utils import timezone
@@ -36,7 +37,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=NOT_AUTHENTICATED)
             return
         await self.accept()
-        self.pusher = asyncio.create_task(self._push(user))
+        self.pusher = asyncio.create_task(self._push(user, self.scope["session"].session_key))
 
     async def disconnect(self, code: int) -> None:
         if self.pusher is not None:
@@ -45,13 +46,13 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         """The dashboard only listens; anything sent to it is ignored."""
 
-    async def _push(self, user: Any) -> None:
+    async def _push(self, user: Any, session_key: str | None) -> None:
         state = database_sync_to_async(_state_for)
         last, sent_at = None, 0.0
         while True:
             try:
-                current = await state(user_id=user.pk)
-                if current is None:  # deactivated or deleted since the page opened
+                current = await state(user_id=user.pk, session_key=session_key)
+                if current is None:  # signed out, deactivated or deleted since the page opened
                     await self.close(code=NOT_AUTHENTICATED)
                     return
                 encoded = await self.encode_json(current)
@@ -70,8 +71,12 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         return json.dumps(content, cls=DjangoJSONEncoder, sort_keys=True)
 
 
-def _state_for(*, user_id: int) -> dict[str, Any] | None:
-    """The user is read again each time, so a deactivated account stops seeing the queue at once
-    and changes to its teams and roles show at the next update."""
+def _state_for(*, user_id: int, session_key: str | None) -> dict[str, Any] | None:
+    """The session and the user are read again each time, so signing out (anywhere) or a
+    deactivated account stops the updates at once, and changes to teams and roles show at the
+    next one."""
+    session = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
+    if session_key is None or session.get(SESSION_KEY) != str(user_id):
+        return None
     user = get_user_model().objects.filter(pk=user_id, is_active=True).first()
     return dashboard_state(user=user) if user is not None else None

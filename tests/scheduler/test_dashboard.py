@@ -78,16 +78,24 @@ class TestSocket:
 
         assert async_to_sync(scenario)() == (False, False)
 
-    def test_closes_when_the_account_is_deactivated(self, member_setup, settings):
+    @pytest.mark.parametrize("how", ["deactivated", "signed out"])
+    def test_closes_when_the_account_is_deactivated_or_signs_out(self, member_setup, settings, how):
         settings.TELEMACHUS_DASHBOARD_INTERVAL_SECONDS = 0.05
         alice = member_setup[0]
-        session = signed_in(alice)
+        browser = Client()
+        browser.force_login(alice)
+
+        def end() -> None:
+            if how == "deactivated":
+                type(alice).objects.filter(pk=alice.pk).update(is_active=False)
+            else:
+                assert browser.post("/logout/").status_code == 302
 
         async def scenario():
-            communicator = socket(session)
+            communicator = socket(browser.cookies["sessionid"].value)
             assert (await communicator.connect())[0]
             await communicator.receive_from(timeout=5)
-            await database_sync_to_async(type(alice).objects.filter(pk=alice.pk).update)(is_active=False)
+            await database_sync_to_async(end)()
             return await communicator.receive_output(timeout=5)
 
         assert async_to_sync(scenario)() == {"type": "websocket.close", "code": 4401}
