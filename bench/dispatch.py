@@ -30,16 +30,14 @@ import time
 import urllib.request
 from pathlib import Path
 
+from benchlib import percentile, pg_database, pg_url
+
 ROOT = Path(__file__).resolve().parent.parent
-PG_ADMIN_URL = os.environ.get("BENCH_PG_URL", "postgres://postgres@127.0.0.1:5432/postgres")
 PG_BENCH_DB = "telemachus_bench_dispatch"
 WARM_UP_JOBS = 20
 SLOW_LATENCY_MS = 2000
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def free_port() -> int:
@@ -279,13 +277,6 @@ def child(database_url: str, requests: int, concurrencies: list[int]) -> dict:
 # --- parent: a scratch database, the child, the tables ------------------------------------------
 
 
-def pg_database(action: str) -> None:
-    import psycopg
-
-    with psycopg.connect(PG_ADMIN_URL.replace("postgres://", "postgresql://"), autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{PG_BENCH_DB}" WITH (FORCE)')
-        if action == "create":
-            conn.execute(f'CREATE DATABASE "{PG_BENCH_DB}"')
 
 
 def main() -> None:
@@ -299,13 +290,13 @@ def main() -> None:
         print(json.dumps(child(args.child, args.requests, concurrencies)))
         return
 
-    pg_database("create")
+    pg_database(PG_BENCH_DB, "create")
     try:
-        url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{PG_BENCH_DB}"
+        url = pg_url(PG_BENCH_DB)
         result = subprocess.run([sys.executable, __file__, "--child", url, "--requests", str(args.requests),
                                  "--concurrency", args.concurrency], cwd=ROOT, capture_output=True, text=True)
     finally:
-        pg_database("drop")
+        pg_database(PG_BENCH_DB, "drop")
     if result.returncode != 0:
         raise SystemExit(f"benchmark failed:\n{result.stderr[-4000:]}")
     r = json.loads(result.stdout.strip().splitlines()[-1])

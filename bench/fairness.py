@@ -61,15 +61,15 @@ from pathlib import Path
 from typing import Any
 
 import django
-import psycopg
+
+from benchlib import percentile, pg_database, pg_url
 
 ROOT = Path(__file__).resolve().parent.parent
-PG_ADMIN_URL = os.environ.get("BENCH_PG_URL", "postgres://postgres@127.0.0.1:5432/postgres")
 PG_BENCH_DB = "telemachus_bench_fairness"
 
 # Django is configured for the scratch database before any model is imported; the worker processes
 # inherit the same environment.
-os.environ.update(DATABASE_URL=PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{PG_BENCH_DB}",
+os.environ.update(DATABASE_URL=pg_url(PG_BENCH_DB),
                   DJANGO_SETTINGS_MODULE="telemachus.settings", LOG_LEVEL="WARNING")
 sys.path.insert(0, str(ROOT))
 django.setup()
@@ -118,9 +118,6 @@ class Member:
     team: Team
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def jain(xs: list[float]) -> float:
@@ -130,11 +127,6 @@ def jain(xs: list[float]) -> float:
 # --- the scratch database and its contents --------------------------------------------------------
 
 
-def pg_database(action: str) -> None:
-    with psycopg.connect(PG_ADMIN_URL.replace("postgres://", "postgresql://"), autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{PG_BENCH_DB}" WITH (FORCE)')
-        if action == "create":
-            conn.execute(f'CREATE DATABASE "{PG_BENCH_DB}"')
 
 
 def db_now() -> datetime:
@@ -568,7 +560,7 @@ def main() -> None:
     args = parser.parse_args()
     parts = {int(p) for p in args.parts.split(",")}
 
-    pg_database("create")
+    pg_database(PG_BENCH_DB, "create")
     try:
         call_command("migrate", verbosity=0)
         seed()
@@ -588,7 +580,7 @@ def main() -> None:
             })
     finally:
         connection.close()
-        pg_database("drop")
+        pg_database(PG_BENCH_DB, "drop")
 
 
 if __name__ == "__main__":

@@ -22,17 +22,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchlib import percentile, pg_database, pg_url
+
 ROOT = Path(__file__).resolve().parent.parent
-PG_ADMIN_URL = os.environ.get("BENCH_PG_URL", "postgres://postgres@127.0.0.1:5432/postgres")
 PG_BENCH_DB = "telemachus_bench"
 # As a deployment runs: DEBUG off (Django then keeps no per-query log), quiet logs.
 PRODUCTION_ENV = {"DJANGO_SETTINGS_MODULE": "telemachus.settings", "LOG_LEVEL": "WARNING", "DEBUG": "0",
                   "SECRET_KEY": "bench-only-" + "x" * 50, "ALLOWED_HOSTS": "127.0.0.1"}
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 # --- child: one backend ---------------------------------------------------------------------
@@ -187,13 +185,6 @@ def run_backend(url: str, jobs: int, concurrency: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def pg_database(action: str) -> None:
-    import psycopg
-
-    with psycopg.connect(PG_ADMIN_URL.replace("postgres://", "postgresql://"), autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{PG_BENCH_DB}" WITH (FORCE)')
-        if action == "create":
-            conn.execute(f'CREATE DATABASE "{PG_BENCH_DB}"')
 
 
 def main() -> None:
@@ -210,11 +201,11 @@ def main() -> None:
     table = {}
     for backend in args.backends.split(","):
         if backend == "postgres":
-            pg_database("create")
+            pg_database(PG_BENCH_DB, "create")
             try:
-                table[backend] = run_backend(PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{PG_BENCH_DB}", args.jobs, args.concurrency)
+                table[backend] = run_backend(pg_url(PG_BENCH_DB), args.jobs, args.concurrency)
             finally:
-                pg_database("drop")
+                pg_database(PG_BENCH_DB, "drop")
         else:
             with tempfile.TemporaryDirectory() as tmp:
                 table[backend] = run_backend(f"sqlite:///{tmp}/bench.sqlite3", args.jobs, args.concurrency)

@@ -1,3 +1,4 @@
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from django.db.models import Q
@@ -24,6 +25,20 @@ def executors_usable_by(*, team: Team | int, model: str | None = None) -> list[E
     granted = [pk for pk, teams in executor_teams().items() if team_id in teams]
     candidates = Executor.objects.filter(enabled=True).filter(Q(team__isnull=True) | Q(pk__in=granted))
     return [e for e in candidates if model is None or model in e.offered_models]
+
+
+def models_usable_by(team_ids: Iterable[int]) -> dict[int, set[str]]:
+    """For each team, the models of the enabled executors it may use (as executors_usable_by),
+    for any number of teams in two queries."""
+    usable: dict[int, set[str]] = {team_id: set() for team_id in team_ids}
+    if not usable:
+        return usable
+    allowed = executor_teams()
+    for executor in Executor.objects.filter(enabled=True):
+        for team_id, models in usable.items():
+            if executor.team_id is None or team_id in allowed.get(executor.pk, ()):
+                models.update(executor.offered_models)
+    return usable
 
 
 def executor_capacity(*, executor: Executor) -> Capacity:

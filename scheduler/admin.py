@@ -1,3 +1,5 @@
+from collections.abc import Callable
+
 from django.contrib import admin, messages
 from django.http import HttpRequest
 
@@ -32,25 +34,25 @@ class JobAdmin(ReadOnlyAdmin):
 
     @admin.action(description="Cancel the selected jobs")
     def cancel(self, request: HttpRequest, queryset) -> None:
-        canceled = 0
-        for job in queryset.exclude(status__in=Job.TERMINAL):
-            try:
-                job_cancel(job_id=job.pk, by=request.user)
-                canceled += 1
-            except DomainError as exc:
-                self.message_user(request, f"Job {job.pk}: {exc.detail}", messages.WARNING)
-        self.message_user(request, f"Canceled {canceled} job(s).")
+        done = self._each(request, queryset.exclude(status__in=Job.TERMINAL), job_cancel)
+        self.message_user(request, f"Canceled {done} job(s).")
 
     @admin.action(description="Requeue the selected failed or canceled jobs")
     def requeue(self, request: HttpRequest, queryset) -> None:
-        requeued = 0
-        for job in queryset:
+        done = self._each(request, queryset, job_requeue)
+        self.message_user(request, f"Requeued {done} job(s).")
+
+    def _each(self, request: HttpRequest, queryset, service: Callable[..., Job]) -> int:
+        """Call the service for each selected job, one transaction each, so one refusal (shown as
+        a warning) does not undo the others; the count of those that went through."""
+        done = 0
+        for job_id in queryset.values_list("pk", flat=True):
             try:
-                job_requeue(job_id=job.pk, by=request.user)
-                requeued += 1
+                service(job_id=job_id, by=request.user)
+                done += 1
             except DomainError as exc:
-                self.message_user(request, f"Job {job.pk}: {exc.detail}", messages.WARNING)
-        self.message_user(request, f"Requeued {requeued} job(s).")
+                self.message_user(request, f"Job {job_id}: {exc.detail}", messages.WARNING)
+        return done
 
 
 @admin.register(JobEvent)

@@ -6,12 +6,12 @@ from datetime import timedelta
 from typing import Any
 
 from django.contrib.auth import get_user_model
-from django.db.models import Count, DurationField, ExpressionWrapper, F, Sum, Value
+from django.db.models import Count, DurationField, ExpressionWrapper, F, OuterRef, Subquery, Sum, Value
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
 from executors.models import Executor
-from executors.selectors import executors_usable_by
+from executors.selectors import models_usable_by
 from quotas.budget import Budgets
 from quotas.concurrency import concurrency_caps, executor_limit, slot_counts
 from quotas.models import QuotaPolicy
@@ -43,6 +43,8 @@ def queue_snapshot(*, user: rbac.Principal) -> dict[str, Any]:
     used = slot_seconds(since=now - timedelta(seconds=record.share_window_seconds), now=now)
     total_used = sum(used.values())
     out_of_budget = budgets.exhausted(QuotaPolicy.Scope.TEAM)
+    waiting = [t.pk for t in teams if depth[t.pk, Job.Status.QUEUED]]
+    heads, usable = queue_heads(waiting), models_usable_by(waiting)
 
     executors = Executor.objects.select_related("team").order_by("name")
     if not operator:
@@ -62,8 +64,8 @@ def queue_snapshot(*, user: rbac.Principal) -> dict[str, Any]:
                 "target_share": round(weights.get(team.pk, 0) / total_weight, 4)
                 if team.pk in active and weights.get(team.pk, 0) > 0 else 0.0,
                 "actual_share": round(used[team.pk] / total_used, 4) if total_used else 0.0,
-                "not_served": not_served(team, queued=depth[team.pk, Job.Status.QUEUED], caps=caps, slots=slots,
-                                         out_of_budget=team.pk in out_of_budget),
+                "not_served": not_served(team, head=heads.get(team.pk), usable_models=usable.get(team.pk, set()),
+                                         caps=caps, slots=slots, out_of_budget=team.pk in out_of_budget),
             }
             for team in teams
         ],
@@ -101,21 +103,34 @@ def slot_seconds(*, since, now) -> Counter:
     return totals
 
 
-def not_served(team: Team, *, queued: int, caps, slots, out_of_budget: bool) -> list[str]:
-    """Why a team with queued work is not getting more of it started, judged by its head job."""
-    if not queued:
+def queue_heads(team_ids: list[int]) -> dict[int, tuple[str, int]]:
+    """The (model, user id) of each team's next queued job by priority, then age: one query with
+    a lookup per team on its queue index."""
+    if not team_ids:
+        return {}
+    head = Job.objects.filter(team=OuterRef("pk"), status=Job.Status.QUEUED).order_by("-priority", "id")
+    rows = Team.objects.filter(pk__in=team_ids).annotate(
+        head_model=Subquery(head.values("model")[:1]), head_user=Subquery(head.values("user_id")[:1]),
+    ).values_list("pk", "head_model", "head_user")
+    return {team_id: (model, user_id) for team_id, model, user_id in rows if model is not None}
+
+
+def not_served(team: Team, *, head: tuple[str, int] | None, usable_models: set[str], caps, slots,
+               out_of_budget: bool) -> list[str]:
+    """Why a team with queued work (its next job is `head`: model, user id) is not getting more
+    of it started."""
+    if head is None:
         return []
+    model, user_id = head
     reasons = []
     if team.pk in caps.team and slots.team[team.pk] >= caps.team[team.pk]:
         reasons.append("at team cap")
     if out_of_budget:
         reasons.append("over budget")
-    head = Job.objects.filter(team=team, status=Job.Status.QUEUED).order_by("-priority", "id").first()
-    if head is not None:
-        if head.user_id in caps.user and slots.user[head.user_id] >= caps.user[head.user_id]:
-            reasons.append("at user cap")
-        if not executors_usable_by(team=team, model=head.model):
-            reasons.append("no executor offers the model")
+    if user_id in caps.user and slots.user[user_id] >= caps.user[user_id]:
+        reasons.append("at user cap")
+    if model not in usable_models:
+        reasons.append("no executor offers the model")
     if caps.global_cap is not None and slots.total >= caps.global_cap:
         reasons.append("at global cap")
     return reasons
