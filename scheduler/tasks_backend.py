@@ -172,6 +172,8 @@ class TelemachusBackend(BaseTaskBackend):
             )
         except ValidationFailed as exc:
             raise InvalidTask(f"Telemachus refused the task: {exc.extra['fields']}") from exc
+        if job.priority != task.priority:  # clamped to the principal's ceiling by the priority map
+            task = task.using(priority=job.priority)
         result = self._result(job, task=task, events=[])
         task_enqueued.send(type(self), task_result=result)
         return result

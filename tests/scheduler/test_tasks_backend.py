@@ -121,6 +121,16 @@ class TestEnqueue:
         read = add.get_result(result.id)
         assert (read.task.priority, read.task.run_after, read.task.queue_name) == (7, later, "big")
 
+    def test_a_priority_above_the_ceiling_is_clamped_when_the_policy_says_so(self, alice):
+        queue_policy_update(changes={"priority_map": {"member": 3}}, by=None)
+
+        with enqueue_as(user=alice):
+            result = add.using(priority=9).enqueue(1, 2)
+
+        job = Job.objects.get(pk=int(result.id))
+        assert job.priority == result.task.priority == 3
+        assert JobEvent.objects.get(job=job, event="priority_clamped").meta["requested"] == 9
+
     def test_the_submit_checks_still_apply(self, alice, make_user, settings):
         stranger = make_user("stranger")
         queue_policy_update(
