@@ -7,8 +7,9 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connection
+from django.db import connection, connections
 from django.utils import timezone
 
 from executors.models import Executor
@@ -242,7 +243,9 @@ class TestGetResult:
         async def enqueue_and_read() -> tuple[TaskResult, TaskResult]:
             with enqueue_as(user=alice):
                 result = await add.aenqueue(4, 5)
-            return result, await add.aget_result(result.id)
+            read = await add.aget_result(result.id)
+            await sync_to_async(connections.close_all)()  # the connection of asgiref's thread
+            return result, read
 
         result, read = asyncio.run(enqueue_and_read())
 
