@@ -252,7 +252,7 @@ class Worker:
             return
         except DispatchError as exc:
             flight.executor_fault = exc.executor_fault
-            outcome = Outcome(job_id=job.pk, lease=flight.claim.lease, ok=False, error=str(exc),
+            outcome = Outcome(job_id=job.pk, lease=flight.claim.lease, ok=False, error=str(exc), result=exc.detail,
                               retryable=exc.retryable, retry_after=exc.retry_after, meta={"status": exc.status})
         except Exception as exc:  # a driver bug must fail the job, not kill the worker
             log.exception("job %d: driver %s raised", job.pk, flight.driver.kind)

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import dj_database_url
+import django
 from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -80,6 +81,12 @@ INSTALLED_APPS = [
     "quotas",
     "scheduler",
 ]
+# A deployment's own apps (their `tasks.py` declare Django tasks that workers may run), comma-separated.
+INSTALLED_APPS += env_list("TELEMACHUS_APPS", [])
+if django.VERSION < (6, 0):
+    # Django 6 has the tasks API built in; on 5.2 the django-tasks package brings it, as an app
+    # (its system checks and log receivers).
+    INSTALLED_APPS.append("django_tasks")
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
@@ -257,3 +264,16 @@ TELEMACHUS_QUEUE_POLICY = os.environ.get("TELEMACHUS_QUEUE_POLICY", "")
 TELEMACHUS_EXECUTOR_DRIVERS = env_list("TELEMACHUS_EXECUTOR_DRIVERS", [])
 # Extra task callables for cpu-node executors, `name=dotted.path.function` comma-separated.
 TELEMACHUS_TASKS = env_list("TELEMACHUS_TASKS", [])
+
+# Django's tasks API: `my_task.enqueue(...)` submits a governed `task` job that runs on a cpu-node
+# executor (scheduler/tasks_backend.py, docs/tasks.md). The team and the service user a task is
+# submitted as, unless the caller names them with `enqueue_as(...)`.
+TASKS = {
+    "default": {
+        "BACKEND": "scheduler.tasks_backend.TelemachusBackend",
+        "OPTIONS": {
+            "team": os.environ.get("TELEMACHUS_TASK_TEAM", ""),
+            "user": os.environ.get("TELEMACHUS_TASK_USER", ""),
+        },
+    },
+}

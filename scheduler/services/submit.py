@@ -1,3 +1,4 @@
+from datetime import datetime
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
@@ -25,6 +26,7 @@ def job_submit(
     input: dict[str, Any],
     priority: int = 0,
     meta: dict[str, Any] | None = None,
+    run_after: datetime | None = None,
 ) -> Job:
     """Admit a job and persist it `queued` with its `queued` event, in one transaction.
 
@@ -34,7 +36,9 @@ def job_submit(
     estimate, the priority the principal may use (priority map: clamped, with an event, or
     refused, per policy) and the policy's admission (the team's queue depth cap: 429 try_later).
     Nothing is written when a check fails. Locks the team's row while it counts the queue, so
-    concurrent submits cannot overfill it. Wakes the workers on commit."""
+    concurrent submits cannot overfill it. Wakes the workers on commit. With `run_after` (an aware
+    datetime) the job waits in the queue, counted against the depth cap, and no claim takes it
+    before then (the same not-before time a retry waits on)."""
     team_obj = rbac.team_for_submit(user, team)
     rbac.require(user, rbac.JOB_TYPE_PERMISSION[type], team=team_obj)
     model = requirements["model"]
@@ -60,12 +64,14 @@ def job_submit(
             input=input,
             meta=meta or {},
             submitted_at=now,
+            run_after=run_after,
         )
         admission = policy_for(record).admit(job, AdmissionState(team=team_obj, now=now))
         if admission.decision == Admission.REJECT:
             raise TryLater(admission.reason, retry_after=admission.retry_after or 60)
         job.save()
-        events = [job_event(job=job, event=JobEvent.Type.QUEUED, at=now, priority=job.priority)]
+        deferred = {"run_after": run_after.isoformat()} if run_after is not None else {}
+        events = [job_event(job=job, event=JobEvent.Type.QUEUED, at=now, priority=job.priority, **deferred)]
         if clamped:
             events.append(job_event(job=job, event=JobEvent.Type.PRIORITY_CLAMPED, at=now, requested=priority,
                                     allowed=allowed, reason=source))
