@@ -15,9 +15,11 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 from django.urls import path  # noqa: E402
 
 from scheduler.consumers import DashboardConsumer  # noqa: E402
+from telemachus.body_limit import BodyLimit  # noqa: E402
 
 application = ProtocolTypeRouter({
-    "http": django_asgi_app,
+    # API bodies are limited (413) and read here, chunked ones included, before Django sees them.
+    "http": BodyLimit(django_asgi_app),
     # Session authentication, as for the page itself; the Origin check stops other sites' pages
     # from opening the socket with a signed-in user's cookie.
     "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter([

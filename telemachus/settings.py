@@ -60,6 +60,7 @@ if not SECRET_KEY:
     SECRET_KEY = "dev-insecure-telemachus-key-only-for-local-runs"
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+CSRF_FAILURE_VIEW = "telemachus.http_errors.csrf_failure"
 
 INSTALLED_APPS = [
     "daphne",
@@ -82,6 +83,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # First, so errors raised by any middleware below under /api/ and /v1/ are JSON too.
+    "telemachus.http_errors.ApiErrorMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
