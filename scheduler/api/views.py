@@ -29,6 +29,7 @@ class JobListCreateApi(ListAPIView):
     """GET lists the jobs the caller may see, newest first; POST submits a job."""
 
     serializer_class = JobOutput
+    filter_serializer = JobListFilter
 
     @extend_schema(
         parameters=[
