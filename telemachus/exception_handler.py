@@ -1,5 +1,7 @@
 """The API's one exception handler: domain errors, DRF errors and Django's 404/403 in one JSON shape."""
 
+import math
+
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.http import Http404
 from rest_framework import exceptions as drf
@@ -37,4 +39,6 @@ def exception_handler(exc: Exception, context: dict) -> Response | None:
     else:
         code = next((c for cls, c in _DRF_CODES.items() if isinstance(exc, cls)), "error")
         response.data = {"error": code, "detail": str(getattr(exc, "detail", exc))}
+        if isinstance(exc, drf.Throttled) and exc.wait is not None:
+            response.data["retry_after"] = math.ceil(exc.wait)
     return response

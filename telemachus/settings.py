@@ -148,6 +148,14 @@ if REDIS_URL:
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
+# Throttle and sign-in counts (telemachus/throttles.py, telemachus/signin.py): per process by
+# default, shared by every API server through Redis when REDIS_URL is set.
+if REDIS_URL:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL,
+                          "KEY_PREFIX": "telemachus"}}
+else:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+
 AUTHENTICATION_BACKENDS = [
     "django.contrib.auth.backends.ModelBackend",
     "guardian.backends.ObjectPermissionBackend",
@@ -253,6 +261,13 @@ TELEMACHUS_BREAKER_COOLDOWN_SECONDS = env_float("TELEMACHUS_BREAKER_COOLDOWN_SEC
 TELEMACHUS_PROBE_INTERVAL_SECONDS = env_float("TELEMACHUS_PROBE_INTERVAL_SECONDS", 15)
 # How often the live dashboard re-reads the queue for each open page.
 TELEMACHUS_DASHBOARD_INTERVAL_SECONDS = env_float("TELEMACHUS_DASHBOARD_INTERVAL_SECONDS", 1)
+# Job submissions per user (POST /api/jobs/): "N/s", "N/min", "N/hour", "N/day"; empty turns it off.
+TELEMACHUS_SUBMIT_RATE = os.environ.get("TELEMACHUS_SUBMIT_RATE", "100/s")
+# Failed sign-ins (admin and dashboard) allowed per username and per client address within the
+# window (from the first failure); past either, the form answers 429 until the window ends.
+TELEMACHUS_LOGIN_FAILURES_PER_USERNAME = env_int("TELEMACHUS_LOGIN_FAILURES_PER_USERNAME", 5)
+TELEMACHUS_LOGIN_FAILURES_PER_ADDRESS = env_int("TELEMACHUS_LOGIN_FAILURES_PER_ADDRESS", 20)
+TELEMACHUS_LOGIN_WINDOW_SECONDS = env_int("TELEMACHUS_LOGIN_WINDOW_SECONDS", 900)
 # Largest request body the API accepts (bytes); larger bodies get 413 payload_too_large.
 TELEMACHUS_MAX_BODY_BYTES = env_int("TELEMACHUS_MAX_BODY_BYTES", 1_048_576)
 # Dotted path of a custom QueuePolicy class; empty means the record's choice or the default.

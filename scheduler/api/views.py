@@ -16,6 +16,7 @@ from scheduler.services.submit import job_submit
 from telemachus import rbac
 from telemachus.errors import NotFound
 from telemachus.pagination import NewestFirstCursorPagination
+from telemachus.throttles import SubmitRateThrottle
 
 
 def visible_job(request: Request, job_id: int) -> Job:
@@ -30,6 +31,7 @@ class JobListCreateApi(ListAPIView):
 
     serializer_class = JobOutput
     filter_serializer = JobListFilter
+    throttle_classes = [SubmitRateThrottle]
 
     @extend_schema(
         parameters=[
