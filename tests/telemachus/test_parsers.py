@@ -89,3 +89,9 @@ def test_a_body_over_the_limit_is_a_413(api, member_setup):
     assert response.status_code == 413
     assert response.json() == {"error": "payload_too_large", "detail": "Request body exceeds 1000 bytes.",
                                "limit": 1000}
+
+
+@pytest.mark.parametrize("size", [1_048_577, 3 * 1024 * 1024])
+def test_past_djangos_own_limit_it_is_a_413_too(api, member_setup, size):
+    response = post_raw(api(member_setup[0]), "/api/jobs/", b"x" * size)
+    assert response.status_code == 413 and response.json()["error"] == "payload_too_large"
