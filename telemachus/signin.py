@@ -56,8 +56,9 @@ def signin_retry_after(*, username: str, address: str) -> int | None:
             continue
         count_key, since_key = _keys(kind, value)
         found = cache.get_many([count_key, since_key])
-        if found.get(count_key, 0) >= limit:
-            waits.append(max(math.ceil(found.get(since_key, time.time()) + window - time.time()), 1))
+        remaining = found.get(since_key, time.time()) + window - time.time()
+        if found.get(count_key, 0) >= limit and remaining > 0:
+            waits.append(math.ceil(remaining))
     return max(waits) if waits else None
 
 
