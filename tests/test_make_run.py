@@ -76,11 +76,14 @@ class Run:
         self.log_path = tmp_path / "run.log"
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> None:
+    def start(self, *, sigint_ignored: bool = False) -> None:
+        """`sigint_ignored`: as a shell starts a background job, or as some CI runners start steps."""
         log = open(self.log_path, "w")
+        ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
         self.proc = subprocess.Popen(["bin/run"], cwd=ROOT, env={**self.env, "PY": sys.executable,
                                                                  "PORT": str(self.port)},
-                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=ignore)
         wait_until(lambda: answers(f"{self.base}/schema/"), timeout=60, what="daphne to listen")
         wait_until(lambda: len(children(self.proc.pid)) == 2, timeout=30, what="daphne and the worker")
 
@@ -201,3 +204,11 @@ def test_the_grace_is_bounded(tmp_path):
         assert run.job_status_in_database(job["id"]) == "queued"
     finally:
         run.stop_all()
+
+
+def test_ctrl_c_works_even_when_started_with_sigint_ignored(run):
+    run.start(sigint_ignored=True)
+    pids = children(run.proc.pid)
+    run.ctrl_c()
+    assert run.proc.wait(timeout=60) == 0, run.log_path.read_text()
+    assert not any(running(pid) for pid in pids)
