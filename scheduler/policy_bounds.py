@@ -1,7 +1,7 @@
 """The bounds of the queue policy's operator settings, and the policy the scheduler runs with.
 
 One table of bounds serves three readers: the API's input (PUT /api/policy/ answers a clear 400),
-the admin's form (QueuePolicy.clean), and `policy_in_force`, which the claim, the submit, the
+the admin's form (QueuePolicyForm), and `policy_in_force`, which the claim, the submit, the
 finish, recovery and the queue snapshot read the record through. The last matters because a
 stored value can still be out of bounds (written before these bounds, by SQL, by a migration):
 such a value is logged once and replaced by the last good value this process saw, or the

@@ -84,9 +84,9 @@ def team_update(*, team: Team, name: str) -> Team:
 
 def team_lock(*, team: Team) -> Team:
     """Lock the team's row for the rest of the transaction; NotFound when it is gone (deleted by a
-    concurrent request since the caller read it). Every write to a team, its memberships and its
-    group takes this lock first, so a team deleted while its members are edited is one clear
-    outcome, not a foreign-key error."""
+    concurrent request since the caller read it). Team deletes and membership writes take this
+    lock first, so a team deleted while its members are edited is one clear outcome, not a
+    foreign-key error."""
     locked = Team.objects.select_for_update().filter(pk=team.pk).first()
     if locked is None:
         raise NotFound(f"Team {team.slug!r} not found.")
