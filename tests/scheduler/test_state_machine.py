@@ -194,6 +194,6 @@ def test_the_lifecycle_keeps_its_invariants(make_user, make_team, make_executor)
     QueuePolicy.objects.update_or_create(pk=1, defaults={"max_attempts": MAX_ATTEMPTS})
     assert Team.objects.count() == 2 and Executor.objects.count() == 2
     run_state_machine_as_test(Lifecycle, settings=settings(
-        max_examples=50, stateful_step_count=50, deadline=None, derandomize=True,
+        max_examples=50, stateful_step_count=50, deadline=None, derandomize=True, database=None,
         suppress_health_check=list(HealthCheck),
     ))
