@@ -92,7 +92,7 @@ class ExecutorInput(StrictSerializer):
 
 
 class ExecutorOutput(serializers.ModelSerializer):
-    team = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    team = serializers.SlugRelatedField(slug_field="slug", read_only=True, allow_null=True)
 
     class Meta:
         model = Executor

@@ -16,6 +16,7 @@ from quotas.services import quota_policy_create, quota_policy_delete, quota_poli
 from scheduler.api.serializers import StrictSerializer
 from telemachus import rbac
 from telemachus.errors import NotFound
+from telemachus.pagination import query_params_check
 
 
 
@@ -115,6 +116,7 @@ class UsageApi(APIView):
 
     @extend_schema(parameters=[UsageFilter], responses=OpenApiTypes.OBJECT)
     def get(self, request: Request) -> Response:
+        query_params_check(request, UsageFilter().fields)
         filters = UsageFilter(data=request.query_params)
         filters.is_valid(raise_exception=True)
         report = usage_report(user=request.user, team=filters.validated_data.get("team"),

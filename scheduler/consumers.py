@@ -56,9 +56,10 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
                     await self.close(code=NOT_AUTHENTICATED)
                     return
                 encoded = await self.encode_json(current)
-            except DatabaseError as exc:
-                # The page keeps its last picture and says when it was taken; try again shortly.
-                log.warning("dashboard snapshot failed (%s)", exc)
+            except Exception as exc:
+                # The page keeps its last picture and says when it was taken; try again shortly. A
+                # database outage is expected now and then; anything else is a bug worth a traceback.
+                log.warning("dashboard snapshot failed (%s)", exc, exc_info=not isinstance(exc, DatabaseError))
                 await asyncio.sleep(max(settings.TELEMACHUS_DASHBOARD_INTERVAL_SECONDS, 1.0))
                 continue
             if encoded != last or time.monotonic() - sent_at >= KEEPALIVE_SECONDS:

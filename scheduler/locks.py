@@ -23,10 +23,14 @@ from datetime import datetime
 from django.db.models.functions import Now
 
 from scheduler.models import Job, QueuePolicy
+from scheduler.policy_bounds import policy_in_force
 
 
-def lock_claim() -> tuple[QueuePolicy, datetime]:
+def lock_claim(*, as_stored: bool = False) -> tuple[QueuePolicy, datetime]:
     """Lock the claim lock, and read the policy and then the database clock.
+
+    The policy comes back as the scheduler may use it (scheduler/policy_bounds.py: an out-of-bounds
+    stored value is replaced, never trusted); `as_stored` returns the row as it is, for its editor.
 
     Must run inside a transaction. The time is the database's, so leases do not depend on the
     worker hosts' clocks agreeing, and it is read once the lock is held: a statement's timestamp is
@@ -40,7 +44,7 @@ def lock_claim() -> tuple[QueuePolicy, datetime]:
         QueuePolicy.objects.bulk_create([QueuePolicy(pk=QueuePolicy.SINGLETON_ID)], ignore_conflicts=True)
         policy = query.get(pk=QueuePolicy.SINGLETON_ID)
     now = QueuePolicy.objects.filter(pk=policy.pk).annotate(db_now=Now()).values_list("db_now", flat=True).get()
-    return policy, now
+    return (policy if as_stored else policy_in_force(policy)), now
 
 
 def lock_job(job_id: int) -> Job | None:

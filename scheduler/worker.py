@@ -179,6 +179,10 @@ class Worker:
                     await self._sleep(idle)
                     idle = min(idle * 2, self.poll_max)
                     continue
+                except Exception:  # a bug or a bad setting must not end the worker: log, back off, go on
+                    log.exception("claim raised; retrying in %.1fs", self.poll_max)
+                    await self._sleep(self.poll_max)
+                    continue
                 for claim in batch.claims:
                     self._start(claim)
                 self.want_freed = batch.backlog

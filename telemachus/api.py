@@ -139,6 +139,7 @@ class TeamMemberListApi(APIView):
         rbac.require_team_manager(request.user, team)
         data = MemberInput(data=request.data)
         data.is_valid(raise_exception=True)
+        rbac.member_candidate(request.user, data.validated_data["username"])
         membership = team_member_set(team=team, **data.validated_data)
         return Response(MemberOutput(membership).data, status=status.HTTP_201_CREATED)
 

@@ -9,7 +9,7 @@ from django.db.models import ProtectedError
 from guardian.shortcuts import assign_perm, get_perms, get_users_with_perms, remove_perm
 
 from telemachus import rbac
-from telemachus.errors import Conflict, ValidationFailed
+from telemachus.errors import Conflict, NotFound, ValidationFailed
 from telemachus.models import Membership, Team
 
 
@@ -82,9 +82,21 @@ def team_update(*, team: Team, name: str) -> Team:
     return team
 
 
+def team_lock(*, team: Team) -> Team:
+    """Lock the team's row for the rest of the transaction; NotFound when it is gone (deleted by a
+    concurrent request since the caller read it). Team deletes and membership writes take this
+    lock first, so a team deleted while its members are edited is one clear outcome, not a
+    foreign-key error."""
+    locked = Team.objects.select_for_update().filter(pk=team.pk).first()
+    if locked is None:
+        raise NotFound(f"Team {team.slug!r} not found.")
+    return locked
+
+
 def team_delete(*, team: Team) -> None:
-    """Teams that still have jobs are kept: their history is the audit trail."""
+    """Teams that still have jobs are kept: their history is the audit trail. Locks the team."""
     with transaction.atomic():
+        team = team_lock(team=team)
         group = team.group
         try:
             team.delete()
@@ -94,22 +106,27 @@ def team_delete(*, team: Team) -> None:
 
 
 def team_member_set(*, team: Team, username: str, role: str) -> Membership:
-    """Add a member or change the role of an existing one."""
+    """Add a member or change the role of an existing one. Locks the team."""
     user = get_user_model().objects.filter(username=username).first()
     if user is None:
         raise ValidationFailed({"username": [f"No user {username!r}."]})
     if role not in Membership.Role.values:
         raise ValidationFailed({"role": [f"Role must be one of {', '.join(Membership.Role.values)}."]})
     with transaction.atomic():
+        team = team_lock(team=team)
         membership, created = Membership.objects.get_or_create(team=team, user=user, defaults={"role": role})
         if not created and membership.role != role:
             membership.role = role
             membership.save(update_fields=["role"])
-        user.groups.add(team.group)
+        user.groups.add(team.group_id)
     return membership
 
 
 def team_member_remove(*, team: Team, user: AbstractBaseUser) -> None:
+    """Remove a member (role and group). Locks the team; NotFound when it or the membership is gone."""
     with transaction.atomic():
-        Membership.objects.filter(team=team, user=user).delete()
-        user.groups.remove(team.group)
+        team = team_lock(team=team)
+        deleted, _ = Membership.objects.filter(team=team, user=user).delete()
+        if not deleted:
+            raise NotFound(f"{user.get_username()!r} is not a member of {team.slug!r}.")
+        user.groups.remove(team.group_id)

@@ -2,6 +2,7 @@ import itertools
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.core.cache import cache
 from django.db import connection
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
@@ -26,6 +27,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "postgres" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    """Throttle and sign-in counts (Django's cache) do not carry from one test to the next."""
+    cache.clear()
+    yield
+    cache.clear()
 
 
 @pytest.fixture

@@ -75,7 +75,7 @@ class JobListFilter(serializers.Serializer):
 class JobOutput(serializers.ModelSerializer):
     team = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     user = serializers.SlugRelatedField(slug_field="username", read_only=True)
-    executor = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    executor = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)
 
     class Meta:
         model = Job
@@ -87,7 +87,7 @@ class JobOutput(serializers.ModelSerializer):
 
 
 class JobEventOutput(serializers.ModelSerializer):
-    executor = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    executor = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)
 
     class Meta:
         model = JobEvent

@@ -22,7 +22,7 @@ def queue_policy_update(*, changes: dict[str, Any], by: AbstractBaseUser | None)
     if unknown:
         raise ValueError(f"not editable: {', '.join(sorted(unknown))}")
     with transaction.atomic():
-        record, now = lock_claim()
+        record, now = lock_claim(as_stored=True)
         changed = {name: value for name, value in changes.items() if getattr(record, name) != value}
         if not changed:
             return record

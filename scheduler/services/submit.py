@@ -52,7 +52,8 @@ def job_submit(
     if clamped and record.priority_over_limit == QueuePolicy.OverLimit.REJECT:
         raise ValidationFailed({"priority": [f"At most {allowed} for you in team {team_obj.slug!r} ({source})."]})
     with transaction.atomic():
-        Team.objects.select_for_update().filter(pk=team_obj.pk).first()
+        if Team.objects.select_for_update().filter(pk=team_obj.pk).first() is None:  # deleted meanwhile
+            raise ValidationFailed({"team": [f"No team {team!r} that you belong to."]})
         job = Job(
             type=type,
             user=user,

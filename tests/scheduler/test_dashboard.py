@@ -22,7 +22,7 @@ def signed_in(user) -> str:
 
 
 def socket(session: str | None = None, origin: str = "http://127.0.0.1:8000") -> WebsocketCommunicator:
-    headers = [(b"origin", origin.encode())]
+    headers = [(b"host", b"127.0.0.1:8000"), (b"origin", origin.encode())]
     if session:
         headers.append((b"cookie", f"sessionid={session}".encode()))
     return WebsocketCommunicator(application, "/ws/dashboard/", headers=headers)
