@@ -89,6 +89,7 @@ MIDDLEWARE = [
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
+    "telemachus.middleware.AuditSourceMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 

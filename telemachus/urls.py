@@ -10,6 +10,9 @@ from scheduler import views as pages
 from scheduler.api import views as scheduler_views
 from scheduler.api.policy import PolicyApi
 from telemachus import api as teams_api
+from telemachus.audit_api import AuditListApi
+from telemachus.features_api import FeatureApi
+from telemachus.users_api import UserListCreateApi
 
 api = [
     path("", include("scheduler.api.urls")),
@@ -27,6 +30,9 @@ api = [
     path("quota-policies/", quotas_api.QuotaPolicyListCreateApi.as_view(), name="quota-policy-list"),
     path("quota-policies/<int:policy_id>/", quotas_api.QuotaPolicyDetailApi.as_view(), name="quota-policy-detail"),
     path("usage/", quotas_api.UsageApi.as_view(), name="usage"),
+    path("audit/", AuditListApi.as_view(), name="audit"),
+    path("features/", FeatureApi.as_view(), name="features"),
+    path("users/", UserListCreateApi.as_view(), name="user-list"),
     path("schema/", SpectacularAPIView.as_view(), name="schema"),
     path("docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
 ]

@@ -13,6 +13,7 @@ from scheduler.selectors import queue_policy
 from scheduler.services.events import events_record, job_event
 from telemachus import rbac
 from telemachus.errors import TryLater, UnknownModel, ValidationFailed
+from telemachus.features import feature_require
 from telemachus.models import Membership, Team
 
 
@@ -29,13 +30,15 @@ def job_submit(
     """Admit a job and persist it `queued` with its `queued` event, in one transaction.
 
     `requirements` and `input` arrive shape-checked (JobSubmitInput); this checks, in order: the
-    team (which the user must belong to), the permission the job type needs (RBAC.require), an
+    team (which the user must belong to), that the job's kind is switched on for it (403
+    feature_disabled), the permission the job type needs (RBAC.require), an
     enabled executor usable by the team that offers the model, the budgets (Quota.check) for the
     estimate, the priority the principal may use (priority map: clamped, with an event, or
     refused, per policy) and the policy's admission (the team's queue depth cap: 429 try_later).
     Nothing is written when a check fails. Locks the team's row while it counts the queue, so
     concurrent submits cannot overfill it. Wakes the workers on commit."""
     team_obj = rbac.team_for_submit(user, team)
+    feature_require(feature=type, team=team_obj)
     rbac.require(user, rbac.JOB_TYPE_PERMISSION[type], team=team_obj)
     model = requirements["model"]
     if not executors_usable_by(team=team_obj, model=model):
