@@ -67,7 +67,7 @@ def feature_set(*, feature: str, team: Team | None, enabled: bool | None, by: Ab
     if team is None and enabled is None:
         raise ValidationFailed({"enabled": ["The global switch is on or off (true or false)."]})
     with transaction.atomic():
-        row = FeatureSwitch.objects.select_for_update().filter(feature=feature, team=team).first()
+        row = FeatureSwitch.objects.select_for_update().filter(feature=feature, team=team).order_by("pk").first()
         was = row.enabled if row is not None else None
         if was == enabled:
             return

@@ -248,8 +248,9 @@ TELEMACHUS_BREAKER_THRESHOLD = env_int("TELEMACHUS_BREAKER_THRESHOLD", 5)
 TELEMACHUS_BREAKER_COOLDOWN_SECONDS = env_float("TELEMACHUS_BREAKER_COOLDOWN_SECONDS", 30)
 # Active health probe of each executor (GET {endpoint}/models), by one worker per interval.
 TELEMACHUS_PROBE_INTERVAL_SECONDS = env_float("TELEMACHUS_PROBE_INTERVAL_SECONDS", 15)
-# How often the live dashboard re-reads the queue for each open page.
-TELEMACHUS_DASHBOARD_INTERVAL_SECONDS = env_float("TELEMACHUS_DASHBOARD_INTERVAL_SECONDS", 1)
+# The live dashboard re-reads when the database changes; between changes it sends a heartbeat this
+# often, so the page's "updated" stamp stays honest.
+TELEMACHUS_DASHBOARD_HEARTBEAT_SECONDS = env_float("TELEMACHUS_DASHBOARD_HEARTBEAT_SECONDS", 5)
 # Largest request body the API accepts (bytes); larger bodies get 413 payload_too_large.
 TELEMACHUS_MAX_BODY_BYTES = env_int("TELEMACHUS_MAX_BODY_BYTES", 1_048_576)
 # Dotted path of a custom QueuePolicy class; empty means the record's choice or the default.
