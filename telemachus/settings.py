@@ -259,3 +259,5 @@ TELEMACHUS_QUEUE_POLICY = os.environ.get("TELEMACHUS_QUEUE_POLICY", "")
 TELEMACHUS_EXECUTOR_DRIVERS = env_list("TELEMACHUS_EXECUTOR_DRIVERS", [])
 # Extra task callables for cpu-node executors, `name=dotted.path.function` comma-separated.
 TELEMACHUS_TASKS = env_list("TELEMACHUS_TASKS", [])
+# host:port where a worker serves /metrics (no token), /healthz and /readyz; unset: none.
+TELEMACHUS_METRICS_BIND = os.environ.get("TELEMACHUS_METRICS_BIND", "")

@@ -12,6 +12,7 @@ from scheduler.api.policy import PolicyApi
 from telemachus import api as teams_api
 from telemachus.audit_api import AuditListApi
 from telemachus.features_api import FeatureApi
+from telemachus.health import healthz, readyz
 from telemachus.users_api import UserListCreateApi
 
 api = [
@@ -40,6 +41,9 @@ api = [
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="dashboard"), name="home"),
     path("dashboard/", pages.dashboard, name="dashboard"),
+    path("metrics", pages.metrics, name="metrics"),
+    path("healthz", healthz, name="healthz"),
+    path("readyz", readyz, name="readyz"),
     path("login/", auth_views.LoginView.as_view(template_name="scheduler/login.html"), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
