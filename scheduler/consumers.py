@@ -115,6 +115,14 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             self.wake.clear()
 
     @classmethod
+    async def decode_json(cls, text_data: str) -> Any:
+        """Malformed JSON is an invalid action (answered), not a reason to drop the connection."""
+        try:
+            return json.loads(text_data)
+        except ValueError:
+            return None
+
+    @classmethod
     async def encode_json(cls, content: Any) -> str:
         return json.dumps(content, cls=DjangoJSONEncoder, sort_keys=True)
 
