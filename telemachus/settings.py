@@ -100,6 +100,7 @@ MIDDLEWARE = [
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
+    "telemachus.middleware.AuditSourceMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "csp.middleware.CSPMiddleware",
 ]
@@ -285,8 +286,6 @@ TELEMACHUS_BREAKER_THRESHOLD = env_int("TELEMACHUS_BREAKER_THRESHOLD", 5)
 TELEMACHUS_BREAKER_COOLDOWN_SECONDS = env_float("TELEMACHUS_BREAKER_COOLDOWN_SECONDS", 30)
 # Active health probe of each executor (GET {endpoint}/models), by one worker per interval.
 TELEMACHUS_PROBE_INTERVAL_SECONDS = env_float("TELEMACHUS_PROBE_INTERVAL_SECONDS", 15)
-# How often the live dashboard re-reads the queue for each open page.
-TELEMACHUS_DASHBOARD_INTERVAL_SECONDS = env_float("TELEMACHUS_DASHBOARD_INTERVAL_SECONDS", 1)
 # Job submissions per user (POST /api/jobs/): "N/s", "N/min", "N/hour", "N/day"; empty turns it off.
 TELEMACHUS_SUBMIT_RATE = os.environ.get("TELEMACHUS_SUBMIT_RATE", "100/s")
 # Failed sign-ins (admin and dashboard) allowed per username and per client address within the
@@ -294,6 +293,9 @@ TELEMACHUS_SUBMIT_RATE = os.environ.get("TELEMACHUS_SUBMIT_RATE", "100/s")
 TELEMACHUS_LOGIN_FAILURES_PER_USERNAME = env_int("TELEMACHUS_LOGIN_FAILURES_PER_USERNAME", 5)
 TELEMACHUS_LOGIN_FAILURES_PER_ADDRESS = env_int("TELEMACHUS_LOGIN_FAILURES_PER_ADDRESS", 20)
 TELEMACHUS_LOGIN_WINDOW_SECONDS = env_int("TELEMACHUS_LOGIN_WINDOW_SECONDS", 900)
+# The live dashboard re-reads when the database changes; between changes it sends a heartbeat this
+# often, so the page's "updated" stamp stays honest.
+TELEMACHUS_DASHBOARD_HEARTBEAT_SECONDS = env_float("TELEMACHUS_DASHBOARD_HEARTBEAT_SECONDS", 5)
 # Largest request body the API accepts (bytes); larger bodies get 413 payload_too_large.
 TELEMACHUS_MAX_BODY_BYTES = env_int("TELEMACHUS_MAX_BODY_BYTES", 1_048_576)
 # Dotted path of a custom QueuePolicy class; empty means the record's choice or the default.
@@ -315,3 +317,5 @@ TASKS = {
         },
     },
 }
+# host:port where a worker serves /metrics (no token), /healthz and /readyz; unset: none.
+TELEMACHUS_METRICS_BIND = os.environ.get("TELEMACHUS_METRICS_BIND", "")

@@ -14,6 +14,7 @@ from scheduler.selectors import queue_policy
 from scheduler.services.events import events_record, job_event
 from telemachus import rbac
 from telemachus.errors import TryLater, UnknownModel, ValidationFailed
+from telemachus.features import feature_require
 from telemachus.models import Membership, Team
 
 
@@ -31,7 +32,8 @@ def job_submit(
     """Admit a job and persist it `queued` with its `queued` event, in one transaction.
 
     `requirements` and `input` arrive shape-checked (JobSubmitInput); this checks, in order: the
-    team (which the user must belong to), the permission the job type needs (RBAC.require), an
+    team (which the user must belong to), that the job's kind is switched on for it (403
+    feature_disabled), the permission the job type needs (RBAC.require), an
     enabled executor usable by the team that offers the model, the budgets (Quota.check) for the
     estimate, the priority the principal may use (priority map: clamped, with an event, or
     refused, per policy) and the policy's admission (the team's queue depth cap: 429 try_later).
@@ -40,6 +42,7 @@ def job_submit(
     datetime) the job waits in the queue, counted against the depth cap, and no claim takes it
     before then (the same not-before time a retry waits on)."""
     team_obj = rbac.team_for_submit(user, team)
+    feature_require(feature=type, team=team_obj)
     rbac.require(user, rbac.JOB_TYPE_PERMISSION[type], team=team_obj)
     model = requirements["model"]
     if not executors_usable_by(team=team_obj, model=model):

@@ -8,13 +8,14 @@ import pytest
 from django.db.models import F
 
 from scheduler import policy_bounds
-from scheduler.models import Job, JobEvent, QueuePolicy
+from scheduler.models import Job, QueuePolicy
 from scheduler.policy_bounds import MAPS, SCALARS, policy_in_force
 from scheduler.services.claim import job_claim
 from scheduler.services.finish import job_finish
 from scheduler.services.recover import jobs_recover
 from scheduler.services.submit import job_submit
 from scheduler.snapshot import dashboard_state
+from telemachus.models import AuditEvent
 from tests.processes import wait_until
 
 pytestmark = pytest.mark.django_db
@@ -53,7 +54,7 @@ class TestApiBounds:
         response = api(operator).put("/api/policy/", {field: value}, format="json")
         assert response.status_code == 400, response.content
         assert response.json()["error"] == "validation_error" and field in response.json()["fields"]
-        assert not JobEvent.objects.filter(event="policy_changed").exists()
+        assert not AuditEvent.objects.filter(action="queue_policy.update").exists()
 
     @pytest.mark.parametrize("field", MAPS)
     @pytest.mark.parametrize("value", [1e11, -1e11, "x", None, [1], {"n": 1}])
@@ -141,7 +142,7 @@ class TestStoredValues:
         response = api(operator).put("/api/policy/", {"aging_after_seconds": 60}, format="json")
         assert response.status_code == 200
         assert QueuePolicy.objects.get().aging_after_seconds == 60
-        assert JobEvent.objects.get(event="policy_changed").meta["before"] == {"aging_after_seconds": 1e11}
+        assert AuditEvent.objects.get(action="queue_policy.update").before == {"aging_after_seconds": 1e11}
 
 
 class TestWhatMembersSee:
