@@ -104,11 +104,11 @@ def slot_seconds(*, since, now) -> Counter:
 
 
 def queue_heads(team_ids: list[int]) -> dict[int, tuple[str, int]]:
-    """The (model, user id) of each team's next queued job by priority, then age: one query with
+    """The (model, user id) of each team's next queued job by priority, then readiness: one query with
     a lookup per team on its queue index."""
     if not team_ids:
         return {}
-    head = Job.objects.filter(team=OuterRef("pk"), status=Job.Status.QUEUED).order_by("-priority", "id")
+    head = Job.objects.filter(team=OuterRef("pk"), status=Job.Status.QUEUED).order_by("-priority", "ready_at", "id")
     rows = Team.objects.filter(pk__in=team_ids).annotate(
         head_model=Subquery(head.values("model")[:1]), head_user=Subquery(head.values("user_id")[:1]),
     ).values_list("pk", "head_model", "head_user")
@@ -141,13 +141,13 @@ RECENT_JOBS = 25
 
 def dashboard_state(*, user: rbac.Principal) -> dict[str, Any]:
     """What the live dashboard shows: the queue snapshot, and the latest jobs the user may see."""
-    jobs = rbac.visible_jobs(user).select_related("team", "user", "executor").defer("input", "result")
+    jobs = rbac.visible_jobs(user).select_related("team", "user", "executor").defer("input", "result", "conversation")
     return {
         "queue": queue_snapshot(user=user),
         "jobs": [
             {
                 "id": job.pk, "team": job.team.slug, "user": job.user.get_username(), "type": job.type,
-                "model": job.model, "priority": job.priority, "status": job.status,
+                "model": job.model, "priority": job.priority, "status": job.status, "round": job.round_label,
                 "executor": job.executor.name if job.executor else None, "attempts": job.attempts,
                 "tokens_used": job.tokens_used, "submitted_at": job.submitted_at, "started_at": job.started_at,
                 "finished_at": job.finished_at, "error": job.error[:200],

@@ -257,3 +257,7 @@ TELEMACHUS_QUEUE_POLICY = os.environ.get("TELEMACHUS_QUEUE_POLICY", "")
 TELEMACHUS_EXECUTOR_DRIVERS = env_list("TELEMACHUS_EXECUTOR_DRIVERS", [])
 # Extra task callables for cpu-node executors, `name=dotted.path.function` comma-separated.
 TELEMACHUS_TASKS = env_list("TELEMACHUS_TASKS", [])
+# Extra tools for flows and tool jobs, `name=dotted.path.tool` comma-separated (executors/tools.py).
+TELEMACHUS_TOOLS = env_list("TELEMACHUS_TOOLS", [])
+# Threads per worker that run tools (a flow's tool calls between rounds, tool jobs).
+TELEMACHUS_TOOL_THREADS = env_int("TELEMACHUS_TOOL_THREADS", 8)

@@ -47,6 +47,7 @@ class PolicyInput(StrictSerializer):
     max_attempts = serializers.IntegerField(min_value=1, max_value=100, required=False)
     policy_class = serializers.CharField(max_length=300, allow_blank=True, required=False)
     share_window_seconds = serializers.FloatField(min_value=1, required=False)
+    flow_rounds = serializers.ChoiceField(choices=QueuePolicy.FlowRounds.choices, required=False)
 
     def validate_team_weights(self, weights: dict[str, float]) -> dict[str, float]:
         _known_teams(weights)

@@ -7,6 +7,7 @@ from django.utils import timezone
 from executors.selectors import executors_usable_by
 from quotas.budget import quota_check
 from scheduler import signals
+from scheduler.jobtypes import job_input_check
 from scheduler.models import Job, JobEvent, QueuePolicy
 from scheduler.policy import Admission, AdmissionState, policy_for
 from scheduler.selectors import queue_policy
@@ -29,16 +30,19 @@ def job_submit(
     """Admit a job and persist it `queued` with its `queued` event, in one transaction.
 
     `requirements` and `input` arrive shape-checked (JobSubmitInput); this checks, in order: the
-    team (which the user must belong to), the permission the job type needs (RBAC.require), an
-    enabled executor usable by the team that offers the model, the budgets (Quota.check) for the
+    team (which the user must belong to), the permission the job type needs (RBAC.require), the
+    tools it names (scheduler/jobtypes.py), an enabled executor usable by the team that offers
+    the model (a tool job needs none), the budgets (Quota.check) for the
     estimate, the priority the principal may use (priority map: clamped, with an event, or
     refused, per policy) and the policy's admission (the team's queue depth cap: 429 try_later).
     Nothing is written when a check fails. Locks the team's row while it counts the queue, so
     concurrent submits cannot overfill it. Wakes the workers on commit."""
     team_obj = rbac.team_for_submit(user, team)
     rbac.require(user, rbac.JOB_TYPE_PERMISSION[type], team=team_obj)
-    model = requirements["model"]
-    if not executors_usable_by(team=team_obj, model=model):
+    job_input_check(user=user, team=team_obj, type=type, input=input)
+    # A tool job runs in a worker's tool threads, on no executor: it names no model.
+    model = "" if type == Job.Type.TOOL else requirements["model"]
+    if model and not executors_usable_by(team=team_obj, model=model):
         raise UnknownModel(f"No enabled executor available to team {team_obj.slug!r} offers model {model!r}.", model=model)
     now = timezone.now()
     quota_check(team_id=team_obj.pk, user_id=user.pk, tokens=requirements.get("est_tokens", 0), now=now)
@@ -60,6 +64,8 @@ def job_submit(
             input=input,
             meta=meta or {},
             submitted_at=now,
+            ready_at=now,
+            queued_at=now,
         )
         admission = policy_for(record).admit(job, AdmissionState(team=team_obj, now=now))
         if admission.decision == Admission.REJECT:
