@@ -9,7 +9,11 @@ from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.test import Client
 
+from executors.tools import ToolOutcome
+from scheduler.services.claim import job_claim
+from scheduler.services.rounds import round_begin, round_finish, round_requeue
 from scheduler.services.submit import job_submit
+from scheduler.snapshot import dashboard_state
 from telemachus.asgi import application
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -99,3 +103,20 @@ class TestSocket:
             return await communicator.receive_output(timeout=5)
 
         assert async_to_sync(scenario)() == {"type": "websocket.close", "code": 4401}
+
+
+def test_a_running_flow_shows_its_round(member_setup):
+    alice = member_setup[0]
+    flow = job_submit(user=alice, team="a", type="flow", requirements={"model": "m"},
+                      input={"messages": [{"role": "user", "content": "go"}], "tools": ["echo"]})
+    (claim,) = job_claim(worker="w", limit=1).claims
+    round_begin(job_id=flow.pk, lease=claim.lease)
+    call = {"id": "c1", "type": "function", "function": {"name": "echo", "arguments": "{}"}}
+    round_finish(job_id=flow.pk, lease=claim.lease, round=1,
+                 message={"role": "assistant", "content": None, "tool_calls": [call]})
+    round_requeue(job_id=flow.pk, lease=claim.lease, round=1,
+                  results=[ToolOutcome(name="echo", call_id="c1", ok=True, content="{}", seconds=0.0)])
+    assert dashboard_state(user=alice)["jobs"][0]["round"] == "round 2 next"
+    job_claim(worker="w", limit=1)
+    (job,) = dashboard_state(user=alice)["jobs"]
+    assert (job["status"], job["round"]) == ("running", "round 2")
