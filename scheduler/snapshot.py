@@ -105,10 +105,11 @@ def slot_seconds(*, since, now) -> Counter:
 
 def queue_heads(team_ids: list[int]) -> dict[int, tuple[str, int]]:
     """The (model, user id) of each team's next queued job by priority, then readiness: one query with
-    a lookup per team on its queue index."""
+    a lookup per team on its queue index. Tool jobs need no executor, so they never wait for one."""
     if not team_ids:
         return {}
-    head = Job.objects.filter(team=OuterRef("pk"), status=Job.Status.QUEUED).order_by("-priority", "ready_at", "id")
+    head = (Job.objects.filter(team=OuterRef("pk"), status=Job.Status.QUEUED).exclude(type=Job.Type.TOOL)
+            .order_by("-priority", "ready_at", "id"))
     rows = Team.objects.filter(pk__in=team_ids).annotate(
         head_model=Subquery(head.values("model")[:1]), head_user=Subquery(head.values("user_id")[:1]),
     ).values_list("pk", "head_model", "head_user")

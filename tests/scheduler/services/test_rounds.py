@@ -11,6 +11,7 @@ from quotas.models import QuotaPolicy, Usage
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
 from scheduler.services.claim import job_claim
 from scheduler.services.recover import jobs_recover
+from scheduler.services.requeue import job_requeue
 from scheduler.services.rounds import LeaseLost, round_begin, round_finish, round_requeue
 from scheduler.services.submit import job_submit
 
@@ -258,3 +259,15 @@ class TestBudgets:
         assert job_claim(worker="w", limit=1).claims == []
         assert Job.objects.get(pk=flow.pk).status == "queued"
         assert JobEvent.objects.filter(job=flow, event="deferred").exists()
+
+
+def test_an_operator_requeue_starts_a_failed_flow_afresh(member_setup, operator):
+    alice = member_setup[0]
+    flow = submit_flow(alice, max_rounds=1)
+    claim = claim_one()
+    round_begin(job_id=flow.pk, lease=claim.lease)
+    round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=calling(1), completion_tokens=4)
+    job = job_requeue(job_id=flow.pk, by=operator)
+    assert (job.status, job.rounds, job.conversation, job.error, job.tokens_used) == ("queued", 0, [], "", 4)
+    again = claim_one()
+    assert round_begin(job_id=flow.pk, lease=again.lease).round == 1
