@@ -108,8 +108,8 @@ def _round_finish_then_record(*, job_id: int, lease: Any, round: int, result: Di
 
 
 async def tool_job_outcome(host: RoundHost, claim: Any) -> Outcome:
-    """Run a tool job's tool; its result is `{"tool", "value", "seconds"}` (the value is what the
-    tool returned), its failure the tool's error."""
+    """Run a tool job's tool; its result is `{"value", "tool", "elapsed_s"}` (the value is what the
+    tool returned), as a task job's is; its failure is the tool's error."""
     job = claim.job
     outcome: ToolOutcome = await tool_invoke(name=job.input.get("tool", ""), arguments=job.input.get("arguments", {}),
                                              threads=host.tool_threads)
@@ -117,5 +117,5 @@ async def tool_job_outcome(host: RoundHost, claim: Any) -> Outcome:
         return Outcome(job_id=job.pk, lease=claim.lease, ok=False, error=outcome.content,
                        meta={"seconds": round(outcome.seconds, 4)})
     return Outcome(job_id=job.pk, lease=claim.lease, ok=True, tokens_used=0, meta={"seconds": round(outcome.seconds, 4)},
-                   result={"tool": outcome.name, "value": json.loads(outcome.content),
-                           "seconds": round(outcome.seconds, 4)})
+                   result={"value": json.loads(outcome.content), "tool": outcome.name,
+                           "elapsed_s": round(outcome.seconds, 4)})

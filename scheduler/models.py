@@ -128,13 +128,20 @@ class Job(models.Model):
         return self.status in self.TERMINAL
 
     @property
-    def round_label(self) -> str:
-        """A flow's progress, for people: the round it runs or waits for, or how many it took."""
+    def current_round(self) -> int | None:
+        """A flow's round: the one it runs or waits for, or its last once ended (None: not a flow)."""
         if self.type not in (self.Type.FLOW, self.Type.GOVERNED):
+            return None
+        return self.rounds if self.is_terminal else self.rounds + 1
+
+    @property
+    def round_label(self) -> str:
+        """The same for people: "round 3", "round 3 next" (queued between rounds), "12 rounds"."""
+        if self.current_round is None:
             return ""
         if self.is_terminal:
             return f"{self.rounds} round{'' if self.rounds == 1 else 's'}"
-        return f"round {self.rounds + 1}" + (" next" if self.status == self.Status.QUEUED and self.rounds else "")
+        return f"round {self.current_round}" + (" next" if self.status == self.Status.QUEUED and self.rounds else "")
 
     # Fields `return_to_queue` changes, for bulk_update by its callers.
     REQUEUE_FIELDS = ("status", "executor", "started_at", "lease", "lease_expires_at", "attempts", "reservation")

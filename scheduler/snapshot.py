@@ -148,7 +148,8 @@ def dashboard_state(*, user: rbac.Principal) -> dict[str, Any]:
         "jobs": [
             {
                 "id": job.pk, "team": job.team.slug, "user": job.user.get_username(), "type": job.type,
-                "model": job.model, "priority": job.priority, "status": job.status, "round": job.round_label,
+                "model": job.model, "priority": job.priority, "status": job.status,
+                "round": job.current_round, "round_label": job.round_label,
                 "executor": job.executor.name if job.executor else None, "attempts": job.attempts,
                 "tokens_used": job.tokens_used, "submitted_at": job.submitted_at, "started_at": job.started_at,
                 "finished_at": job.finished_at, "error": job.error[:200],

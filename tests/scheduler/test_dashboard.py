@@ -116,7 +116,8 @@ def test_a_running_flow_shows_its_round(member_setup):
                  message={"role": "assistant", "content": None, "tool_calls": [call]})
     round_requeue(job_id=flow.pk, lease=claim.lease, round=1,
                   results=[ToolOutcome(name="echo", call_id="c1", ok=True, content="{}", seconds=0.0)])
-    assert dashboard_state(user=alice)["jobs"][0]["round"] == "round 2 next"
+    (job,) = dashboard_state(user=alice)["jobs"]
+    assert (job["status"], job["round"], job["round_label"]) == ("queued", 2, "round 2 next")
     job_claim(worker="w", limit=1)
     (job,) = dashboard_state(user=alice)["jobs"]
-    assert (job["status"], job["round"]) == ("running", "round 2")
+    assert (job["status"], job["round"], job["round_label"]) == ("running", 2, "round 2")
