@@ -41,8 +41,6 @@ class RoundHost(Protocol):
 
     tool_threads: Executor
 
-    async def db(self, fn: Callable[..., T], /, **kwargs: Any) -> T: ...
-
     async def db_retrying(self, fn: Callable[..., T], /, **kwargs: Any) -> T: ...
 
     def flight_ended(self, job_id: int) -> None: ...
@@ -62,7 +60,7 @@ async def flow_round_run(host: RoundHost, flight: Any) -> None:
 async def _round(host: RoundHost, flight: Any) -> None:
     claim = flight.claim
     job = claim.job
-    start = await host.db(round_begin, job_id=job.pk, lease=claim.lease)
+    start = await host.db_retrying(round_begin, job_id=job.pk, lease=claim.lease)
     if start.pending:
         log.info("job %d: running the tool calls of round %d (their worker stopped)", job.pk, start.round)
         calls = start.pending
