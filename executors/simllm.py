@@ -5,7 +5,10 @@ of the real HTTP drivers, and for capacity planning against a simulated fleet. R
 as simulated. It counts its own concurrent requests so tests can check that the scheduler's caps
 hold on the wire: `GET /stats` reports in-flight and peak counts in total and per path prefix (one
 server can stand in for several executors: `http://127.0.0.1:P/e1/v1` and `.../e2/v1` are counted
-apart); `POST /stats/reset` zeroes them.
+apart), and requests per job (the `X-Telemachus-Job` header the drivers send), so a test can
+count one flow's model calls among others'; `POST /stats/reset` zeroes them. Asked with `tools`,
+it calls them deterministically (executors/simtools.py: a prompt holding `[rounds:N]` makes N
+rounds).
 
 A raw ASGI app (no framework) served by uvicorn: `python manage.py simllm --port P`.
 """
@@ -19,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from executors.simtools import sim_tool_calls
 from executors.tokens import count_prompt_tokens
 
 Scope = dict[str, Any]
@@ -30,11 +34,14 @@ class Stats:
     peak: Counter = field(default_factory=Counter)
     requests: Counter = field(default_factory=Counter)
     disconnects: Counter = field(default_factory=Counter)
+    jobs: Counter = field(default_factory=Counter)
     total_in_flight: int = 0
     total_peak: int = 0
     total_requests: int = 0
 
-    def enter(self, prefix: str) -> None:
+    def enter(self, prefix: str, job: str | None = None) -> None:
+        if job:
+            self.jobs[job] += 1
         self.in_flight[prefix] += 1
         self.peak[prefix] = max(self.peak[prefix], self.in_flight[prefix])
         self.requests[prefix] += 1
@@ -52,6 +59,7 @@ class Stats:
             "peak": self.total_peak,
             "requests": self.total_requests,
             "disconnects": sum(self.disconnects.values()),
+            "jobs": dict(self.jobs),
             "prefixes": {
                 p: {"in_flight": self.in_flight[p], "peak": self.peak[p], "requests": self.requests[p],
                     "disconnects": self.disconnects[p]}
@@ -95,7 +103,7 @@ class SimLLM:
             })
         if path.endswith("/v1/chat/completions") and method == "POST":
             prefix = path[: -len("/v1/chat/completions")].strip("/")
-            self.stats.enter(prefix)
+            self.stats.enter(prefix, header(scope, b"x-telemachus-job"))
             body = await read_json(receive)
             gone = asyncio.ensure_future(wait_for_disconnect(receive))
             try:
@@ -121,22 +129,26 @@ class SimLLM:
         words = [f"sim{i}" for i in range(completion)]
         created, ident = int(time.time()), f"chatcmpl-{uuid.uuid4().hex[:24]}"
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        calls = sim_tool_calls(body["messages"], body.get("tools"))
         if body.get("stream"):
-            return await self.stream(send, ident, created, model, words, usage, body, gone)
+            return await self.stream(send, ident, created, model, words, usage, body, gone, calls)
         await pause(completion / self.tokens_per_s if self.tokens_per_s else 0, gone)
+        if calls:
+            message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": calls}
+            finish = "tool_calls"
+        else:
+            message = {"role": "assistant", "content": "[simulated by simllm] " + " ".join(words)}
+            finish = "length" if completion == body.get("max_tokens") else "stop"
         await respond(send, 200, {
             "id": ident, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": "[simulated by simllm] " + " ".join(words)},
-                "finish_reason": "length" if completion == body.get("max_tokens") else "stop",
-            }],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
             "usage": usage,
             "system_fingerprint": "simllm",
         })
 
     async def stream(self, send: Any, ident: str, created: int, model: str, words: list[str],
-                     usage: dict[str, int], body: dict[str, Any], gone: asyncio.Future) -> None:
+                     usage: dict[str, int], body: dict[str, Any], gone: asyncio.Future,
+                     calls: list[dict[str, Any]]) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
 
@@ -146,12 +158,24 @@ class SimLLM:
             await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
                         "more_body": True})
 
+        include_usage = (body.get("stream_options") or {}).get("include_usage")
+        if calls:
+            # OpenAI streams a tool call as deltas of an indexed entry: id and name first, then
+            # the arguments text.
+            await event({"role": "assistant", "content": None})
+            for index, call in enumerate(calls):
+                function = call["function"]
+                await event({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
+                                             "function": {"name": function["name"], "arguments": ""}}]})
+                await event({"tool_calls": [{"index": index, "function": {"arguments": function["arguments"]}}]})
+            await event({}, "tool_calls", **({"usage": usage} if include_usage else {}))
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            return
         await event({"role": "assistant", "content": "[simulated by simllm]"})
         per_token = 1 / self.tokens_per_s if self.tokens_per_s else 0
         for word in words:
             await pause(per_token, gone)
             await event({"content": " " + word})
-        include_usage = (body.get("stream_options") or {}).get("include_usage")
         await event({}, "stop", **({"usage": usage} if include_usage else {}))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
@@ -185,6 +209,14 @@ async def pause(seconds: float, gone: asyncio.Future) -> None:
     await asyncio.wait([gone], timeout=seconds)
     if gone.done():
         raise ClientGone
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    """A request header's value (`name` in lower case), if sent."""
+    for key, value in scope.get("headers") or ():
+        if key == name:
+            return value.decode("latin-1")
+    return None
 
 
 def error_body(message: str, kind: str) -> dict[str, Any]:

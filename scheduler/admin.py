@@ -26,13 +26,18 @@ class JobEventInline(admin.TabularInline):
 
 @admin.register(Job)
 class JobAdmin(ReadOnlyAdmin):
-    list_display = ["id", "type", "team", "user", "priority", "status", "model", "executor", "attempts", "tokens_used", "submitted_at", "finished_at"]
+    list_display = ["id", "type", "team", "user", "priority", "status", "round", "model", "executor", "attempts",
+                    "tokens_used", "submitted_at", "finished_at"]
     list_filter = ["status", "type", "team", "executor"]
     search_fields = ["id", "model", "user__username", "team__slug", "error"]
     list_select_related = ["team", "user", "executor"]
     date_hierarchy = "submitted_at"
     inlines = [JobEventInline]
     actions = ["cancel", "requeue"]
+
+    @admin.display(description="round")
+    def round(self, job: Job) -> str:
+        return job.round_label
 
     @admin.action(description="Cancel the selected jobs")
     def cancel(self, request: HttpRequest, queryset) -> None:

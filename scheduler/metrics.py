@@ -18,6 +18,7 @@ one consistent picture without a shared directory or a scrape of every process:
 import os
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
@@ -42,6 +43,12 @@ DISPATCH_SECONDS = Histogram(
     "telemachus_dispatch_latency_seconds", "Time an executor took to answer a dispatch, by executor and outcome.",
     ["executor", "outcome"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
 )
+
+
+def dispatch_observe(*, executor: Any, outcome: str, seconds: float) -> None:
+    """One dispatch's latency; a job that ran on no executor (a tool job) is not a dispatch."""
+    if executor is not None:
+        DISPATCH_SECONDS.labels(executor.name, outcome).observe(seconds)
 
 
 class DatabaseCollector:

@@ -25,6 +25,9 @@ class Job(models.Model):
         FLOW = "flow"
         TASK = "task"
         TOOL = "tool"
+        # A slot held by app code that runs its own model call (scheduler/governed.py): queued and
+        # claimed like a flow's round, never dispatched by a worker.
+        GOVERNED = "governed", "Governed slot"
 
     class Status(models.TextChoices):
         QUEUED = "queued"
@@ -48,6 +51,14 @@ class Job(models.Model):
     cost_estimate = models.PositiveBigIntegerField(default=0)
     parent_flow = models.ForeignKey("self", null=True, blank=True, on_delete=models.CASCADE, related_name="children")
     submitted_at = models.DateTimeField(default=timezone.now)
+    # Its place in line within a priority: when it became ready to run. Set at submit; a flow's
+    # next round becomes ready when the previous one ends (QueuePolicy.flow_rounds = requeue), or
+    # keeps the flow's place (continue). Ties go to the lower id.
+    ready_at = models.DateTimeField(default=timezone.now)
+    # When it last entered the queue (its submit, or its flow's latest round): the starvation
+    # guard counts a wait from here, so a flow that has been served round after round does not
+    # age past newer work, whichever way its place in line is kept.
+    queued_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     tokens_used = models.PositiveBigIntegerField(null=True, blank=True)
@@ -66,6 +77,10 @@ class Job(models.Model):
         Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
     meta = models.JSONField(default=dict, blank=True)
+    # A flow's durable state between rounds: rounds finished, and the messages they added after
+    # input.messages (assistant replies, tool results). Written by scheduler/services/rounds.py.
+    rounds = models.PositiveIntegerField(default=0)
+    conversation = models.JSONField(default=list, blank=True)
     worker = models.CharField(max_length=200, blank=True, default="")
     lease = models.UUIDField(null=True, blank=True, db_index=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
@@ -73,16 +88,23 @@ class Job(models.Model):
     class Meta:
         ordering = ["-id"]
         indexes = [
-            # The claim reads each team's head of line: highest priority, then oldest.
+            # The claim reads each team's head of line: highest priority, then first ready.
             models.Index(
-                "team", models.F("priority").desc(), "id",
-                name="job_team_queue_idx", condition=Q(status="queued"),
+                "team", models.F("priority").desc(), "ready_at", "id",
+                name="job_team_ready_idx", condition=Q(status="queued"),
             ),
-            models.Index(models.F("priority").desc(), "id", name="job_queue_idx", condition=Q(status="queued")),
+            models.Index(
+                models.F("priority").desc(), "ready_at", "id", name="job_ready_idx", condition=Q(status="queued")
+            ),
+            # Tool jobs take no executor slot; the claim reads them apart (services/tooljobs.py).
+            models.Index(
+                models.F("priority").desc(), "ready_at", "id", name="job_tool_queue_idx",
+                condition=Q(status="queued", type="tool"),
+            ),
             # Recovery scans running jobs whose lease ran out.
             models.Index("lease_expires_at", name="job_lease_idx", condition=Q(status="running")),
-            # The starvation guard also looks at each team's oldest queued job.
-            models.Index("team", "id", name="job_team_age_idx", condition=Q(status="queued")),
+            # The starvation guard also looks at each team's longest-waiting queued jobs.
+            models.Index("team", "queued_at", "id", name="job_team_wait_idx", condition=Q(status="queued")),
             models.Index("team", "status", name="job_team_status_idx"),
             models.Index("user", "status", name="job_user_status_idx"),
         ]
@@ -104,6 +126,22 @@ class Job(models.Model):
     @property
     def is_terminal(self) -> bool:
         return self.status in self.TERMINAL
+
+    @property
+    def current_round(self) -> int | None:
+        """A flow's round: the one it runs or waits for, or its last once ended (None: not a flow)."""
+        if self.type not in (self.Type.FLOW, self.Type.GOVERNED):
+            return None
+        return self.rounds if self.is_terminal else self.rounds + 1
+
+    @property
+    def round_label(self) -> str:
+        """The same for people: "round 3", "round 3 next" (queued between rounds), "12 rounds"."""
+        if self.current_round is None:
+            return ""
+        if self.is_terminal:
+            return f"{self.rounds} round{'' if self.rounds == 1 else 's'}"
+        return f"round {self.current_round}" + (" next" if self.status == self.Status.QUEUED and self.rounds else "")
 
     # Fields `return_to_queue` changes, for bulk_update by its callers.
     REQUEUE_FIELDS = ("status", "executor", "started_at", "lease", "lease_expires_at", "attempts", "reservation")
@@ -134,6 +172,10 @@ class JobEvent(models.Model):
         FAILED = "failed"
         CANCELED = "canceled"
         REQUEUED = "requeued"
+        # A flow's rounds (and a governed slot's one round): started, finished with its tokens
+        # and the tools it called.
+        ROUND_STARTED = "round_started"
+        ROUND_FINISHED = "round_finished"
         PRIORITY_CLAMPED = "priority_clamped"
         RETRY_SCHEDULED = "retry_scheduled"
         DEFERRED = "deferred"
@@ -200,6 +242,10 @@ class QueuePolicy(models.Model):
         CLAMP = "clamp"
         REJECT = "reject"
 
+    class FlowRounds(models.TextChoices):
+        REQUEUE = "requeue"
+        CONTINUE = "continue"
+
     SINGLETON_ID = 1
     DEFAULT_MAX_QUEUE_DEPTH = 10_000
 
@@ -226,6 +272,10 @@ class QueuePolicy(models.Model):
     placement = models.CharField(max_length=16, choices=Placement.choices, default=Placement.LEAST_LOADED)
     recovery = models.CharField(max_length=16, choices=Recovery.choices, default=Recovery.REQUEUE)
     max_attempts = models.PositiveSmallIntegerField(default=3)
+    # A flow's next round: `requeue` queues it behind work that became ready while its last round
+    # ran (other jobs run between rounds); `continue` keeps the flow's place in line, ahead of
+    # newer work of its priority and team. Either way it meets caps, priority and fair share.
+    flow_rounds = models.CharField(max_length=16, choices=FlowRounds.choices, default=FlowRounds.REQUEUE)
     policy_class = models.CharField(max_length=300, blank=True, default="")
     share_window_seconds = models.FloatField(default=300.0, help_text="Window of the actual shares in /api/queue/.")
     updated_at = models.DateTimeField(auto_now=True)

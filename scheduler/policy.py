@@ -8,8 +8,8 @@ See docs/policy.md.
 The default, `FairSharePolicy`:
   order   priority first (a queued job's priority ages upward after a wait, bounded, so low
           priority is delayed but never starved); within a priority, the team with the lowest
-          (running cost + next job's cost + decayed past usage) / weight goes next, FIFO within
-          the team. Weight 0 takes only capacity no team with a positive weight wants.
+          (running cost + next job's cost + decayed past usage) / weight goes next, first ready
+          first within the team (a flow's next round is ready when its last one ended). Weight 0 takes only capacity no team with a positive weight wants.
   admit   a per-team queue depth cap: beyond it, try later (with a Retry-After from the team's
           recent drain rate).
   place   least-loaded (default), pack or weighted, among executors that fit the job.
@@ -105,9 +105,11 @@ class BaseQueuePolicy:
 
     def effective_priority(self, job: Job, now: datetime) -> int:
         """The starvation guard: after `aging_after_seconds` in the queue a job gains a level per
-        `aging_step_seconds`, at most `aging_max_boost` (never past the top priority)."""
+        `aging_step_seconds`, at most `aging_max_boost` (never past the top priority). The wait
+        counts from when the job last entered the queue (`queued_at`): a flow's round has waited
+        only since its previous round ended, whatever place in line it keeps."""
         record = self.record
-        waited = (now - job.submitted_at).total_seconds() - record.aging_after_seconds
+        waited = (now - job.queued_at).total_seconds() - record.aging_after_seconds
         if waited < 0 or record.aging_step_seconds <= 0:
             return job.priority
         boost = min(record.aging_max_boost, 1 + int(waited // record.aging_step_seconds))
@@ -131,19 +133,19 @@ class BaseQueuePolicy:
         )
         heads = queued_heads(wanted=wanted, exclude_users=state.blocked_users(), now=state.now, aged_before=aged_before)
         for jobs in heads.values():
-            jobs.sort(key=lambda job: (-self.effective_priority(job, state.now), job.pk))
+            jobs.sort(key=lambda job: (-self.effective_priority(job, state.now), *ready_order(job)))
         return heads
 
 
 class PriorityFifoPolicy(BaseQueuePolicy):
-    """Priority, then submission order across all teams (the merge of the teams' heads)."""
+    """Priority, then the order jobs became ready across all teams (the merge of the teams' heads)."""
 
     def order(self, state: ClaimState, *, limit: int) -> Iterator[Job]:
         heads = self.eligible_heads(state, limit=limit)
         cursor = dict.fromkeys(heads, 0)
         while cursor:
             team_id = min(cursor, key=lambda t: (-self.effective_priority(heads[t][cursor[t]], state.now),
-                                                  heads[t][cursor[t]].pk))
+                                                  *ready_order(heads[t][cursor[t]])))
             yield heads[team_id][cursor[team_id]]
             cursor[team_id] += 1
             if cursor[team_id] == len(heads[team_id]):
@@ -151,7 +153,8 @@ class PriorityFifoPolicy(BaseQueuePolicy):
 
 
 class FairSharePolicy(BaseQueuePolicy):
-    """Priority, then weighted fair share across teams with eligible work, FIFO within a team.
+    """Priority, then weighted fair share across teams with eligible work, first ready first
+    within a team.
 
     Past usage lets a team that has had less than its share catch up, but only up to its share of
     the slots (plus one) while other teams wait: a team that has been idle and then submits a
@@ -182,7 +185,7 @@ class FairSharePolicy(BaseQueuePolicy):
                 weight > 0 and state.team_in_use[team_id] >= share_cap(team_id),
                 self.share_key(running=running[team_id], next_cost=job.cost_estimate if tokens else 1,
                                usage=usage.get(team_id, 0.0), weight=weight),
-                job.pk,
+                *ready_order(job),
             )
 
         while cursor:
@@ -202,6 +205,12 @@ class FairSharePolicy(BaseQueuePolicy):
         if self.record.cost == QueuePolicy.Cost.SLOT_SECONDS:
             usage = usage / self.record.half_life_seconds if self.record.half_life_seconds > 0 else 0.0
         return (running + next_cost + usage) / weight
+
+
+def ready_order(job: Job) -> tuple[datetime, int]:
+    """The tie-break within a priority: when the job became ready, then its id (the queue
+    indexes' order)."""
+    return job.ready_at, job.pk
 
 
 def team_usage(*, team_ids: list[int], now: datetime, half_life: float) -> dict[int, float]:

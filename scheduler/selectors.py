@@ -12,7 +12,7 @@ LOOKUPS_PER_STATEMENT = 200
 # The payload columns: the claim reads many more heads than it takes, so these are left out of
 # the lookups (deferred: a policy that reads them still gets them, one query per job) and the
 # claim reads them only for the jobs it takes. A prompt can be far bigger than the rest of a row.
-PAYLOAD_FIELDS = ("input", "result", "error")
+PAYLOAD_FIELDS = ("input", "result", "error", "conversation")
 
 
 def queue_policy() -> QueuePolicy:
@@ -26,12 +26,13 @@ def queued_heads(
     aged_before: datetime | None = None,
 ) -> dict[int, list[Job]]:
     """The head of each team's line: for each team id in `wanted`, up to n of its queued jobs for
-    the given models, highest priority then oldest first, skipping users at their cap and retries
-    still waiting out their backoff; with `aged_before`, also those of its n oldest submitted by
-    then (which aging may have lifted: a job not yet aged can never outrank the head by priority).
+    the given models, highest priority then first ready (`ready_at`, then id), skipping users at
+    their cap and retries still waiting out their backoff; with `aged_before`, also those of its n
+    longest waiting that entered the queue by then (`queued_at`: aging may have lifted them, and a
+    job not yet aged can never outrank the head by priority).
     Each team's jobs come back unsorted, without their payload (PAYLOAD_FIELDS).
 
-    Indexed lookups per team (job_team_queue_idx, job_team_age_idx), so rows examined grow with
+    Indexed lookups per team (job_team_ready_idx, job_team_wait_idx), so rows examined grow with
     the number of teams and the batch size, not with the depth of any queue; all of them travel
     as one UNION ALL. Written as SQL rather than with the ORM: this runs in every claim, under
     the claim lock, and compiling two querysets per team cost more than the database's work. The
@@ -55,12 +56,14 @@ def queued_heads(
             params += sorted(exclude_users)
         table = qn(Job._meta.db_table)
         lookups.append((f"SELECT {columns} FROM {table} WHERE {' AND '.join(where)} "
-                        f"ORDER BY {qn('priority')} DESC, {qn('id')} LIMIT %s", [*params, max(n, 2)]))
+                        f"ORDER BY {qn('priority')} DESC, {qn('ready_at')}, {qn('id')} LIMIT %s",
+                        [*params, max(n, 2)]))
         if aged_before is not None:
-            # The n oldest, then those of them that have aged: filtering inside the lookup would
-            # walk a whole deep queue by id whenever nothing has aged yet.
+            # The n longest waiting, then those of them that have aged: filtering inside the lookup
+            # would walk a whole deep queue whenever nothing has aged yet.
             lookups.append((f"SELECT * FROM (SELECT {columns} FROM {table} WHERE {' AND '.join(where)} "
-                            f"ORDER BY {qn('id')} LIMIT %s) AS oldest WHERE {qn('submitted_at')} <= %s",
+                            f"ORDER BY {qn('queued_at')}, {qn('id')} LIMIT %s) AS oldest "
+                            f"WHERE {qn('queued_at')} <= %s",
                             [*params, max(n, 2), connection.ops.adapt_datetimefield_value(aged_before)]))
     heads: dict[int, list[Job]] = {}
     seen: set[int] = set()

@@ -148,11 +148,12 @@ def slot_seconds(*, since, now) -> Counter:
 
 
 def queue_heads(team_ids: list[int]) -> dict[int, tuple[str, int]]:
-    """The (model, user id) of each team's next queued job by priority, then age: one query with
-    a lookup per team on its queue index."""
+    """The (model, user id) of each team's next queued job by priority, then readiness: one query with
+    a lookup per team on its queue index. Tool jobs need no executor, so they never wait for one."""
     if not team_ids:
         return {}
-    head = Job.objects.filter(team=OuterRef("pk"), status=Job.Status.QUEUED).order_by("-priority", "id")
+    head = (Job.objects.filter(team=OuterRef("pk"), status=Job.Status.QUEUED).exclude(type=Job.Type.TOOL)
+            .order_by("-priority", "ready_at", "id"))
     rows = Team.objects.filter(pk__in=team_ids).annotate(
         head_model=Subquery(head.values("model")[:1]), head_user=Subquery(head.values("user_id")[:1]),
     ).values_list("pk", "head_model", "head_user")
@@ -249,7 +250,7 @@ def dashboard_state(*, user: rbac.Principal) -> dict[str, Any]:
         cluster = Cluster.load(now=timezone.now())
         queue = _queue_snapshot(user=user, cluster=cluster)
         visible = rbac.visible_jobs(user)
-        jobs = list(visible.select_related("team", "user", "executor").defer("input", "result").order_by("-id")[:RECENT_JOBS])
+        jobs = list(visible.select_related("team", "user", "executor").defer("input", "result", "conversation").order_by("-id")[:RECENT_JOBS])
         total = visible.count() if len(jobs) == RECENT_JOBS else len(jobs)
         operator = rbac.is_operator(user)
         return {
@@ -274,6 +275,7 @@ def _job_row(job: Job, cluster: Cluster, *, staff: bool) -> dict[str, Any]:
     return {
         "id": job.pk, "team": job.team.slug, "user": job.user.get_username(), "type": job.type,
         "model": job.model, "priority": job.priority, "status": job.status,
+        "round": job.current_round, "round_label": job.round_label,
         "executor": job.executor.name if job.executor else None, "attempts": job.attempts,
         "tokens_used": job.tokens_used, "submitted_at": job.submitted_at, "started_at": job.started_at,
         "finished_at": job.finished_at, "error": job.error[:200], "waits": [w["text"] for w in waits],

@@ -1,7 +1,7 @@
 """What a claim knows about the cluster, read once under the claim lock.
 
 `ClaimState` holds the caps and live slot counts of all four scopes and the placeable executors.
-The claim (and `slot_acquire`) asks it whether a job fits and where it could go, and tells it each
+The claim asks it whether a job fits and where it could go, and tells it each
 time a slot is taken, so one transaction can place several jobs without re-reading the database
 and without overshooting a cap."""
 

@@ -7,7 +7,10 @@ never while a model call is awaited in it: claim, run, finish are separate steps
   claim loop   claims as many jobs as there are free local slots, then waits to be woken: by
                NOTIFY on PostgreSQL (work queued, capacity freed, a job canceled), by its own
                finishes, or on SQLite by a watch on its data_version (another process committed).
-  dispatches   one task per job; the driver's dispatch() runs outside any transaction.
+  dispatches   one task per job; the driver's dispatch() runs outside any transaction. A flow's
+               claim is one round (scheduler/flows.py): model call, slot freed, tools in the
+               tool threads, next round queued; a tool job runs in the tool threads; a governed
+               slot is its app's to run (scheduler/governed.py).
   finisher     writes results in batches (the finish is fenced by each job's lease).
   heartbeat    renews leases; a lease that is not renewed is lost and its dispatch is aborted,
                including when the database cannot be reached for longer than the lease.
@@ -34,12 +37,15 @@ import psycopg
 from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, close_old_connections, connection
 
-from executors.contract import DispatchError, DispatchRequest, ExecutorDriver, Probe
+from executors.contract import DispatchError, ExecutorDriver, Probe
 from executors.health import DispatchReport, breaker_record, probe_record, probes_due
 from executors.models import Executor
 from executors.registry import DriverPool
 from scheduler import broadcast, signals
-from scheduler.metrics import CLAIM_SECONDS, DISPATCH_SECONDS
+from scheduler.flows import flow_round_run, tool_job_outcome
+from scheduler.jobtypes import job_output, job_request
+from scheduler.metrics import CLAIM_SECONDS, dispatch_observe
+from scheduler.models import Job
 from scheduler.probes import heartbeat_check, probe_serve
 from scheduler.services.claim import Claim, job_claim
 from scheduler.services.finish import FinishReport, Outcome, jobs_finish
@@ -96,6 +102,10 @@ class Worker:
         self.stopping = False
         self.forced = False
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="telemachus-db", initializer=_persistent_connection)
+        # Tools (a flow's calls between rounds, tool jobs) run here: never on the event loop, the
+        # database thread or a model slot.
+        self.tool_threads = ThreadPoolExecutor(max_workers=settings.TELEMACHUS_TOOL_THREADS,
+                                               thread_name_prefix="telemachus-tool")
         self.processed = 0
         self.beat_at = time.monotonic()
 
@@ -103,6 +113,10 @@ class Worker:
 
     async def db(self, fn: Callable[..., T], /, **kwargs: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._db, partial(_db_call, fn, kwargs))
+
+    async def db_retrying(self, fn: Callable[..., T], /, **kwargs: Any) -> T:
+        """A write that must not be lost, retried through outages (see `_retrying`)."""
+        return await self._retrying(fn, **kwargs)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -135,6 +149,7 @@ class Worker:
                 await driver.aclose()
             await self.db(_close_connection)
             self._db.shutdown(wait=True)
+            self.tool_threads.shutdown(wait=False, cancel_futures=True)
         log.info("worker %s stopped after %d jobs", self.name, self.processed)
 
     def _install_signal_handlers(self) -> None:
@@ -226,10 +241,12 @@ class Worker:
 
     def _start(self, claim: Claim) -> None:
         job, now = claim.job, time.monotonic()
-        log.info("job %d claimed: %s on %s (team %s, attempt %d)", job.pk, job.type, claim.executor.name,
-                 job.team_id, job.attempts)
+        where = claim.executor.name if claim.executor is not None else "the tool threads"
+        log.info("job %d claimed: %s on %s (team %s, attempt %d)", job.pk, job.type, where, job.team_id, job.attempts)
+        if job.type == Job.Type.GOVERNED:
+            return  # its app holds the lease from here (scheduler/governed.py)
         try:
-            driver = self._driver(claim.executor)
+            driver = self._driver(claim.executor) if claim.executor is not None else None
         except Exception as exc:  # a driver that cannot be built fails its job, never the worker
             log.error("job %d: no driver for executor %s: %s", job.pk, claim.executor.name, exc)
             self.inflight[job.pk] = InFlight(claim=claim, driver=None, renewed_at=now, started=now, executor_fault=True)
@@ -248,12 +265,24 @@ class Worker:
 
     async def _dispatch(self, flight: InFlight) -> None:
         job = flight.claim.job
-        request = DispatchRequest(job_id=job.pk, type=job.type, model=job.model, input=job.input,
-                                  requirements=job.requirements)
-        on_delta = partial(broadcast.job_delta_send, job.pk) if request.stream else None
         started = time.perf_counter()
         try:
-            result = await flight.driver.execute(request, on_delta)
+            if job.type == Job.Type.FLOW:
+                await flow_round_run(self, flight)  # writes its own end
+                return
+            if job.type == Job.Type.TOOL:
+                outcome = await tool_job_outcome(self, flight.claim)
+            else:
+                request = job_request(job)
+                on_delta = partial(broadcast.job_delta_send, job.pk) if request.stream else None
+                result = await flight.driver.execute(request, on_delta)
+                dispatch_observe(executor=flight.claim.executor, outcome="ok", seconds=time.perf_counter() - started)
+                outcome = Outcome(
+                    job_id=job.pk, lease=flight.claim.lease, ok=True, result=job_output(job, result.output),
+                    tokens_used=result.tokens_used,
+                    meta={"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                          "seconds": round(time.monotonic() - flight.started, 4)},
+                )
         except asyncio.CancelledError:
             self.inflight.pop(job.pk, None)
             if flight.abort_reason == "shutdown":
@@ -264,21 +293,13 @@ class Worker:
             self._capacity_freed()
             return
         except DispatchError as exc:
-            DISPATCH_SECONDS.labels(flight.claim.executor.name, "error").observe(time.perf_counter() - started)
+            dispatch_observe(executor=flight.claim.executor, outcome="error", seconds=time.perf_counter() - started)
             flight.executor_fault = exc.executor_fault
             outcome = Outcome(job_id=job.pk, lease=flight.claim.lease, ok=False, error=str(exc), result=exc.detail,
                               retryable=exc.retryable, retry_after=exc.retry_after, meta={"status": exc.status})
         except Exception as exc:  # a driver bug must fail the job, not kill the worker
-            log.exception("job %d: driver %s raised", job.pk, flight.driver.kind)
+            log.exception("job %d: %s raised", job.pk, f"driver {flight.driver.kind}" if flight.driver else "its run")
             outcome = Outcome(job_id=job.pk, lease=flight.claim.lease, ok=False, error=f"driver error: {exc!r}")
-        else:
-            DISPATCH_SECONDS.labels(flight.claim.executor.name, "ok").observe(time.perf_counter() - started)
-            outcome = Outcome(
-                job_id=job.pk, lease=flight.claim.lease, ok=True, result=result.output,
-                tokens_used=result.tokens_used,
-                meta={"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                      "seconds": round(time.monotonic() - flight.started, 4)},
-            )
         await self.outcomes.put(outcome)
 
     def _abort(self, job_id: int, reason: str) -> None:
@@ -286,9 +307,15 @@ class Worker:
         if flight is None or flight.abort_reason is not None:
             return
         flight.abort_reason = reason
-        if flight.driver is not None and flight.task is not None and not flight.task.done():
+        if flight.task is not None and not flight.task.done():
             log.info("job %d: aborting dispatch (%s)", job_id, reason)
-            asyncio.create_task(flight.driver.cancel(job_id))
+            asyncio.create_task(_stop(flight))
+
+    def flight_ended(self, job_id: int) -> None:
+        """A flight that wrote its own end (a flow's round) leaves: its capacity is free."""
+        self.inflight.pop(job_id, None)
+        self.processed += 1
+        self._capacity_freed()
 
     def _capacity_freed(self) -> None:
         if self.want_freed or self.stopping:
@@ -325,7 +352,7 @@ class Worker:
         dispatches = [
             DispatchReport(executor_id=flight.claim.executor.pk, ok=outcome.ok, executor_fault=flight.executor_fault)
             for outcome in batch
-            if (flight := self.inflight.get(outcome.job_id)) is not None
+            if (flight := self.inflight.get(outcome.job_id)) is not None and flight.claim.executor is not None
         ]
         try:
             return await self._retrying(_finish_then_record, outcomes=batch, dispatches=dispatches)
@@ -506,6 +533,15 @@ def _db_call(fn: Callable[..., T], kwargs: dict[str, Any]) -> T:
     # (database restarted, network cut), so the call reconnects instead of failing forever.
     close_old_connections()
     return fn(**kwargs)
+
+
+async def _stop(flight: InFlight) -> None:
+    """Abort a flight: its driver stops its own call (closing an HTTP request upstream); anything
+    else it is doing (a flow's tools, a tool job, a write) is cancelled outright, and the fenced
+    write that would follow is refused anyway."""
+    assert flight.task is not None
+    if flight.driver is None or not await flight.driver.cancel(flight.claim.job.pk):
+        flight.task.cancel()
 
 
 async def _close_when_idle(driver: ExecutorDriver) -> None:

@@ -4,8 +4,8 @@ services and the dashboard agree by construction.
 * Operators (superusers, or holders of `scheduler.manage`) may do everything.
 * In a team, a `member` submits jobs with the permissions the team grants it and sees and cancels
   its own jobs; a `manager` also sees and cancels all the team's jobs and manages its members.
-* Job types need a permission: chat and translate `chat:use`, tool `tools:invoke`, flow and task
-  `flows:run`. They are Django permissions on Team, granted with django-guardian on a team (to the
+* Job types need a permission: chat and translate `chat:use`, tool `tools:invoke`, flow, task and
+  a governed slot `flows:run` (a flow that names tools also needs `tools:invoke`). They are Django permissions on Team, granted with django-guardian on a team (to the
   team's group, so every member has it, or to single users) or globally.
 * A job can also be shown to a user with guardian's `scheduler.view_job` on it; a team-owned
   executor serves other teams whose group holds `executors.use_executor` on it.
@@ -30,6 +30,7 @@ CHAT, TOOLS, FLOWS = "chat:use", "tools:invoke", "flows:run"
 PERMISSIONS = {CHAT: "use_chat", TOOLS: "invoke_tools", FLOWS: "run_flows"}
 JOB_TYPE_PERMISSION = {
     Job.Type.CHAT: CHAT, Job.Type.TRANSLATE: CHAT, Job.Type.TOOL: TOOLS, Job.Type.FLOW: FLOWS, Job.Type.TASK: FLOWS,
+    Job.Type.GOVERNED: FLOWS,
 }
 
 Principal = AbstractBaseUser | AnonymousUser

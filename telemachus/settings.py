@@ -319,3 +319,7 @@ TASKS = {
 }
 # host:port where a worker serves /metrics (no token), /healthz and /readyz; unset: none.
 TELEMACHUS_METRICS_BIND = os.environ.get("TELEMACHUS_METRICS_BIND", "")
+# Extra tools for flows and tool jobs, `name=dotted.path.tool` comma-separated (executors/tools.py).
+TELEMACHUS_TOOLS = env_list("TELEMACHUS_TOOLS", [])
+# Threads per worker that run tools (a flow's tool calls between rounds, tool jobs).
+TELEMACHUS_TOOL_THREADS = env_int("TELEMACHUS_TOOL_THREADS", 8)

@@ -107,6 +107,30 @@ def chat_body(team: str, model: str = "m", **overrides) -> dict:
     return body
 
 
+def backdate(job_id: int, age) -> None:
+    """As if the job had been submitted (and queued, and ready) `age` (a timedelta) ago."""
+    from django.utils import timezone
+
+    from scheduler.models import Job
+
+    then = timezone.now() - age
+    Job.objects.filter(pk=job_id).update(submitted_at=then, ready_at=then, queued_at=then)
+
+
+def job_body(team: str, type: str = "chat", **overrides) -> dict:
+    """A valid submit body for each job type (a chat's, with the input that type needs)."""
+    body = chat_body(team, type=type)
+    if type == "translate":
+        body["input"] = {"text": "Good morning", "target_lang": "French"}
+    elif type == "tool":
+        body["input"] = {"tool": "echo", "arguments": {"say": "hi"}}
+        del body["requirements"]
+    elif type == "flow":
+        body["input"] = {"messages": [{"role": "user", "content": "hello"}]}
+    body.update(overrides)
+    return body
+
+
 @pytest.fixture
 def member_setup(make_user, make_team, make_executor):
     """Given alice in team a, bob in team b, and a shared executor offering model m."""

@@ -5,6 +5,8 @@ from quotas.budget import Bill, quota_settle
 from quotas.models import QuotaPolicy
 from scheduler.models import Job
 from scheduler.services.cancel import job_cancel
+from scheduler.services.claim import job_claim
+from scheduler.services.rounds import round_begin, round_finish
 from scheduler.services.submit import job_submit
 
 pytestmark = pytest.mark.django_db
@@ -89,3 +91,17 @@ def test_requeue_action_uses_the_service(admin_client_with_data):
     assert b"Requeued 1 job(s)." in response.content
     job.refresh_from_db()
     assert job.status == "queued" and job.events.last().meta["was"] == "canceled"
+
+
+def test_a_running_flow_shows_its_round(admin_client_with_data, member_setup):
+    Job.objects.all().delete()
+    flow = job_submit(user=member_setup[0], team="a", type="flow", requirements={"model": "m"},
+                      input={"messages": [{"role": "user", "content": "go"}], "tools": ["echo"]})
+    (claim,) = job_claim(worker="w", limit=1).claims
+    round_begin(job_id=flow.pk, lease=claim.lease)
+    page = admin_client_with_data.get("/admin/scheduler/job/").content.decode()
+    assert "round 1" in page
+    round_finish(job_id=flow.pk, lease=claim.lease, round=1, message={"role": "assistant", "content": "ok"})
+    page = admin_client_with_data.get(f"/admin/scheduler/job/{flow.pk}/change/").content.decode()
+    assert "round_started" in page and "round_finished" in page
+    assert "1 round" in admin_client_with_data.get("/admin/scheduler/job/").content.decode()

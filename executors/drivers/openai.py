@@ -3,6 +3,9 @@ server, LM Studio, hosted providers).
 
 `endpoint` is the API base including its version prefix, for example http://127.0.0.1:11434/v1;
 a chat step is `POST {endpoint}/chat/completions`, discovery and probes `GET {endpoint}/models`.
+A job's `tools` (OpenAI function schemas; a flow's are built from the tool registry) go to the
+server as they are, and the reply's `tool_calls` come back in the result's `message`. Each request
+names its job in an `X-Telemachus-Job` header, for the server's logs (simllm counts by it).
 `transport` may set `timeout_s` (default 120), `connect_timeout_s` (default 5), `http_clients`
 (connection pools to spread requests over; default one per 32 slots, at most 32) and, for
 `remote-model`, `api_key_env`: the name of the environment variable holding the API key. The key
@@ -95,7 +98,8 @@ class LocalModelDriver(ExecutorDriver):
     async def dispatch(self, request: DispatchRequest) -> DispatchResult:
         self._require_endpoint()
         try:
-            response = await self.client().post("/chat/completions", json=self.request_body(request))
+            response = await self.client().post("/chat/completions", json=self.request_body(request),
+                                                headers=job_header(request))
         except httpx.HTTPError as exc:
             raise self._transport_error(exc) from exc
         if response.status_code >= 400:
@@ -110,7 +114,8 @@ class LocalModelDriver(ExecutorDriver):
         body = {**self.request_body(request), "stream": True, "stream_options": {"include_usage": True}}
         content, deltas, usage, finish, model = [], 0, None, None, None
         try:
-            async with self.client().stream("POST", "/chat/completions", json=body) as response:
+            async with self.client().stream("POST", "/chat/completions", json=body,
+                                            headers=job_header(request)) as response:
                 if response.status_code >= 400:
                     await response.aread()
                     raise self._status_error(response, upstream_message(response))
@@ -272,6 +277,10 @@ class RemoteModelDriver(LocalModelDriver):
         name = (self.executor.transport or {}).get("api_key_env")
         key = os.environ.get(name) if name else None
         return [key] if key else []
+
+
+def job_header(request: DispatchRequest) -> dict[str, str]:
+    return {"X-Telemachus-Job": str(request.job_id)}
 
 
 def retry_after(response: httpx.Response) -> float | None:

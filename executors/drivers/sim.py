@@ -10,11 +10,16 @@ Knobs, read from the executor's `meta`:
     tokens_per_s      if set, adds completion_tokens / tokens_per_s seconds of generation time
     output_tokens     completion tokens per reply, capped by the request's max_tokens (default 16)
     fail_rate         probability in [0, 1] that a dispatch fails (default 0)
+
+Asked with `tools`, it calls them deterministically (executors/simtools.py: a prompt holding
+`[rounds:N]` makes N rounds), in the OpenAI format: the message carries `tool_calls` and the
+finish reason is `tool_calls`.
 """
 
 import asyncio
 import random
 from executors.contract import DispatchError, DispatchRequest, DispatchResult, ExecutorDriver
+from executors.simtools import sim_tool_calls
 from executors.tokens import count_prompt_tokens
 
 
@@ -42,15 +47,16 @@ class SimDriver(ExecutorDriver):
             await asyncio.sleep(delay)
         if random.random() < self._knob("fail_rate", 0):
             raise DispatchError("simulated failure (sim executor fail_rate)", retryable=False)
-        last = str(messages[-1].get("content", "")) if messages else ""
-        reply = f"[simulated reply from {self.executor.name}] {last[:200]}".strip()
+        calls = sim_tool_calls(messages, request.input.get("tools"))
+        if calls:
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            finish = "tool_calls"
+        else:
+            last = str(messages[-1].get("content") or "") if messages else ""
+            message = {"role": "assistant", "content": f"[simulated reply from {self.executor.name}] {last[:200]}".strip()}
+            finish = "length" if completion == max_tokens else "stop"
         return DispatchResult(
-            output={
-                "simulated": True,
-                "model": request.model,
-                "message": {"role": "assistant", "content": reply},
-                "finish_reason": "length" if completion == max_tokens else "stop",
-            },
+            output={"simulated": True, "model": request.model, "message": message, "finish_reason": finish},
             prompt_tokens=count_prompt_tokens(messages),
             completion_tokens=completion,
         )

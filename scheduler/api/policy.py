@@ -64,6 +64,7 @@ class PolicyInput(StrictSerializer):
     max_attempts = bounded("max_attempts", required=False)
     policy_class = serializers.CharField(max_length=300, allow_blank=True, required=False)
     share_window_seconds = bounded("share_window_seconds", required=False)
+    flow_rounds = serializers.ChoiceField(choices=QueuePolicy.FlowRounds.choices, required=False)
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         """The shared bounds (scheduler/policy_bounds.py) have the last word, so the API, the admin

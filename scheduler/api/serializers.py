@@ -3,14 +3,26 @@ from typing import Any
 from rest_framework import serializers
 
 from scheduler.models import Job, JobEvent
+from scheduler.services.rounds import DEFAULT_MAX_ROUNDS, MAX_ROUNDS
 from telemachus.serializers import StrictSerializer
 
 MESSAGE_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 class MessageInput(serializers.Serializer):
+    """An OpenAI chat message: an assistant message that calls tools may have no content; a tool
+    message answers one call by its id."""
+
     role = serializers.ChoiceField(choices=MESSAGE_ROLES)
-    content = serializers.CharField(allow_blank=True, trim_whitespace=False)
+    content = serializers.CharField(allow_blank=True, allow_null=True, trim_whitespace=False, required=False)
+    name = serializers.CharField(max_length=200, required=False)
+    tool_calls = serializers.ListField(child=serializers.DictField(), required=False)
+    tool_call_id = serializers.CharField(max_length=200, required=False)
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if attrs.get("content") is None and not attrs.get("tool_calls"):
+            raise serializers.ValidationError({"content": ["This field is required."]})
+        return attrs
 
 
 class RequirementsInput(StrictSerializer):
@@ -39,17 +51,62 @@ class JobInput(serializers.Serializer):
         return {**data, **checked}
 
 
+class FlowInput(serializers.Serializer):
+    """A flow: the conversation to start from, the registered tools the model may call (their
+    existence and the tools:invoke permission are checked at submit), and its bounds."""
+
+    messages = MessageInput(many=True, allow_empty=False)
+    tools = serializers.ListField(child=serializers.CharField(max_length=200), required=False, default=list)
+    max_rounds = serializers.IntegerField(min_value=1, max_value=MAX_ROUNDS, default=DEFAULT_MAX_ROUNDS)
+    # A failing tool call fails the flow, unless this passes its error back to the model instead.
+    return_tool_errors = serializers.BooleanField(default=False)
+
+
+class ToolJobInput(StrictSerializer):
+    tool = serializers.CharField(max_length=200)
+    arguments = serializers.DictField(default=dict)
+
+
+class TranslateInput(serializers.Serializer):
+    text = serializers.CharField(trim_whitespace=False)
+    target_lang = serializers.CharField(max_length=64)
+    source_lang = serializers.CharField(max_length=64, required=False)
+
+
+# The input each job type must have beyond JobInput's (whose other keys pass through).
+TYPE_INPUTS: dict[str, type[serializers.Serializer]] = {
+    Job.Type.FLOW: FlowInput, Job.Type.TOOL: ToolJobInput, Job.Type.TRANSLATE: TranslateInput,
+}
+# A governed slot is taken in Python (scheduler/governed.py), never submitted through the API.
+SUBMITTABLE_TYPES = [(value, label) for value, label in Job.Type.choices if value != Job.Type.GOVERNED]
+
+
 class JobSubmitInput(StrictSerializer):
-    type = serializers.ChoiceField(choices=Job.Type.choices)
+    type = serializers.ChoiceField(choices=SUBMITTABLE_TYPES)
     team = serializers.SlugField(max_length=64)
     priority = serializers.IntegerField(min_value=Job.PRIORITY_MIN, max_value=Job.PRIORITY_MAX, default=0)
     requirements = RequirementsInput()
     input = JobInput()
     meta = serializers.DictField(required=False)
 
+    def get_fields(self) -> dict[str, serializers.Field]:
+        fields = super().get_fields()
+        data = getattr(self, "initial_data", None)
+        if isinstance(data, dict) and data.get("type") == Job.Type.TOOL:
+            # A tool job runs on no executor: it needs no model.
+            fields["requirements"] = RequirementsInput(required=False)
+        return fields
+
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
-        if attrs["type"] in (Job.Type.CHAT, Job.Type.TRANSLATE, Job.Type.FLOW) and not attrs["input"].get("messages"):
+        kind = attrs["type"]
+        attrs.setdefault("requirements", {})
+        if kind == Job.Type.CHAT and not attrs["input"].get("messages"):
             raise serializers.ValidationError({"input": {"messages": ["A non-empty list of messages is required."]}})
+        if kind in TYPE_INPUTS:
+            shape = TYPE_INPUTS[kind](data=attrs["input"])
+            if not shape.is_valid():
+                raise serializers.ValidationError({"input": shape.errors})
+            attrs["input"] = {**attrs["input"], **shape.validated_data}
         return attrs
 
 
@@ -70,7 +127,7 @@ class JobOutput(serializers.ModelSerializer):
         model = Job
         fields = [
             "id", "type", "team", "user", "priority", "status", "requirements", "executor", "submitted_at",
-            "started_at", "finished_at", "tokens_used", "attempts", "input", "result", "error", "meta",
+            "started_at", "finished_at", "tokens_used", "attempts", "rounds", "input", "result", "error", "meta",
         ]
         read_only_fields = fields
 

@@ -16,6 +16,7 @@ from scheduler.models import Job, JobEvent, Slot
 from scheduler.policy import policy_for
 from scheduler.services.events import events_record, job_event
 from scheduler.services.shares import team_shares_charge
+from scheduler.services.tooljobs import tool_jobs_start
 from scheduler.state import ClaimState, ExecutorView
 from telemachus.changes import changes_notify
 
@@ -26,11 +27,12 @@ MAX_ORDER_ROUNDS = 3
 @dataclass(frozen=True)
 class Claim:
     """A job this worker now holds: run it on `executor`, name the job and `lease` in every later
-    write. Jobs claimed together share a lease token; the fence is always the pair."""
+    write. Jobs claimed together share a lease token; the fence is always the pair. A tool job
+    has no executor and no slot (services/tooljobs.py)."""
 
     job: Job
-    executor: Executor
-    slot_id: int
+    executor: Executor | None
+    slot_id: int | None
     lease: uuid.UUID
 
 
@@ -56,7 +58,8 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
     over moves to half open (level 2) as its trial job is placed. Then locks the chosen job rows (level
     3) with SKIP LOCKED, so a job being canceled at this moment is skipped, not waited for. Writes
     a Slot and a lease per job, marks it running, records `placed` and `started`. Never calls an
-    executor: dispatch happens after commit."""
+    executor: dispatch happens after commit. Then starts queued tool jobs, which need no slot, in
+    what is left of `limit`."""
     with transaction.atomic(durable=True):
         record, now = lock_claim()
         state = ClaimState.load(policy=record, now=now)
@@ -107,6 +110,9 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
             for job, _ in chosen:
                 job.input = owned[job.pk]
         claims = _start(chosen, worker=worker, state=state) if chosen else []
+        tools = tool_jobs_start(worker=worker, limit=limit - len(claims), now=now, expires=now + lease_length())
+        claims += [Claim(job=job, executor=None, slot_id=None, lease=job.lease) for job in tools]
+        backlog = backlog or len(claims) >= limit
         if claims:
             changes_notify("claimed")  # live dashboards, not workers
         _record_deferrals(list(deferred.values()), now=now)

@@ -96,8 +96,9 @@ def jobs_finish(*, outcomes: Sequence[Outcome]) -> FinishReport:
             meta = {"tokens": outcome.tokens_used, **outcome.meta}
             bills.append(Bill(team_id=job.team_id, user_id=job.user_id, executor_id=job.executor_id,
                               tokens=outcome.tokens_used or 0))
-            charges[job.team_id] += attempt_cost(record, started_at=job.started_at, now=now,
-                                                 tokens=outcome.tokens_used or 0, estimate=job.cost_estimate)
+            if job.executor_id is not None:  # a tool job held no executor slot: nothing to charge
+                charges[job.team_id] += attempt_cost(record, started_at=job.started_at, now=now,
+                                                     tokens=outcome.tokens_used or 0, estimate=job.cost_estimate)
             if not outcome.ok and outcome.retryable and job.attempts < max_attempts:
                 delay = retry_delay(attempt=job.attempts, retry_after=outcome.retry_after)
                 retrying.append({

@@ -51,7 +51,7 @@ def jobs_release(*, held: Mapping[int, uuid.UUID], reason: str) -> list[int]:
             .filter(held_by(held), status=Job.Status.RUNNING)
             .annotate(db_now=Now())
             .order_by("pk")
-            .defer("input")
+            .defer("input", "conversation")
         )
         if not jobs:
             return []

@@ -10,7 +10,7 @@ from telemachus.audit import audit_record
 EDITABLE = (
     "team_weights", "default_weight", "cost", "half_life_seconds", "entry_penalty", "aging_after_seconds",
     "aging_step_seconds", "aging_max_boost", "max_queue_depth", "priority_map", "priority_over_limit", "placement",
-    "recovery", "max_attempts", "policy_class", "share_window_seconds",
+    "recovery", "max_attempts", "policy_class", "share_window_seconds", "flow_rounds",
 )
 
 

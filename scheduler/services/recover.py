@@ -19,7 +19,8 @@ class RecoveryReport:
 def jobs_recover(*, limit: int = 500) -> RecoveryReport:
     """Take back jobs whose lease expired (their worker died, hung or lost the database): delete
     their slots and requeue them, or fail them, per the QueuePolicy: `requeue` while attempts are
-    below `max_attempts`, else `failed`; `fail` fails at once. Events `requeued` / `failed`.
+    below `max_attempts`, else `failed`; `fail` fails at once. A governed slot fails at once: the
+    app that held it stopped heartbeating, and no worker could run it. Events `requeued` / `failed`.
 
     Safe to run from every worker at once: expiry is judged by the database's clock, and rows
     another recoverer holds are skipped (SKIP LOCKED on the job rows, level 3). A worker that
@@ -31,7 +32,7 @@ def jobs_recover(*, limit: int = 500) -> RecoveryReport:
             .filter(status=Job.Status.RUNNING, lease_expires_at__lte=Now())
             .annotate(db_now=Now())
             .order_by("pk")
-            .defer("input")[:limit]
+            .defer("input", "conversation")[:limit]
         )
         if not jobs:
             return RecoveryReport(requeued=[], failed=[])
@@ -42,7 +43,8 @@ def jobs_recover(*, limit: int = 500) -> RecoveryReport:
         requeued, failed, events = [], [], []
         for job in jobs:
             context = {"worker": job.worker, "attempt": job.attempts, "reason": "lease expired"}
-            if record.recovery == QueuePolicy.Recovery.REQUEUE and job.attempts < record.max_attempts:
+            requeue = record.recovery == QueuePolicy.Recovery.REQUEUE and job.attempts < record.max_attempts
+            if requeue and job.type != Job.Type.GOVERNED:
                 events.append(job_event(job=job, event=JobEvent.Type.REQUEUED, at=job.db_now, **context))
                 job.return_to_queue()
                 requeued.append(job)

@@ -14,7 +14,8 @@ REQUEUEABLE = (Job.Status.FAILED, Job.Status.CANCELED)
 
 def job_requeue(*, job_id: int, by: AbstractBaseUser) -> Job:
     """An operator sends a failed or canceled job back to the queue, once whatever failed it is
-    fixed: a fresh start with its attempts reset and its result and error cleared. Its events (and
+    fixed: a fresh start with its attempts reset and its result and error cleared (a flow starts
+    again from its input's messages, at round 1). Its events (and
     the tokens it used, which were billed) stay. It keeps its place by age, bypasses the depth cap
     (an operator's decision), and still meets caps and budgets at the claim like any queued job.
 
@@ -30,12 +31,12 @@ def job_requeue(*, job_id: int, by: AbstractBaseUser) -> Job:
                            status=job.status)
         was = job.status
         job.status = Job.Status.QUEUED
-        job.attempts = 0
-        job.error, job.result = "", None
+        job.attempts = job.rounds = 0
+        job.error, job.result, job.conversation = "", None, []
         job.executor = job.avoid_executor = None
         job.started_at = job.finished_at = job.run_after = job.deferred_until = None
-        job.save(update_fields=["status", "attempts", "error", "result", "executor", "avoid_executor",
-                                "started_at", "finished_at", "run_after", "deferred_until"])
+        job.save(update_fields=["status", "attempts", "rounds", "error", "result", "conversation", "executor",
+                                "avoid_executor", "started_at", "finished_at", "run_after", "deferred_until"])
         event_record(job=job, event=JobEvent.Type.REQUEUED, at=job.db_now, reason="operator", was=was,
                      by=by.get_username())
         audit_record(by=by, action="job.requeue", object_type="job", object_id=job.pk, object_repr=str(job),

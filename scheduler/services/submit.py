@@ -8,6 +8,7 @@ from django.utils import timezone
 from executors.selectors import executors_usable_by
 from quotas.budget import quota_check
 from scheduler import signals
+from scheduler.jobtypes import job_input_check
 from scheduler.models import Job, JobEvent, QueuePolicy
 from scheduler.policy import Admission, AdmissionState, policy_for
 from scheduler.selectors import queue_policy
@@ -33,8 +34,9 @@ def job_submit(
 
     `requirements` and `input` arrive shape-checked (JobSubmitInput); this checks, in order: the
     team (which the user must belong to), that the job's kind is switched on for it (403
-    feature_disabled), the permission the job type needs (RBAC.require), an
-    enabled executor usable by the team that offers the model, the budgets (Quota.check) for the
+    feature_disabled), the permission the job type needs (RBAC.require), the tools it names
+    (scheduler/jobtypes.py), an enabled executor usable by the team that offers the model (a tool
+    job needs none), the budgets (Quota.check) for the
     estimate, the priority the principal may use (priority map: clamped, with an event, or
     refused, per policy) and the policy's admission (the team's queue depth cap: 429 try_later).
     Nothing is written when a check fails. Locks the team's row while it counts the queue, so
@@ -44,8 +46,10 @@ def job_submit(
     team_obj = rbac.team_for_submit(user, team)
     feature_require(feature=type, team=team_obj)
     rbac.require(user, rbac.JOB_TYPE_PERMISSION[type], team=team_obj)
-    model = requirements["model"]
-    if not executors_usable_by(team=team_obj, model=model):
+    job_input_check(user=user, team=team_obj, type=type, input=input)
+    # A tool job runs in a worker's tool threads, on no executor: it names no model.
+    model = "" if type == Job.Type.TOOL else requirements["model"]
+    if model and not executors_usable_by(team=team_obj, model=model):
         raise UnknownModel(f"No enabled executor available to team {team_obj.slug!r} offers model {model!r}.", model=model)
     now = timezone.now()
     quota_check(team_id=team_obj.pk, user_id=user.pk, tokens=requirements.get("est_tokens", 0), now=now)
@@ -69,6 +73,9 @@ def job_submit(
             meta=meta or {},
             submitted_at=now,
             run_after=run_after,
+            # A job deferred to `run_after` enters the line, and starts ageing, when it may run.
+            ready_at=max(now, run_after) if run_after else now,
+            queued_at=max(now, run_after) if run_after else now,
         )
         admission = policy_for(record).admit(job, AdmissionState(team=team_obj, now=now))
         if admission.decision == Admission.REJECT:

@@ -1,6 +1,8 @@
 """The queue policy with several worker processes on PostgreSQL: scripted scenarios, one slot in
 the whole system (a global cap of 1), so the order jobs start in is exactly the policy's order."""
 
+from datetime import timedelta
+
 import pytest
 from django.utils import timezone
 
@@ -9,6 +11,7 @@ from quotas.models import QuotaPolicy
 from scheduler.models import Job, JobEvent, QueuePolicy
 from scheduler.services.submit import job_submit
 from telemachus.services import team_member_set
+from tests.conftest import backdate
 from tests.processes import wait_until
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -89,7 +92,7 @@ def test_aging_lifts_a_starved_job(processes, one_slot):
     alice, bob, *_ = one_slot
     QueuePolicy.objects.filter(pk=1).update(aging_after_seconds=60, aging_step_seconds=10, aging_max_boost=5)
     old = submit(alice, "a", priority=-2)
-    Job.objects.filter(pk=old.pk).update(submitted_at=timezone.now() - timezone.timedelta(minutes=5))
+    backdate(old.pk, timedelta(minutes=5))
     newer = [submit(bob, "b", priority=2) for _ in range(2)]
     assert start_order(processes, [old, *newer]) == [old.pk, *[j.pk for j in newer]]
 

@@ -12,8 +12,12 @@ from channels.testing import WebsocketCommunicator
 from django.test import Client
 
 from executors.models import Executor
+from executors.tools import ToolOutcome
 from scheduler.models import Job, QueuePolicy
+from scheduler.services.claim import job_claim
+from scheduler.services.rounds import round_begin, round_finish, round_requeue
 from scheduler.services.submit import job_submit
+from scheduler.snapshot import dashboard_state
 from telemachus.asgi import application
 from telemachus.models import AuditEvent, FeatureSwitch
 
@@ -261,3 +265,21 @@ class TestPushes:
         assert state["jobs"][0]["link"] == f"/admin/scheduler/job/{state['jobs'][0]['id']}/change/"
         mine = dashboard_state(user=alice)
         assert mine["jobs_total"] == RECENT_JOBS + 3 and mine["jobs"][0]["link"].startswith("/api/jobs/")
+
+
+def test_a_running_flow_shows_its_round(member_setup):
+    alice = member_setup[0]
+    flow = job_submit(user=alice, team="a", type="flow", requirements={"model": "m"},
+                      input={"messages": [{"role": "user", "content": "go"}], "tools": ["echo"]})
+    (claim,) = job_claim(worker="w", limit=1).claims
+    round_begin(job_id=flow.pk, lease=claim.lease)
+    call = {"id": "c1", "type": "function", "function": {"name": "echo", "arguments": "{}"}}
+    round_finish(job_id=flow.pk, lease=claim.lease, round=1,
+                 message={"role": "assistant", "content": None, "tool_calls": [call]})
+    round_requeue(job_id=flow.pk, lease=claim.lease, round=1,
+                  results=[ToolOutcome(name="echo", call_id="c1", ok=True, content="{}", seconds=0.0)])
+    (job,) = dashboard_state(user=alice)["jobs"]
+    assert (job["status"], job["round"], job["round_label"]) == ("queued", 2, "round 2 next")
+    job_claim(worker="w", limit=1)
+    (job,) = dashboard_state(user=alice)["jobs"]
+    assert (job["status"], job["round"], job["round_label"]) == ("running", 2, "round 2")

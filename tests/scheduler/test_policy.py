@@ -13,7 +13,7 @@ from scheduler.services.claim import job_claim
 from scheduler.services.finish import job_finish
 from scheduler.services.submit import job_submit
 from telemachus.models import AuditEvent
-from tests.conftest import chat_body
+from tests.conftest import backdate, chat_body
 
 pytestmark = pytest.mark.django_db
 
@@ -127,7 +127,7 @@ class TestFairShare:
         u1, u2, _ = three_teams.values()
         policy(aging_after_seconds=60, aging_step_seconds=10, aging_max_boost=5)
         old = submit(u1, "t1", priority=-3)
-        Job.objects.filter(pk=old.pk).update(submitted_at=timezone.now() - timedelta(seconds=120))
+        backdate(old.pk, timedelta(seconds=120))
         fresh = submit(u2, "t2", priority=1)
         # waited 60 s past the threshold: +5 (capped) -> 2 > 1
         assert claim_order(2) == [old.pk, fresh.pk]
@@ -136,7 +136,7 @@ class TestFairShare:
         u1, u2, _ = three_teams.values()
         policy(aging_after_seconds=0, aging_step_seconds=1, aging_max_boost=2)
         old = submit(u1, "t1", priority=-10)
-        Job.objects.filter(pk=old.pk).update(submitted_at=timezone.now() - timedelta(hours=1))
+        backdate(old.pk, timedelta(hours=1))
         fresh = submit(u2, "t2", priority=0)
         assert claim_order(2) == [fresh.pk, old.pk]
 
@@ -144,7 +144,7 @@ class TestFairShare:
         u1 = three_teams["u1"]
         policy(aging_after_seconds=0, aging_step_seconds=1, aging_max_boost=100)
         old = submit(u1, "t1", priority=-50)
-        Job.objects.filter(pk=old.pk).update(submitted_at=timezone.now() - timedelta(hours=1))
+        backdate(old.pk, timedelta(hours=1))
         for _ in range(5):
             submit(u1, "t1", priority=10)
         assert claim_order(1) == [old.pk]
@@ -153,7 +153,7 @@ class TestFairShare:
         u1 = three_teams["u1"]
         policy(aging_after_seconds=60, aging_step_seconds=1, aging_max_boost=100)
         old = submit(u1, "t1", priority=-50)
-        Job.objects.filter(pk=old.pk).update(submitted_at=timezone.now() - timedelta(seconds=120))
+        backdate(old.pk, timedelta(seconds=120))
         for _ in range(5):
             submit(u1, "t1", priority=10)
         # waited 60 s past the threshold at a level a second: -50 + 61 = 11 > 10

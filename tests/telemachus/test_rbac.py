@@ -6,7 +6,7 @@ from guardian.shortcuts import assign_perm
 
 from scheduler.models import Job, JobEvent
 from scheduler.services.submit import job_submit
-from tests.conftest import chat_body
+from tests.conftest import chat_body, job_body
 
 pytestmark = pytest.mark.django_db
 
@@ -20,8 +20,8 @@ def chat_only(make_user, make_team, make_executor):
     return team, carol, mia
 
 
-def submit(client, **overrides):
-    return client.post("/api/jobs/", chat_body("lab", **overrides), format="json")
+def submit(client, type="chat", **overrides):
+    return client.post("/api/jobs/", job_body("lab", type, **overrides), format="json")
 
 
 class TestJobTypePermissions:

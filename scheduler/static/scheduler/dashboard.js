@@ -155,12 +155,12 @@ function renderJobs(s, operator) {
   const count = $("jobs-count");
   count.replaceChildren(`showing ${shown} of ${s.jobs_total} job${s.jobs_total === 1 ? "" : "s"} · `,
     node("a", { href: s.jobs_link, text: "all jobs" }));
-  const headers = ["id", "team", "user", "type", "model", "priority", "status", "executor", "attempts", "tokens",
+  const headers = ["id", "team", "user", "type", "model", "priority", "status", "round", "executor", "attempts", "tokens",
     "submitted", "started", "finished", "waits because", "error"];
   if (operator) headers.push("");
   fill($("jobs"), headers, s.jobs.map((j) => {
     const row = [[node("a", { href: j.link, text: String(j.id) }), "num"], [j.team], [j.user], [j.type], [j.model],
-      [j.priority, "num"], [j.status, j.status], [j.executor], [j.attempts, "num"], [j.tokens_used, "num"],
+      [j.priority, "num"], [j.status, j.status], [j.round_label], [j.executor], [j.attempts, "num"], [j.tokens_used, "num"],
       [time(j.submitted_at)], [time(j.started_at)], [time(j.finished_at)], [j.waits.join("; "), "wrap"],
       [j.error, "wrap"]];
     if (operator) {

@@ -9,7 +9,7 @@ from scheduler.models import Job, JobEvent
 from scheduler.services.claim import job_claim
 from scheduler.services.finish import job_finish
 from scheduler.services.submit import job_submit
-from tests.conftest import chat_body
+from tests.conftest import chat_body, job_body
 
 pytestmark = pytest.mark.django_db
 
@@ -175,7 +175,7 @@ class TestListAndDetail:
     def test_filters(self, api, operator, member_setup):
         alice = member_setup[0]
         first = submit(api(alice), chat_body("a")).json()
-        second = submit(api(alice), chat_body("a", type="translate")).json()
+        second = submit(api(alice), job_body("a", "translate")).json()
         api(alice).post(f"/api/jobs/{first['id']}/cancel/")
         client = api(operator)
         assert [j["id"] for j in client.get("/api/jobs/?status=canceled").json()["results"]] == [first["id"]]

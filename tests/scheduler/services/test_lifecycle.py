@@ -1,4 +1,4 @@
-"""Finish, heartbeat, release, recovery, cancel and step slots: the life of a claimed job."""
+"""Finish, heartbeat, release, recovery and cancel: the life of a claimed job."""
 
 import uuid
 from datetime import timedelta
@@ -6,14 +6,12 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from quotas.models import QuotaPolicy as QuotaRule, Usage
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
 from scheduler.services.cancel import job_cancel
 from scheduler.services.claim import job_claim
 from scheduler.services.finish import Outcome, job_finish, jobs_finish, retry_delay
 from scheduler.services.lease import jobs_release, leases_renew
 from scheduler.services.recover import jobs_recover
-from scheduler.services.steps import LeaseLost, slot_acquire, slot_release
 from telemachus.errors import Conflict
 
 pytestmark = pytest.mark.django_db
@@ -166,37 +164,6 @@ class TestCancelRunning:
         job_finish(job_id=running.job.pk, lease=running.lease, result={})
         with pytest.raises(Conflict):
             job_cancel(job_id=running.job.pk)
-
-
-class TestSteps:
-    def test_acquire_and_release_under_caps(self, running, cap):
-        cap("team", "a", 2)
-        step = slot_acquire(job_id=running.job.pk, lease=running.lease, worker="w1")
-        assert step is not None and Slot.objects.count() == 2
-        assert slot_acquire(job_id=running.job.pk, lease=running.lease, worker="w1") is None
-        slot_release(slot_id=step.slot_id, job_id=running.job.pk, lease=running.lease, tokens_used=7, round=1)
-        assert Slot.objects.count() == 1
-        job = Job.objects.get(pk=running.job.pk)
-        assert job.tokens_used == 7
-        released = JobEvent.objects.filter(job=job, event="step").last()
-        assert released.meta == {"action": "released", "slot": step.slot_id, "tokens": 7, "held": True, "round": 1}
-
-    def test_every_round_is_billed_to_the_ledger(self, running):
-        for dimension, limit in (("ai.tokens", 1000), ("ai.requests", 100)):
-            QuotaRule.objects.create(scope="team", subject="a", dimension=dimension, limit=limit, window="day")
-        for round_number in (1, 2):
-            step = slot_acquire(job_id=running.job.pk, lease=running.lease, worker="w1")
-            slot_release(slot_id=step.slot_id, job_id=running.job.pk, lease=running.lease, tokens_used=7,
-                         round=round_number)
-        usage = Usage.objects.get(scope="team", subject="a", window="day")
-        assert (usage.tokens, usage.requests, usage.reserved_tokens) == (14, 2, 0)
-
-    def test_lost_lease_raises(self, running):
-        expire(running.job.pk)
-        with pytest.raises(LeaseLost):
-            slot_acquire(job_id=running.job.pk, lease=running.lease, worker="w1")
-        with pytest.raises(LeaseLost):
-            slot_release(slot_id=running.slot_id, job_id=running.job.pk, lease=running.lease)
 
 
 class TestRetryDelay:

@@ -1,0 +1,246 @@
+"""Rounds: a flow holds a slot only while one model call runs, and so does app code that runs its
+own model call in a governed slot (scheduler/governed.py).
+
+A round is a claim like any job's (job_claim: priority, fair share, the four caps, budgets,
+placement), then:
+
+  round_begin     the holder reads the conversation so far; event `round_started`.
+  round_finish    after the model call: the slot is freed and the round billed (tokens to the job
+                  and the usage ledger, real cost to fair share), event `round_finished` with the
+                  tokens and the tools called. A flow whose model answered without tool calls is
+                  done; one that called tools past `max_rounds` fails; otherwise it stays running,
+                  with no slot, while its holder runs the tools. A governed slot is done.
+  round_requeue   the tool results join the conversation and the flow goes back to the queue for
+                  its next round, as new work (QueuePolicy.flow_rounds); a failed tool fails it.
+
+All three are fenced like a job's finish: they name the job, its lease and the round, and are
+refused (LeaseLost) unless that lease still holds the job at that round. So a round is billed once:
+a worker that dies mid-call never finishes its round (recovery requeues the flow and the round runs
+again, its reservation released and nothing billed); one that dies after `round_finish` left the
+round's tool calls in the conversation without results, and the next claim runs those tools (its
+slot given straight back) instead of calling the model again. Earlier rounds are never repeated:
+their messages are in `Job.conversation`, written in the transaction that ends them.
+"""
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from django.db import transaction
+
+from executors.tools import ToolOutcome
+from quotas.budget import Bill, quota_settle
+from scheduler import signals
+from scheduler.locks import lock_job
+from scheduler.models import Job, JobEvent, QueuePolicy, Slot
+from scheduler.selectors import queue_policy
+from scheduler.services.events import events_record, job_event
+from scheduler.services.finish import attempt_cost
+from scheduler.services.shares import team_shares_charge
+from telemachus.errors import Conflict
+
+DEFAULT_MAX_ROUNDS, MAX_ROUNDS = 20, 200
+
+
+class LeaseLost(Conflict):
+    """The caller no longer holds the job at this round: it must stop working on it."""
+
+    default_detail = "The job's lease is no longer held by this worker."
+
+
+@dataclass(frozen=True)
+class RoundStart:
+    """What the holder of a round needs: its number and the conversation so far. With `pending`,
+    the previous round's tool calls never got their results (their worker died): the slot has been
+    given back already, and the holder runs those tools, then `round_requeue(round=round)`, and
+    makes no model call."""
+
+    round: int
+    messages: list[dict[str, Any]]
+    pending: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RoundEnd:
+    """How a round ended: the job's status now, and for a flow still running, the tool calls its
+    holder must run before `round_requeue`."""
+
+    status: str
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def tools_to_run(self) -> bool:
+        return self.status == Job.Status.RUNNING
+
+
+def pending_tool_calls(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tool calls of the last round, when their results are not in the conversation yet."""
+    if conversation and conversation[-1].get("role") == "assistant":
+        return list(conversation[-1].get("tool_calls") or [])
+    return []
+
+
+def tool_names(calls: list[dict[str, Any]]) -> list[str]:
+    return [str((call.get("function") or {}).get("name", "")) for call in calls]
+
+
+def _held(job_id: int, lease: uuid.UUID, *, rounds: int | None = None) -> Job:
+    """Lock the job (level 3) if `lease` still holds it, and it has finished `rounds` rounds."""
+    job = lock_job(job_id)
+    if job is None or job.status != Job.Status.RUNNING or job.lease != lease or job.lease_expires_at <= job.db_now:
+        state = "gone" if job is None else job.status
+        raise LeaseLost(f"Lease {lease} no longer holds job {job_id} ({state}).")
+    if rounds is not None and job.rounds != rounds:
+        raise LeaseLost(f"Job {job_id} has finished {job.rounds} rounds, not {rounds}: this round was recorded.")
+    return job
+
+
+def _attempt_end(job: Job, *, now: datetime, record: QueuePolicy, tokens: int | None) -> None:
+    """Free the round's slot and settle its attempt: release the budget reservation, bill the
+    tokens (None: nothing to bill, no model call was made) and charge fair share what the
+    attempt cost. Runs last in its transaction: ledger rows (level 4), then team shares (5)."""
+    Slot.objects.filter(job=job).delete()
+    signals.notify_workers(signals.FREED)
+    bills = [] if tokens is None else [
+        Bill(team_id=job.team_id, user_id=job.user_id, executor_id=job.executor_id, tokens=tokens)
+    ]
+    quota_settle(reservations=[job.reservation], bills=bills, now=now)
+    job.reservation = None
+    if job.started_at is not None:
+        cost = attempt_cost(record, started_at=job.started_at, now=now, tokens=tokens or 0, estimate=job.cost_estimate)
+        team_shares_charge(charges={job.team_id: cost}, now=now, half_life=record.half_life_seconds)
+
+
+def round_begin(*, job_id: int, lease: uuid.UUID) -> RoundStart:
+    """Start the claimed round of a flow or governed slot: the conversation so far (the input's
+    messages, then what earlier rounds added) and event `round_started`.
+
+    When the last round's tool calls have no results (the worker that ran them died), this claim
+    makes no model call: its slot is freed and its reservation released at once, and the caller
+    runs the tools. Durable; locks the job (level 3), then ledger and shares when it frees the
+    slot. Raises LeaseLost when `lease` no longer holds the job."""
+    record = queue_policy()
+    with transaction.atomic(durable=True):
+        job = _held(job_id, lease)
+        messages = [*(job.input.get("messages") or []), *job.conversation]
+        pending = pending_tool_calls(job.conversation)
+        now = job.db_now
+        if pending:
+            event = job_event(job=job, event=JobEvent.Type.STEP, at=now, action="tools_resumed", round=job.rounds,
+                              tools=tool_names(pending))
+            events_record([event])
+            _attempt_end(job, now=now, record=record, tokens=None)
+            job.save(update_fields=["reservation"])
+            return RoundStart(round=job.rounds, messages=messages, pending=pending)
+        events_record([job_event(job=job, event=JobEvent.Type.ROUND_STARTED, at=now, round=job.rounds + 1,
+                                 executor=job.executor_id, worker=job.worker, attempt=job.attempts)])
+        return RoundStart(round=job.rounds + 1, messages=messages)
+
+
+def round_finish(
+    *, job_id: int, lease: uuid.UUID, round: int, message: dict[str, Any] | None = None, prompt_tokens: int = 0,
+    completion_tokens: int = 0, error: str = "", meta: dict[str, Any] | None = None,
+) -> RoundEnd:
+    """End round `round` after its model call: free the slot and bill the round, event
+    `round_finished` (tokens, and the names of the tools the model called).
+
+    A flow appends the assistant `message` to its conversation, then ends `done` with
+    `result = {message, rounds, tokens}` when the message has no tool calls, or `failed` with
+    error "max_rounds" when it calls tools in its last allowed round; otherwise it stays running
+    under the same lease, with no slot, for its holder to run the tools. A governed slot ends
+    `done` (or `failed` with the caller's `error`) with the tokens it reported.
+
+    Durable; locks the job (level 3), then ledger rows (4) and team shares (5). Raises LeaseLost
+    unless `lease` holds the job at round `round` (so a round is never billed twice)."""
+    record = queue_policy()
+    tokens = prompt_tokens + completion_tokens
+    with transaction.atomic(durable=True):
+        job = _held(job_id, lease, rounds=round - 1)
+        now = job.db_now
+        job.tokens_used = (job.tokens_used or 0) + tokens
+        job.rounds = round
+        calls = list((message or {}).get("tool_calls") or []) if job.type == Job.Type.FLOW else []
+        events = [job_event(job=job, event=JobEvent.Type.ROUND_FINISHED, at=now, round=round, tokens=tokens,
+                            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                            tools=tool_names(calls), executor=job.executor_id, **(meta or {}))]
+        fields = ["tokens_used", "rounds", "reservation"]
+        if job.type == Job.Type.FLOW:
+            job.conversation = [*job.conversation, message]
+            fields.append("conversation")
+            max_rounds = int(job.input.get("max_rounds") or DEFAULT_MAX_ROUNDS)
+            if not calls:
+                result = {"message": message, "rounds": round, "tokens": job.tokens_used}
+                events.append(_end(job, status=Job.Status.DONE, now=now, result=result, rounds=round,
+                                   tokens=job.tokens_used))
+            elif round >= max_rounds:
+                error = "max_rounds"
+                events.append(_end(job, status=Job.Status.FAILED, now=now, error=error, rounds=round,
+                                   tokens=job.tokens_used, max_rounds=max_rounds))
+        elif error:
+            events.append(_end(job, status=Job.Status.FAILED, now=now, error=error, tokens=tokens))
+        else:
+            result = {"tokens": tokens, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+            events.append(_end(job, status=Job.Status.DONE, now=now, result=result, tokens=tokens))
+        if job.status != Job.Status.RUNNING:
+            fields += ["status", "result", "error", "finished_at", "lease", "lease_expires_at"]
+        _attempt_end(job, now=now, record=record, tokens=tokens)
+        job.save(update_fields=fields)
+        events_record(events)
+    return RoundEnd(status=job.status, tool_calls=calls if job.status == Job.Status.RUNNING else [])
+
+
+def _end(job: Job, *, status: str, now: datetime, result: dict[str, Any] | None = None, error: str = "",
+         **meta: Any) -> JobEvent:
+    """Mark the job ended (not saved) and return its `finished` or `failed` event."""
+    job.status, job.result, job.error, job.finished_at = status, result, error, now
+    job.lease = job.lease_expires_at = None
+    event = JobEvent.Type.FINISHED if status == Job.Status.DONE else JobEvent.Type.FAILED
+    return job_event(job=job, event=event, at=now, executor=job.executor_id, **({"error": error} if error else {}),
+                     **meta)
+
+
+def round_requeue(*, job_id: int, lease: uuid.UUID, round: int, results: list[ToolOutcome]) -> str:
+    """After round `round`'s tools ran: their results join the conversation (`role: tool`
+    messages, in call order) and the flow goes back to the queue for round `round + 1`, as new
+    work: ready now under QueuePolicy.flow_rounds = requeue (behind what became ready while it
+    ran), keeping its place under `continue`; either way its wait, for aging, starts now and its
+    next round gets fresh attempts. Event `queued` with each tool's name, time and outcome.
+
+    A failed tool call fails the flow with the tool's error, unless the flow's input says
+    `return_tool_errors`, in which case the error goes back to the model as that call's result.
+
+    Durable; locks the job (level 3). Returns the job's status. Raises LeaseLost unless `lease`
+    holds the job with round `round`'s tool calls still waiting for results."""
+    record = queue_policy()
+    with transaction.atomic(durable=True):
+        job = _held(job_id, lease, rounds=round)
+        if not pending_tool_calls(job.conversation):
+            raise LeaseLost(f"Job {job_id} has no tool calls waiting in round {round}.")
+        now = job.db_now
+        job.conversation = [
+            *job.conversation,
+            *({"role": "tool", "tool_call_id": r.call_id,
+               "content": r.content if r.ok else json.dumps({"error": r.content})} for r in results),
+        ]
+        tools = [r.describe() for r in results]
+        failure = next((r for r in results if not r.ok), None)
+        if failure is not None and not job.input.get("return_tool_errors"):
+            event = _end(job, status=Job.Status.FAILED, now=now, error=failure.content, rounds=round,
+                         tokens=job.tokens_used, tools=tools)
+            job.save(update_fields=["conversation", "status", "result", "error", "finished_at", "lease",
+                                    "lease_expires_at"])
+            events_record([event])
+            return job.status
+        job.return_to_queue()
+        job.attempts, job.error, job.run_after, job.avoid_executor = 0, "", None, None
+        job.queued_at = now
+        if record.flow_rounds == QueuePolicy.FlowRounds.REQUEUE:
+            job.ready_at = now
+        job.save(update_fields=["conversation", *Job.REQUEUE_FIELDS, "error", "run_after", "avoid_executor",
+                                "queued_at", "ready_at"])
+        events_record([job_event(job=job, event=JobEvent.Type.QUEUED, at=now, round=round + 1, tools=tools,
+                                 flow_rounds=record.flow_rounds)])
+        signals.notify_workers(signals.QUEUED)
+        return job.status

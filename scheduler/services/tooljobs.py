@@ -1,0 +1,46 @@
+"""Tool jobs: `{"type": "tool", "input": {"tool": "echo", "arguments": {...}}}` runs one registered
+tool (executors/tools.py) in a worker's tool threads.
+
+A tool job needs no executor, so it takes no slot: the caps and fair share govern executors'
+capacity, which a tool does not use. The claim starts queued tool jobs beside the jobs it places,
+highest priority then first ready, in the worker capacity it has left; the worker's tool threads
+(TELEMACHUS_TOOL_THREADS) bound how many run at once. Leases, heartbeats, cancel, recovery and
+the finish are a job's like any other."""
+
+import uuid
+from datetime import datetime
+
+from django.db.models import F, Q
+
+from scheduler.models import Job, JobEvent
+from scheduler.services.events import events_record, job_event
+
+
+def tool_jobs_start(*, worker: str, limit: int, now: datetime, expires: datetime) -> list[Job]:
+    """Mark up to `limit` queued tool jobs running for `worker`, under one new lease token, with
+    a `started` event each; returns them (with their input). Runs inside the claim's transaction.
+    Locks the job rows with SKIP LOCKED (level 3), so it never waits on a row: a job being
+    canceled is skipped, and a second batch of job rows after the claim's cannot deadlock."""
+    if limit <= 0:
+        return []
+    jobs = list(
+        Job.objects.select_for_update(skip_locked=True)
+        .filter(Q(run_after__isnull=True) | Q(run_after__lte=now), status=Job.Status.QUEUED, type=Job.Type.TOOL)
+        .order_by("-priority", "ready_at", "id")[:limit]
+    )
+    if not jobs:
+        return []
+    lease = uuid.uuid4()
+    Job.objects.filter(pk__in=[job.pk for job in jobs]).update(
+        status=Job.Status.RUNNING, started_at=now, attempts=F("attempts") + 1, worker=worker, lease=lease,
+        lease_expires_at=expires,
+    )
+    for job in jobs:
+        job.status, job.started_at, job.worker = Job.Status.RUNNING, now, worker
+        job.attempts += 1
+        job.lease, job.lease_expires_at = lease, expires
+    events_record(
+        job_event(job=job, event=JobEvent.Type.STARTED, at=now, worker=worker, tool=job.input.get("tool"))
+        for job in jobs
+    )
+    return jobs
