@@ -117,6 +117,8 @@ class TestEnqueue:
 
         job = Job.objects.get(pk=int(result.id))
         assert (job.priority, job.run_after, job.meta["queue_name"]) == (7, later, "big")
+        # Its place in line and its ageing start when it may run, not when it was enqueued.
+        assert job.ready_at == job.queued_at == later
         assert job.requirements == {"model": "cpu", "memory_mb": 8192, "est_tokens": 0}
         assert JobEvent.objects.get(job=job, event="queued").meta["run_after"] == later.isoformat()
         read = add.get_result(result.id)
