@@ -1,8 +1,11 @@
 """simllm: a simulated model server that speaks the OpenAI-compatible HTTP API.
 
-It serves `/v1/chat/completions` (plain and streamed as SSE) and `/v1/models` for demos, for tests
-of the real HTTP drivers, and for capacity planning against a simulated fleet. Replies are labelled
-as simulated. It counts its own concurrent requests so tests can check that the scheduler's caps
+It serves `/v1/chat/completions` (plain and streamed as SSE), `/v1/embeddings` and `/v1/models` for
+demos, for tests of the real HTTP drivers, and for capacity planning against a simulated fleet.
+Replies are labelled as simulated, and deterministic where a test needs them to be: given `tools`
+(and a `tool_choice` other than "none"), a reply calls the named tool, or the first, with
+arguments made from the last user message; after a `tool` message it answers with what the tool
+said; the same text always embeds to the same vector. It counts its own concurrent requests so tests can check that the scheduler's caps
 hold on the wire: `GET /stats` reports in-flight and peak counts in total and per path prefix (one
 server can stand in for several executors: `http://127.0.0.1:P/e1/v1` and `.../e2/v1` are counted
 apart); `POST /stats/reset` zeroes them.
@@ -11,15 +14,18 @@ A raw ASGI app (no framework) served by uvicorn: `python manage.py simllm --port
 """
 
 import asyncio
+import base64
+import hashlib
 import json
 import random
+import struct
 import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from executors.tokens import count_prompt_tokens
+from executors.tokens import count_prompt_tokens, embedding_inputs, simulated_embedding
 
 Scope = dict[str, Any]
 
@@ -93,19 +99,40 @@ class SimLLM:
                 "object": "list",
                 "data": [{"id": m, "object": "model", "created": 0, "owned_by": "simllm"} for m in self.models],
             })
-        if path.endswith("/v1/chat/completions") and method == "POST":
-            prefix = path[: -len("/v1/chat/completions")].strip("/")
-            self.stats.enter(prefix)
-            body = await read_json(receive)
-            gone = asyncio.ensure_future(wait_for_disconnect(receive))
-            try:
-                return await self.chat(send, body, gone)
-            except ClientGone:
-                self.stats.disconnects[prefix] += 1
-            finally:
-                gone.cancel()
-                self.stats.leave(prefix)
+        for route, handler in (("/v1/chat/completions", self.chat), ("/v1/embeddings", self.embeddings)):
+            if path.endswith(route) and method == "POST":
+                prefix = path[: -len(route)].strip("/")
+                self.stats.enter(prefix)
+                body = await read_json(receive)
+                gone = asyncio.ensure_future(wait_for_disconnect(receive))
+                try:
+                    return await handler(send, body, gone)
+                except ClientGone:
+                    self.stats.disconnects[prefix] += 1
+                    return
+                finally:
+                    gone.cancel()
+                    self.stats.leave(prefix)
         return await respond(send, 404, error_body(f"no route for {method} {path}", "not_found"))
+
+    async def embeddings(self, send: Any, body: Any, gone: asyncio.Future) -> None:
+        if not isinstance(body, dict) or not embedding_inputs(body.get("input")):
+            return await respond(send, 400, error_body("'input' must be a string or a list", "invalid_request_error"))
+        model = body.get("model")
+        if model not in self.models:
+            return await respond(send, 404, error_body(f"The model '{model}' does not exist", "model_not_found"))
+        await pause(self.latency, gone)
+        texts = embedding_inputs(body["input"])
+        dims = int(body.get("dimensions") or 16)
+        data = []
+        for index, text in enumerate(texts):
+            vector: Any = simulated_embedding(text, dims)
+            if body.get("encoding_format") == "base64":
+                vector = base64.b64encode(struct.pack(f"<{dims}f", *vector)).decode()
+            data.append({"object": "embedding", "index": index, "embedding": vector})
+        tokens = sum(len(text.split()) for text in texts)
+        await respond(send, 200, {"object": "list", "data": data, "model": model,
+                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     async def chat(self, send: Any, body: Any, gone: asyncio.Future) -> None:
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
@@ -120,23 +147,28 @@ class SimLLM:
             return await respond(send, 500, error_body("simulated server failure (simllm --fail-rate)", "server_error"))
         words = [f"sim{i}" for i in range(completion)]
         created, ident = int(time.time()), f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        call = tool_call(body)
+        if call is not None:
+            completion = len(call["function"]["arguments"].split())
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         if body.get("stream"):
-            return await self.stream(send, ident, created, model, words, usage, body, gone)
+            return await self.stream(send, ident, created, model, words, usage, body, gone, call)
         await pause(completion / self.tokens_per_s if self.tokens_per_s else 0, gone)
+        if call is not None:
+            message, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+        else:
+            message = {"role": "assistant", "content": reply_prefix(body) + " ".join(words)}
+            finish = "length" if completion == body.get("max_tokens") else "stop"
         await respond(send, 200, {
             "id": ident, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": "[simulated by simllm] " + " ".join(words)},
-                "finish_reason": "length" if completion == body.get("max_tokens") else "stop",
-            }],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
             "usage": usage,
             "system_fingerprint": "simllm",
         })
 
     async def stream(self, send: Any, ident: str, created: int, model: str, words: list[str],
-                     usage: dict[str, int], body: dict[str, Any], gone: asyncio.Future) -> None:
+                     usage: dict[str, int], body: dict[str, Any], gone: asyncio.Future,
+                     call: dict[str, Any] | None) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
 
@@ -146,14 +178,55 @@ class SimLLM:
             await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
                         "more_body": True})
 
-        await event({"role": "assistant", "content": "[simulated by simllm]"})
         per_token = 1 / self.tokens_per_s if self.tokens_per_s else 0
-        for word in words:
-            await pause(per_token, gone)
-            await event({"content": " " + word})
         include_usage = (body.get("stream_options") or {}).get("include_usage")
-        await event({}, "stop", **({"usage": usage} if include_usage else {}))
+        if call is not None:
+            arguments = call["function"]["arguments"]
+            half = len(arguments) // 2
+            await event({"role": "assistant", "content": None, "tool_calls": [
+                {"index": 0, "id": call["id"], "type": "function",
+                 "function": {"name": call["function"]["name"], "arguments": arguments[:half]}}]})
+            await pause(per_token, gone)
+            await event({"tool_calls": [{"index": 0, "function": {"arguments": arguments[half:]}}]})
+            finish = "tool_calls"
+        else:
+            await event({"role": "assistant", "content": reply_prefix(body).rstrip()})
+            for word in words:
+                await pause(per_token, gone)
+                await event({"content": " " + word})
+            finish = "stop"
+        await event({}, finish, **({"usage": usage} if include_usage else {}))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+def tool_call(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The deterministic tool call simllm makes, or None: it calls a tool when the request offers
+    tools, does not forbid calling them, and is not already answering a tool's result. The tool is
+    the one `tool_choice` names, else the first; each declared string argument gets the last user
+    message, each number its word count, each boolean true."""
+    tools = [t for t in body.get("tools") or () if isinstance(t, dict) and isinstance(t.get("function"), dict)]
+    choice = body.get("tool_choice", "auto")
+    messages = body.get("messages") or []
+    if not tools or choice == "none" or (messages and messages[-1].get("role") == "tool"):
+        return None
+    wanted = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    function = next((t["function"] for t in tools if t["function"].get("name") == wanted), tools[0]["function"])
+    said = next((str(m.get("content") or "") for m in reversed(messages) if m.get("role") == "user"), "")
+    kinds = {"string": said, "integer": len(said.split()), "number": len(said.split()), "boolean": True}
+    properties = (function.get("parameters") or {}).get("properties") or {}
+    arguments = {name: kinds.get((spec or {}).get("type"), said) for name, spec in properties.items()}
+    encoded = json.dumps(arguments)
+    digest = hashlib.sha256(f"{function.get('name')}:{encoded}".encode()).hexdigest()[:24]
+    return {"id": f"call_{digest}", "type": "function",
+            "function": {"name": str(function.get("name")), "arguments": encoded}}
+
+
+def reply_prefix(body: dict[str, Any]) -> str:
+    """The label of a text reply; after a tool's result, also what the tool said."""
+    messages = body.get("messages") or []
+    if messages and messages[-1].get("role") == "tool":
+        return f"[simulated by simllm] the tool said: {str(messages[-1].get('content') or '')[:200]} "
+    return "[simulated by simllm] "
 
 
 async def lifespan(receive: Any, send: Any) -> None:

@@ -238,7 +238,7 @@ class Worker:
         job = flight.claim.job
         request = DispatchRequest(job_id=job.pk, type=job.type, model=job.model, input=job.input,
                                   requirements=job.requirements)
-        on_delta = partial(broadcast.job_delta_send, job.pk) if request.stream else None
+        on_delta = broadcast.DeltaStream(job.pk, attempt=job.attempts) if request.stream else None
         try:
             result = await flight.driver.execute(request, on_delta)
         except asyncio.CancelledError:
@@ -253,17 +253,20 @@ class Worker:
         except DispatchError as exc:
             flight.executor_fault = exc.executor_fault
             outcome = Outcome(job_id=job.pk, lease=flight.claim.lease, ok=False, error=str(exc),
-                              retryable=exc.retryable, retry_after=exc.retry_after, meta={"status": exc.status})
+                              retryable=exc.retryable, retry_after=exc.retry_after,
+                              meta={"status": exc.status, **({"timed_out": True} if exc.timed_out else {})})
         except Exception as exc:  # a driver bug must fail the job, not kill the worker
             log.exception("job %d: driver %s raised", job.pk, flight.driver.kind)
             outcome = Outcome(job_id=job.pk, lease=flight.claim.lease, ok=False, error=f"driver error: {exc!r}")
         else:
             outcome = Outcome(
-                job_id=job.pk, lease=flight.claim.lease, ok=True, result=result.output,
+                job_id=job.pk, lease=flight.claim.lease, ok=True, result=result.stored_output(),
                 tokens_used=result.tokens_used,
                 meta={"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
                       "seconds": round(time.monotonic() - flight.started, 4)},
             )
+        if on_delta is not None:
+            await on_delta.flush()  # the output goes out before the end that the finish announces
         await self.outcomes.put(outcome)
 
     def _abort(self, job_id: int, reason: str) -> None:

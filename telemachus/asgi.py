@@ -1,4 +1,8 @@
-"""ASGI entry point for daphne: HTTP (API, admin, dashboard) and the dashboard's WebSocket."""
+"""ASGI entry point for daphne: HTTP (API, admin, dashboard) and the dashboard's WebSocket.
+
+The OpenAI-compatible endpoint (/v1/) and the job API's wait and stream paths are served by
+scheduler/gateway before Django sees them: they wait on jobs, and a waiting request there holds no
+thread or database connection (see scheduler/gateway/__init__.py)."""
 
 import os
 
@@ -15,9 +19,10 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 from django.urls import path  # noqa: E402
 
 from scheduler.consumers import DashboardConsumer  # noqa: E402
+from scheduler.gateway.asgi import GatewayRouter  # noqa: E402
 
 application = ProtocolTypeRouter({
-    "http": django_asgi_app,
+    "http": GatewayRouter(django_asgi_app),
     # Session authentication, as for the page itself; the Origin check stops other sites' pages
     # from opening the socket with a signed-in user's cookie.
     "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter([

@@ -139,7 +139,13 @@ if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL]},
+            "CONFIG": {
+                "hosts": [REDIS_URL],
+                # Deployments (or test runs) that share one Redis keep apart by prefix.
+                "prefix": os.environ.get("REDIS_PREFIX", "telemachus"),
+                # One channel per API process receives the output of every stream it relays.
+                "capacity": env_int("REDIS_CHANNEL_CAPACITY", 10_000),
+            },
         }
     }
 else:
@@ -251,6 +257,10 @@ TELEMACHUS_PROBE_INTERVAL_SECONDS = env_float("TELEMACHUS_PROBE_INTERVAL_SECONDS
 TELEMACHUS_DASHBOARD_INTERVAL_SECONDS = env_float("TELEMACHUS_DASHBOARD_INTERVAL_SECONDS", 1)
 # Largest request body the API accepts (bytes); larger bodies get 413 payload_too_large.
 TELEMACHUS_MAX_BODY_BYTES = env_int("TELEMACHUS_MAX_BODY_BYTES", 1_048_576)
+# The OpenAI-compatible endpoint: a call that has no answer after this long gets 504 and its job
+# is canceled; database threads per API process shared by its waiting requests (scheduler/gateway/).
+TELEMACHUS_GATEWAY_TIMEOUT_SECONDS = env_float("TELEMACHUS_GATEWAY_TIMEOUT_SECONDS", 600)
+TELEMACHUS_GATEWAY_DB_THREADS = env_int("TELEMACHUS_GATEWAY_DB_THREADS", 8)
 # Dotted path of a custom QueuePolicy class; empty means the record's choice or the default.
 TELEMACHUS_QUEUE_POLICY = os.environ.get("TELEMACHUS_QUEUE_POLICY", "")
 # Extra executor drivers, `kind=dotted.path.Class` comma-separated, added to the built-in registry.

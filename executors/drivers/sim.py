@@ -10,12 +10,15 @@ Knobs, read from the executor's `meta`:
     tokens_per_s      if set, adds completion_tokens / tokens_per_s seconds of generation time
     output_tokens     completion tokens per reply, capped by the request's max_tokens (default 16)
     fail_rate         probability in [0, 1] that a dispatch fails (default 0)
+    embedding_dims    length of the vectors of an embeddings step (default 8; needs
+                      `capabilities.embeddings: true`, like any executor that serves embeddings)
 """
 
 import asyncio
 import random
-from executors.contract import DispatchError, DispatchRequest, DispatchResult, ExecutorDriver
-from executors.tokens import count_prompt_tokens
+
+from executors.contract import EMBEDDINGS_API, DispatchError, DispatchRequest, DispatchResult, ExecutorDriver
+from executors.tokens import count_prompt_tokens, embedding_inputs, simulated_embedding
 
 
 class SimDriver(ExecutorDriver):
@@ -42,6 +45,8 @@ class SimDriver(ExecutorDriver):
             await asyncio.sleep(delay)
         if random.random() < self._knob("fail_rate", 0):
             raise DispatchError("simulated failure (sim executor fail_rate)", retryable=False)
+        if request.api == EMBEDDINGS_API:
+            return self._embed(request)
         last = str(messages[-1].get("content", "")) if messages else ""
         reply = f"[simulated reply from {self.executor.name}] {last[:200]}".strip()
         return DispatchResult(
@@ -53,4 +58,17 @@ class SimDriver(ExecutorDriver):
             },
             prompt_tokens=count_prompt_tokens(messages),
             completion_tokens=completion,
+        )
+
+    def _embed(self, request: DispatchRequest) -> DispatchResult:
+        texts = embedding_inputs(request.input.get("input"))
+        dims = int(self._knob("embedding_dims", 8))
+        return DispatchResult(
+            output={
+                "simulated": True,
+                "model": request.model,
+                "data": [{"object": "embedding", "index": i, "embedding": simulated_embedding(text, dims)}
+                         for i, text in enumerate(texts)],
+            },
+            prompt_tokens=sum(len(text.split()) for text in texts),
         )

@@ -2,6 +2,8 @@ from typing import Any
 
 from rest_framework import serializers
 
+from executors.contract import CHAT_API, EMBEDDINGS_API
+from executors.tokens import embedding_inputs
 from scheduler.models import Job, JobEvent
 
 MESSAGE_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -27,6 +29,8 @@ class MessageInput(serializers.Serializer):
 class RequirementsInput(StrictSerializer):
     model = serializers.CharField(max_length=200)
     est_tokens = serializers.IntegerField(min_value=0, max_value=10**12, default=0)
+    # The model API a chat job calls: completions (the default) or embeddings of `input.input`.
+    api = serializers.ChoiceField(choices=(CHAT_API, EMBEDDINGS_API), required=False)
     # `class` is a Python keyword; the field is declared under its JSON name below.
     memory_mb = serializers.IntegerField(min_value=0, required=False)
 
@@ -59,7 +63,12 @@ class JobSubmitInput(StrictSerializer):
     meta = serializers.DictField(required=False)
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
-        if attrs["type"] in (Job.Type.CHAT, Job.Type.TRANSLATE, Job.Type.FLOW) and not attrs["input"].get("messages"):
+        if attrs["requirements"].get("api") == EMBEDDINGS_API:
+            if attrs["type"] != Job.Type.CHAT:
+                raise serializers.ValidationError({"requirements": {"api": ["Embeddings are chat jobs."]}})
+            if not embedding_inputs(attrs["input"].get("input")):
+                raise serializers.ValidationError({"input": {"input": ["A string or a list of strings to embed."]}})
+        elif attrs["type"] in (Job.Type.CHAT, Job.Type.TRANSLATE, Job.Type.FLOW) and not attrs["input"].get("messages"):
             raise serializers.ValidationError({"input": {"messages": ["A non-empty list of messages is required."]}})
         return attrs
 

@@ -4,6 +4,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
+from executors.contract import EMBEDDINGS_API
 from executors.selectors import executors_usable_by
 from quotas.budget import quota_check
 from scheduler import signals
@@ -30,7 +31,8 @@ def job_submit(
 
     `requirements` and `input` arrive shape-checked (JobSubmitInput); this checks, in order: the
     team (which the user must belong to), the permission the job type needs (RBAC.require), an
-    enabled executor usable by the team that offers the model, the budgets (Quota.check) for the
+    enabled executor usable by the team that offers the model (and embeddings, when
+    `requirements.api` asks for them), the budgets (Quota.check) for the
     estimate, the priority the principal may use (priority map: clamped, with an event, or
     refused, per policy) and the policy's admission (the team's queue depth cap: 429 try_later).
     Nothing is written when a check fails. Locks the team's row while it counts the queue, so
@@ -38,8 +40,10 @@ def job_submit(
     team_obj = rbac.team_for_submit(user, team)
     rbac.require(user, rbac.JOB_TYPE_PERMISSION[type], team=team_obj)
     model = requirements["model"]
-    if not executors_usable_by(team=team_obj, model=model):
-        raise UnknownModel(f"No enabled executor available to team {team_obj.slug!r} offers model {model!r}.", model=model)
+    embeddings = requirements.get("api") == EMBEDDINGS_API
+    if not executors_usable_by(team=team_obj, model=model, embeddings=embeddings):
+        offers = f"embeddings of model {model!r}" if embeddings else f"model {model!r}"
+        raise UnknownModel(f"No enabled executor available to team {team_obj.slug!r} offers {offers}.", model=model)
     now = timezone.now()
     quota_check(team_id=team_obj.pk, user_id=user.pk, tokens=requirements.get("est_tokens", 0), now=now)
     record = queue_policy()
