@@ -217,6 +217,11 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "ENUM_NAME_OVERRIDES": {"PermissionEnum": "telemachus.api.PERMISSION_CHOICES"},
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        # Paths served ahead of Django's URLconf: /v1/, /api/jobs/{id}/wait/ and /stream/.
+        "scheduler.gateway.schema.gateway_paths",
+    ],
 }
 
 # Deployment hardening: on with DEBUG off, so `manage.py check --deploy` is clean in production.

@@ -276,15 +276,16 @@ def model_object(model: str) -> dict[str, Any]:
 
 def failure(*, status: str, error: str, upstream_status: int | None, timed_out: bool) -> OpenAIError:
     """A job that ended without an answer: failed after its retries (502, or 504 when the model
-    server did not answer in time; the model server's own 4xx passes through), or canceled."""
+    server did not answer in time; the model server's own 4xx passes through), or canceled. The
+    scheduler has retried already, so the SDK is told not to."""
     if status == Job.Status.CANCELED:
         return OpenAIError(409, "The job was canceled before it finished.", code="job_canceled", retry=False)
     if timed_out or upstream_status in (408, 504):
         return OpenAIError(504, error or "The model server did not answer in time.", type="api_error",
-                           code="executor_timeout")
+                           code="executor_timeout", retry=False)
     if upstream_status and 400 <= upstream_status < 500 and upstream_status != 429:
         return OpenAIError(upstream_status, error, code="model_server_rejected", retry=False)
-    return OpenAIError(502, error or "The model server failed.", type="api_error", code="executor_error")
+    return OpenAIError(502, error or "The model server failed.", type="api_error", code="executor_error", retry=False)
 
 
 def now() -> int:
