@@ -28,7 +28,6 @@ a stream's text arrives at the end, so (c) needs --redis there).
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import socket
