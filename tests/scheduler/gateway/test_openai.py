@@ -187,6 +187,15 @@ class TestErrors:
         wrong = httpx.get(f"{stack.base}/v1/chat/completions", headers=headers)
         assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
 
+    def test_what_django_would_refuse_is_refused_here_too(self, stack, alice):
+        headers = {"Authorization": f"Bearer {token(alice)}"}
+        huge = httpx.post(f"{stack.base}/v1/chat/completions", headers=headers,
+                          json={"model": "m", "messages": [{"role": "user", "content": "x" * 1_100_000}]})
+        assert huge.status_code == 413 and huge.json()["error"]["code"] == "payload_too_large"
+        spoofed = httpx.get(f"{stack.base}/v1/models", headers={**headers, "Host": "evil.example"})
+        assert spoofed.status_code == 400 and "Host" in spoofed.json()["error"]["message"]
+        assert not Job.objects.exists()
+
     def test_a_team_without_chat_permission(self, stack, make_user, make_team):
         carol = make_user("carol")
         make_team("nochat", {carol: "member"}, grants=())
