@@ -82,7 +82,8 @@ def test_a_stream_on_one_api_process_shows_a_job_another_submitted_and_a_worker_
     job_id = submitted.json()["id"]
     # And a streamed call to the second one too, relayed while it runs
     relayed: list[str] = []
-    caller = threading.Thread(target=lambda: relayed.extend(stream_through_sdk(second, alice)))
+    key = token(alice)  # read here: a thread of its own would leave a database connection open
+    caller = threading.Thread(target=lambda: relayed.extend(stream_through_sdk(second, key)))
     caller.start()
     # When the first API process streams the job
     deltas, running_at_first_delta = [], None
@@ -100,9 +101,9 @@ def test_a_stream_on_one_api_process_shows_a_job_another_submitted_and_a_worker_
     assert len(relayed) > 2 and "".join(relayed).endswith("sim7")
 
 
-def stream_through_sdk(api: str, user) -> list[str]:
+def stream_through_sdk(api: str, key: str) -> list[str]:
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{api}/v1", api_key=token(user), max_retries=0, timeout=60)
+    client = OpenAI(base_url=f"{api}/v1", api_key=key, max_retries=0, timeout=60)
     chunks = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
     return [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
