@@ -412,8 +412,7 @@ class Worker:
     # --- notifications (PostgreSQL) -----------------------------------------------------------
 
     async def _listen(self) -> None:
-        params = {k: v for k, v in connection.get_connection_params().items()
-                  if k not in {"cursor_factory", "context", "prepare_threshold"}}
+        params = signals.listen_connection_params()
         delay = 0.5
         while True:
             try:

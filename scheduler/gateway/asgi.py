@@ -34,7 +34,9 @@ class Request:
         for name, value in scope.get("headers") or ():
             key = name.decode("latin1").lower()
             text = value.decode("latin1")
-            self.headers[key] = f"{self.headers[key]}, {text}" if key in self.headers and key != "cookie" else text
+            if key in self.headers:  # repeated headers fold into one, as HTTP allows
+                text = f"{self.headers[key]}{'; ' if key == 'cookie' else ', '}{text}"
+            self.headers[key] = text
         self.query = parse_qs((scope.get("query_string") or b"").decode("latin1"))
 
     def header(self, name: str) -> str | None:

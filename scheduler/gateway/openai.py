@@ -64,12 +64,12 @@ async def serve(request: Request, reply: Reply, rest: str) -> None:
                                                            f"use {method}.", code="method_not_allowed", retry=False))
     try:
         await handler(request, reply, **kwargs)
-    except shapes.OpenAIError as exc:
+    except (shapes.OpenAIError, errors.DomainError) as exc:
+        failure = exc if isinstance(exc, shapes.OpenAIError) else shapes.from_domain(exc)
         if not reply.started:
-            await _error(reply, exc)
-    except errors.DomainError as exc:
-        if not reply.started:
-            await _error(reply, shapes.from_domain(exc))
+            await _error(reply, failure)
+        elif not reply.finished:  # a stream under way: the error is its last event
+            await reply.end(b"data: " + json.dumps(failure.body()).encode() + b"\n\n")
 
 
 async def _error(reply: Reply, exc: shapes.OpenAIError, job_id: int | None = None) -> None:

@@ -7,6 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+
 from executors.contract import EMBEDDINGS_API
 from executors.drivers.openai import EMBEDDING_OPTIONS, PASSTHROUGH_OPTIONS
 from executors.tokens import count_prompt_tokens, embedding_inputs
@@ -69,9 +72,6 @@ def from_domain(exc: errors.DomainError) -> OpenAIError:
 
 
 def _seconds_until(stamp: Any) -> int:
-    from django.utils.dateparse import parse_datetime
-    from django.utils import timezone
-
     when = parse_datetime(str(stamp)) if stamp else None
     if when is None:
         return 60
