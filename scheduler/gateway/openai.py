@@ -120,10 +120,7 @@ def _submit(*, authorization: str | None, team: str | None, priority: str | None
             embeddings: bool) -> tuple[Caller, Job, shapes.ModelCall]:
     """Authenticate, check the body, submit: one trip to the database threads."""
     caller = caller_for(authorization=authorization, team=team)
-    try:
-        data = json.loads(body)
-    except ValueError:
-        raise shapes.bad_request("The body is not valid JSON.") from None
+    data = shapes.parse_body(body)
     call = shapes.embeddings_call(data) if embeddings else shapes.chat_call(data)
     requirements = {"model": call.model, "est_tokens": call.est_tokens}
     if call.api == EMBEDDINGS_API:

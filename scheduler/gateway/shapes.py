@@ -11,12 +11,14 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from executors.contract import EMBEDDINGS_API
-from executors.drivers.openai import EMBEDDING_OPTIONS, PASSTHROUGH_OPTIONS
+from executors.drivers.openai import EMBEDDING_OPTIONS, PASSTHROUGH_OPTIONS, strict_json
 from executors.tokens import count_prompt_tokens, embedding_inputs
 from scheduler.models import Job
 from telemachus import errors
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# Bounds that keep a request's numbers storable and its budget estimate meaningful.
+MAX_TOKENS_LIMIT, MAX_DIMENSIONS = 10_000_000, 65_536
 # The completion a request without max_tokens is expected to need, for its budget estimate.
 DEFAULT_COMPLETION_ESTIMATE = 256
 MAX_MODEL_LENGTH = 200
@@ -87,6 +89,29 @@ def _flat(messages: Any) -> list[Any]:
 # --- requests ------------------------------------------------------------------------------------
 
 
+def parse_body(raw: bytes) -> Any:
+    """The body as JSON that the database can store: no NaN or Infinity (Python's json accepts
+    them), no NUL character (PostgreSQL's jsonb refuses it)."""
+    try:
+        data = strict_json(raw)
+    except ValueError:
+        raise bad_request("The body is not valid JSON.") from None
+    if _has_nul(data):
+        raise bad_request("The body holds a NUL character (\\u0000), which cannot be stored.")
+    return data
+
+
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, list):
+        return any(_has_nul(item) for item in value)
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    return False
+
+
+
 @dataclass(frozen=True)
 class ModelCall:
     """A checked request, as the chat job it becomes."""
@@ -120,8 +145,10 @@ def chat_call(body: Any) -> ModelCall:
     for name in ("max_tokens", "max_completion_tokens", "top_logprobs", "seed"):
         value = _optional(body, name, int, None)
         if value is not None:
-            if name in ("max_tokens", "max_completion_tokens") and value < 1:
-                raise bad_request(f"'{name}' must be at least 1.", name)
+            if name in ("max_tokens", "max_completion_tokens") and not 1 <= value <= MAX_TOKENS_LIMIT:
+                raise bad_request(f"'{name}' must be from 1 to {MAX_TOKENS_LIMIT}.", name)
+            if name in ("top_logprobs", "seed") and abs(value) > 2**63 - 1:
+                raise bad_request(f"'{name}' is out of range.", name)
             options[name] = value
     # Local model servers know max_tokens; the newer name means the same for them.
     if "max_completion_tokens" in options:
@@ -151,18 +178,31 @@ def chat_call(body: Any) -> ModelCall:
 def embeddings_call(body: Any) -> ModelCall:
     body = _object(body)
     model = _model(body)
-    texts = embedding_inputs(body.get("input"))
-    if not texts or not all(texts):
+    if not _embeddable(body.get("input")):
         raise bad_request("'input' must be a non-empty string, or a non-empty list of them (or of token ids).",
                           "input")
+    texts = embedding_inputs(body["input"])
     if body.get("encoding_format") not in (None, "float", "base64"):
         raise bad_request("'encoding_format' must be 'float' or 'base64'.", "encoding_format")
     dimensions = _optional(body, "dimensions", int, None)
-    if dimensions is not None and dimensions < 1:
-        raise bad_request("'dimensions' must be at least 1.", "dimensions")
+    if dimensions is not None and not 1 <= dimensions <= MAX_DIMENSIONS:
+        raise bad_request(f"'dimensions' must be from 1 to {MAX_DIMENSIONS}.", "dimensions")
     options = {k: body[k] for k in EMBEDDING_OPTIONS if body.get(k) is not None}
     return ModelCall(model=model, input={"input": body["input"], **options},
                      est_tokens=sum(len(text.split()) for text in texts), api=EMBEDDINGS_API)
+
+
+def _embeddable(value: Any) -> bool:
+    """OpenAI's embeddings input: a string, a list of strings, a list of token ids (ints), or a
+    list of such lists; nothing empty."""
+    def tokens(item: Any) -> bool:
+        return isinstance(item, list) and bool(item) and all(type(t) is int for t in item)
+
+    if isinstance(value, str):
+        return bool(value)
+    if not isinstance(value, list) or not value:
+        return False
+    return tokens(value) or all((isinstance(item, str) and item) or tokens(item) for item in value)
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -221,7 +261,8 @@ def _check_tools(tools: Any) -> None:
 def _check_tool_choice(choice: Any) -> None:
     if choice in ("none", "auto", "required"):
         return
-    if isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str):
+    function = choice.get("function") if isinstance(choice, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("name"), str):
         return
     raise bad_request("'tool_choice' must be none, auto, required or {\"type\": \"function\", \"function\": "
                       "{\"name\": ...}}.", "tool_choice")

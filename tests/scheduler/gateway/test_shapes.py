@@ -1,5 +1,6 @@
 """OpenAI's request checks, response shapes and error mapping; the relay's bookkeeping of deltas."""
 
+import random
 from datetime import timedelta
 
 import pytest
@@ -51,11 +52,24 @@ class TestChatCall:
         ({"model": "m", "messages": HELLO, "temperature": float("nan")}, "temperature"),
         ({"model": "m", "messages": HELLO, "tools": {"f": 1}}, "tools"),
         ({"model": "m", "messages": HELLO, "tool_choice": "always"}, "tool_choice"),
+        ({"model": "m", "messages": HELLO, "tool_choice": {"function": 5}}, "tool_choice"),
+        ({"model": "m", "messages": HELLO, "tools": [{"function": {"name": "f"}}, 5]}, "tools[1]"),
+        ({"model": "m", "messages": HELLO, "max_tokens": 10**30}, "max_tokens"),
+        ({"model": "m", "messages": HELLO, "seed": 10**30}, "seed"),
     ])
     def test_bad_bodies(self, body, param):
         with pytest.raises(shapes.OpenAIError) as caught:
             shapes.chat_call(body)
         assert caught.value.status == 400 and caught.value.param == param
+
+
+@pytest.mark.parametrize("raw", [b"{nope", b'{"model": "m", "stop": Infinity}', b'{"temperature": NaN}',
+                                 b'{"model": "m", "messages": [{"role": "user", "content": "a\\u0000b"}]}',
+                                 b'{"model\\u0000": "m"}'])
+def test_bodies_the_database_could_not_store_are_refused(raw):
+    with pytest.raises(shapes.OpenAIError) as caught:
+        shapes.parse_body(raw)
+    assert caught.value.status == 400
 
 
 class TestEmbeddingsCall:
@@ -66,7 +80,11 @@ class TestEmbeddingsCall:
         assert call.input == {"input": value, "dimensions": 8, "encoding_format": "base64"}
 
     @pytest.mark.parametrize("body", [{"model": "e"}, {"model": "e", "input": ""}, {"model": "e", "input": []},
-                                      {"model": "e", "input": ["a", ""]}, {"model": "e", "input": "a", "dimensions": 0},
+                                      {"model": "e", "input": ["a", ""]}, {"model": "e", "input": [None]},
+                                      {"model": "e", "input": [{"a": 1}]}, {"model": "e", "input": [[1, "a"]]},
+                                      {"model": "e", "input": [True]}, {"model": "e", "input": 5},
+                                      {"model": "e", "input": "a", "dimensions": 0},
+                                      {"model": "e", "input": "a", "dimensions": 10**9},
                                       {"model": "e", "input": "a", "encoding_format": "hex"}])
     def test_bad_bodies(self, body):
         with pytest.raises(shapes.OpenAIError):
@@ -133,3 +151,39 @@ class TestRelay:
         assert relay.accept([Delta(1, 5, "fgh")]) == [Delta(1, 5, "fgh")]
         assert relay.rest({"message": {"content": "abcdefghij"}}) == "ij"
         assert relay.accept([Delta(2, 0, "new")]) == [Delta(2, 0, "new")] and not relay.broken
+
+
+def test_any_json_body_is_either_accepted_or_a_400():
+    """Bodies built at random from JSON values under the request's own keys: never anything but a
+    ModelCall or an OpenAIError (a 500 would be a crash)."""
+    rng = random.Random(20261203)
+    keys = ["model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
+            "top_p", "n", "tools", "tool_choice", "seed", "stop", "input", "dimensions", "encoding_format", "role",
+            "content", "function", "name", "tool_call_id", "include_usage", "type"]
+
+    def value(depth: int = 0):
+        kinds = ["none", "bool", "int", "float", "str"] + (["list", "dict"] if depth < 3 else [])
+        kind = rng.choice(kinds)
+        if kind == "none":
+            return None
+        if kind == "bool":
+            return rng.random() < 0.5
+        if kind == "int":
+            return rng.choice([0, 1, -1, 2, 10**20, rng.randint(-5, 5)])
+        if kind == "float":
+            return rng.choice([0.5, -3.0, 1e308, float("inf")])
+        if kind == "str":
+            return rng.choice(["", "m", "user", "tool", "auto", "none", "function", "x" * 300, "base64"])
+        if kind == "list":
+            return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+        return {rng.choice(keys): value(depth + 1) for _ in range(rng.randint(0, 4))}
+
+    for _ in range(3000):
+        body = {key: value() for key in rng.sample(keys, rng.randint(0, 8))}
+        if rng.random() < 0.5:
+            body["messages"] = [{"role": rng.choice(["user", "tool", "assistant"]), "content": value(2)}]
+        for parse in (shapes.chat_call, shapes.embeddings_call):
+            try:
+                parse(body)
+            except shapes.OpenAIError as exc:
+                assert exc.status == 400
