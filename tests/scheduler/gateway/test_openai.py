@@ -275,6 +275,30 @@ def test_a_client_that_disconnects_cancels_its_job_and_frees_the_slot(stack, ali
                what="the model server to see its request aborted")
 
 
+@pytest.mark.skipif(not live_deltas(), reason="output reaches the API process only at the end (SQLite, no Redis)")
+def test_a_client_that_leaves_a_stream_midway_cancels_its_job(stack, alice):
+    executor = stack.executor(stack.trickle)
+    body = json.dumps({"model": "m", "messages": HELLO, "stream": True}).encode()
+    host, port = stack.base.removeprefix("http://").split(":")
+    client = socket.create_connection((host, int(port)))
+    client.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {token(alice)}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+    )
+    # Given a stream under way: the first text has arrived
+    received = b""
+    while b"simulated" not in received:
+        received += client.recv(65536)
+    assert b"200 OK" in received and Job.objects.get().status == "running"
+    # When the client hangs up
+    client.close()
+    # Then the job is canceled and the model server's request aborted
+    wait_until(lambda: Job.objects.get().status == "canceled", timeout=30, what="the job to be canceled")
+    assert not Slot.objects.exists()
+    wait_until(lambda: stack.stats(executor).get("disconnects") == 1, timeout=30,
+               what="the model server to see its request aborted")
+
+
 def test_a_team_cap_of_two_holds_for_ten_concurrent_calls(stack, alice):
     stack.processes.worker("w2", concurrency=16, **WORKER_ENV)  # caps hold across worker processes
     executor = stack.executor(stack.trickle, max_concurrency=50)
