@@ -27,6 +27,8 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 class CapabilitiesInput(serializers.Serializer):
     models = serializers.ListField(child=serializers.CharField(max_length=200), allow_empty=True)
     memory_mb = serializers.IntegerField(min_value=0, required=False)
+    # The executor also answers embeddings requests (POST {endpoint}/embeddings) for its models.
+    embeddings = serializers.BooleanField(required=False)
 
     def get_fields(self) -> dict[str, serializers.Field]:
         fields = super().get_fields()

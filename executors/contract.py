@@ -17,6 +17,11 @@ from executors.models import Executor
 from executors.selectors import Capacity, executor_capacity
 
 
+# The model APIs a step may call (`requirements.api`); an executor that serves embeddings says so
+# with `capabilities.embeddings: true`.
+CHAT_API, EMBEDDINGS_API = "chat", "embeddings"
+
+
 @dataclass(frozen=True)
 class DispatchRequest:
     """What a driver needs to run one step of a job; built by the worker from the job row."""
@@ -31,6 +36,11 @@ class DispatchRequest:
     def stream(self) -> bool:
         return bool(self.input.get("stream"))
 
+    @property
+    def api(self) -> str:
+        """Which model API the step calls: `chat` (completions) or `embeddings`."""
+        return self.requirements.get("api") or CHAT_API
+
 
 @dataclass
 class DispatchResult:
@@ -41,6 +51,15 @@ class DispatchResult:
     @property
     def tokens_used(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+    def stored_output(self) -> dict[str, Any]:
+        """The output as the job's `result` keeps it: with the step's token usage when there was
+        any, so whoever reads the result (the OpenAI-compatible endpoint) can report it."""
+        if not self.tokens_used:
+            return self.output
+        return {**self.output, "usage": {"prompt_tokens": self.prompt_tokens,
+                                         "completion_tokens": self.completion_tokens,
+                                         "total_tokens": self.tokens_used}}
 
 
 @dataclass(frozen=True)
@@ -65,9 +84,10 @@ class Probe:
 class DispatchError(Exception):
     """A dispatch that failed. `retryable` tells the worker whether another attempt (possibly on
     another executor) could succeed; `executor_fault` whether the failure counts against the
-    executor's circuit breaker (connection refused or reset, timeout, 5xx); the message is what the
-    job's `error` shows. `detail`, when given, is stored as the failed job's `result` (a task's
-    exception class and traceback, for the tasks API)."""
+    executor's circuit breaker (connection refused or reset, timeout, 5xx); `timed_out` whether the
+    executor did not answer in time; the message is what the job's `error` shows. `detail`, when
+    given, is stored as the failed job's `result` (a task's exception class and traceback, for the
+    tasks API)."""
 
     def __init__(
         self,
@@ -78,12 +98,14 @@ class DispatchError(Exception):
         retry_after: float | None = None,
         executor_fault: bool | None = None,
         detail: dict[str, Any] | None = None,
+        timed_out: bool = False,
     ) -> None:
         super().__init__(message)
         self.retryable = retryable
         self.detail = detail
         self.status = status
         self.retry_after = retry_after
+        self.timed_out = timed_out
         self.executor_fault = retryable and status != 429 if executor_fault is None else executor_fault
 
 

@@ -17,14 +17,17 @@ class Capacity:
     queued: int
 
 
-def executors_usable_by(*, team: Team | int, model: str | None = None) -> list[Executor]:
+def executors_usable_by(*, team: Team | int, model: str | None = None, embeddings: bool = False) -> list[Executor]:
     """Enabled executors shared with every team, owned by this one or granted to it, optionally
-    only those that offer `model`. Filtered in Python: executors are few, and JSON containment
-    is not portable."""
+    only those that offer `model` (and serve embeddings: `capabilities.embeddings`). Filtered in
+    Python: executors are few, and JSON containment is not portable."""
     team_id = team.pk if isinstance(team, Team) else team
     granted = [pk for pk, teams in executor_teams().items() if team_id in teams]
     candidates = Executor.objects.filter(enabled=True).filter(Q(team__isnull=True) | Q(pk__in=granted))
-    return [e for e in candidates if model is None or model in e.offered_models]
+    return [
+        e for e in candidates
+        if (model is None or model in e.offered_models) and (not embeddings or e.capabilities.get("embeddings"))
+    ]
 
 
 def models_usable_by(team_ids: Iterable[int]) -> dict[int, set[str]]:

@@ -1,21 +1,24 @@
 """simllm: a simulated model server that speaks the OpenAI-compatible HTTP API.
 
-It serves `/v1/chat/completions` (plain and streamed as SSE) and `/v1/models` for demos, for tests
-of the real HTTP drivers, and for capacity planning against a simulated fleet. Replies are labelled
-as simulated. It counts its own concurrent requests so tests can check that the scheduler's caps
-hold on the wire: `GET /stats` reports in-flight and peak counts in total and per path prefix (one
-server can stand in for several executors: `http://127.0.0.1:P/e1/v1` and `.../e2/v1` are counted
-apart), and requests per job (the `X-Telemachus-Job` header the drivers send), so a test can
-count one flow's model calls among others'; `POST /stats/reset` zeroes them. Asked with `tools`,
-it calls them deterministically (executors/simtools.py: a prompt holding `[rounds:N]` makes N
-rounds).
+It serves `/v1/chat/completions` (plain and streamed as SSE), `/v1/embeddings` and `/v1/models` for
+demos, for tests of the real HTTP drivers, and for capacity planning against a simulated fleet.
+Replies are labelled as simulated, and deterministic where a test needs them to be: given `tools`,
+a reply calls them by the rules of executors/simtools.py; after a `tool` message a text reply says
+what the tool said; the same text always embeds to the same vector. It counts its own concurrent
+requests so tests can check that the scheduler's caps hold on the wire: `GET /stats` reports
+in-flight and peak counts in total and per path prefix (one server can stand in for several
+executors: `http://127.0.0.1:P/e1/v1` and `.../e2/v1` are counted apart), and requests per job (the
+`X-Telemachus-Job` header the drivers send), so a test can count one flow's model calls among
+others'; `POST /stats/reset` zeroes them.
 
 A raw ASGI app (no framework) served by uvicorn: `python manage.py simllm --port P`.
 """
 
 import asyncio
+import base64
 import json
 import random
+import struct
 import time
 import uuid
 from collections import Counter
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from executors.simtools import sim_tool_calls
-from executors.tokens import count_prompt_tokens
+from executors.tokens import count_prompt_tokens, embedding_inputs, simulated_embedding
 
 Scope = dict[str, Any]
 
@@ -101,19 +104,40 @@ class SimLLM:
                 "object": "list",
                 "data": [{"id": m, "object": "model", "created": 0, "owned_by": "simllm"} for m in self.models],
             })
-        if path.endswith("/v1/chat/completions") and method == "POST":
-            prefix = path[: -len("/v1/chat/completions")].strip("/")
-            self.stats.enter(prefix, header(scope, b"x-telemachus-job"))
-            body = await read_json(receive)
-            gone = asyncio.ensure_future(wait_for_disconnect(receive))
-            try:
-                return await self.chat(send, body, gone)
-            except ClientGone:
-                self.stats.disconnects[prefix] += 1
-            finally:
-                gone.cancel()
-                self.stats.leave(prefix)
+        for route, handler in (("/v1/chat/completions", self.chat), ("/v1/embeddings", self.embeddings)):
+            if path.endswith(route) and method == "POST":
+                prefix = path[: -len(route)].strip("/")
+                self.stats.enter(prefix, header(scope, b"x-telemachus-job"))
+                body = await read_json(receive)
+                gone = asyncio.ensure_future(wait_for_disconnect(receive))
+                try:
+                    return await handler(send, body, gone)
+                except ClientGone:
+                    self.stats.disconnects[prefix] += 1
+                    return
+                finally:
+                    gone.cancel()
+                    self.stats.leave(prefix)
         return await respond(send, 404, error_body(f"no route for {method} {path}", "not_found"))
+
+    async def embeddings(self, send: Any, body: Any, gone: asyncio.Future) -> None:
+        if not isinstance(body, dict) or not embedding_inputs(body.get("input")):
+            return await respond(send, 400, error_body("'input' must be a string or a list", "invalid_request_error"))
+        model = body.get("model")
+        if model not in self.models:
+            return await respond(send, 404, error_body(f"The model '{model}' does not exist", "model_not_found"))
+        await pause(self.latency, gone)
+        texts = embedding_inputs(body["input"])
+        dims = int(body.get("dimensions") or 16)
+        data = []
+        for index, text in enumerate(texts):
+            vector: Any = simulated_embedding(text, dims)
+            if body.get("encoding_format") == "base64":
+                vector = base64.b64encode(struct.pack(f"<{dims}f", *vector)).decode()
+            data.append({"object": "embedding", "index": index, "embedding": vector})
+        tokens = sum(len(text.split()) for text in texts)
+        await respond(send, 200, {"object": "list", "data": data, "model": model,
+                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     async def chat(self, send: Any, body: Any, gone: asyncio.Future) -> None:
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
@@ -129,7 +153,7 @@ class SimLLM:
         words = [f"sim{i}" for i in range(completion)]
         created, ident = int(time.time()), f"chatcmpl-{uuid.uuid4().hex[:24]}"
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-        calls = sim_tool_calls(body["messages"], body.get("tools"))
+        calls = sim_tool_calls(body["messages"], body.get("tools"), body.get("tool_choice", "auto"))
         if body.get("stream"):
             return await self.stream(send, ident, created, model, words, usage, body, gone, calls)
         await pause(completion / self.tokens_per_s if self.tokens_per_s else 0, gone)
@@ -137,7 +161,7 @@ class SimLLM:
             message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": calls}
             finish = "tool_calls"
         else:
-            message = {"role": "assistant", "content": "[simulated by simllm] " + " ".join(words)}
+            message = {"role": "assistant", "content": reply_prefix(body) + " ".join(words)}
             finish = "length" if completion == body.get("max_tokens") else "stop"
         await respond(send, 200, {
             "id": ident, "object": "chat.completion", "created": created, "model": model,
@@ -159,25 +183,36 @@ class SimLLM:
                         "more_body": True})
 
         include_usage = (body.get("stream_options") or {}).get("include_usage")
+        per_token = 1 / self.tokens_per_s if self.tokens_per_s else 0
         if calls:
             # OpenAI streams a tool call as deltas of an indexed entry: id and name first, then
-            # the arguments text.
+            # the arguments text, in pieces.
             await event({"role": "assistant", "content": None})
             for index, call in enumerate(calls):
                 function = call["function"]
+                arguments, half = function["arguments"], len(function["arguments"]) // 2
                 await event({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
                                              "function": {"name": function["name"], "arguments": ""}}]})
-                await event({"tool_calls": [{"index": index, "function": {"arguments": function["arguments"]}}]})
+                await event({"tool_calls": [{"index": index, "function": {"arguments": arguments[:half]}}]})
+                await pause(per_token, gone)
+                await event({"tool_calls": [{"index": index, "function": {"arguments": arguments[half:]}}]})
             await event({}, "tool_calls", **({"usage": usage} if include_usage else {}))
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
             return
-        await event({"role": "assistant", "content": "[simulated by simllm]"})
-        per_token = 1 / self.tokens_per_s if self.tokens_per_s else 0
+        await event({"role": "assistant", "content": reply_prefix(body).rstrip()})
         for word in words:
             await pause(per_token, gone)
             await event({"content": " " + word})
         await event({}, "stop", **({"usage": usage} if include_usage else {}))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+def reply_prefix(body: dict[str, Any]) -> str:
+    """The label of a text reply; after a tool's result, also what the tool said."""
+    messages = body.get("messages") or []
+    if messages and messages[-1].get("role") == "tool":
+        return f"[simulated by simllm] the tool said: {str(messages[-1].get('content') or '')[:200]} "
+    return "[simulated by simllm] "
 
 
 async def lifespan(receive: Any, send: Any) -> None:

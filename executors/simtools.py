@@ -1,14 +1,20 @@
 """Deterministic tool calls for the simulators (the `sim` driver and `simllm`), so flows can be
 tested and demonstrated without a real model. Free of Django, so simllm can use it.
 
-The rule: asked with tools and a conversation whose user or system text holds `[rounds:N]`, call
-the first tool (one call per reply) until N-1 tool results are in the conversation, then answer
-in plain text. So a flow whose prompt says `[rounds:20]` takes exactly 20 rounds. Without tools,
-or without the marker, the simulators answer at once. The arguments are `{"round": k}` (k counts
-the calls, from 1), fitted to the tool's schema: a schema that forbids unknown properties does not
-get `round`, and each required property gets a placeholder of its type.
+The rules, asked with tools (and a `tool_choice` other than "none"; a named choice picks the
+tool, else the first is called, one call per reply):
+- a conversation whose user or system text holds `[rounds:N]`: call until N-1 tool results are in
+  the conversation, then answer in plain text, so a flow whose prompt says `[rounds:20]` takes
+  exactly 20 rounds. The arguments are `{"round": k}` (k counts the calls, from 1), fitted to the
+  tool's schema: a schema that forbids unknown properties does not get `round`, and each required
+  property gets a placeholder of its type;
+- any other conversation: call once, as a model given tools would, unless the last message is a
+  tool's result, which is answered. Each declared string argument gets the last user message, each
+  number its word count, each boolean true (so an SDK user sees `{"city": "Paris"}` for "Paris").
+Without tools the simulators answer at once.
 """
 
+import hashlib
 import json
 import re
 from typing import Any
@@ -27,21 +33,38 @@ def rounds_wanted(messages: list[dict[str, Any]]) -> int | None:
     return None
 
 
-def sim_tool_calls(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+def sim_tool_calls(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, tool_choice: Any = "auto"
+) -> list[dict[str, Any]]:
     """The tool calls the simulated model makes next ([] means: answer now)."""
-    wanted = rounds_wanted(messages) if tools else None
-    if wanted is None:
+    functions = [t["function"] for t in tools or () if isinstance(t, dict) and isinstance(t.get("function"), dict)]
+    if not functions or tool_choice == "none":
         return []
+    named = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
+    function = next((f for f in functions if f.get("name") == named), functions[0])
     results = sum(1 for m in messages if m.get("role") == "tool")
-    if results >= wanted - 1:
-        return []
-    function = (tools[0].get("function") or {}) if isinstance(tools[0], dict) else {}
-    arguments = sample_arguments(function.get("parameters"), call=results + 1)
-    return [{
-        "id": f"call_{results + 1}",
-        "type": "function",
-        "function": {"name": function.get("name", ""), "arguments": json.dumps(arguments)},
-    }]
+    wanted = rounds_wanted(messages)
+    if wanted is None:
+        if messages and messages[-1].get("role") == "tool":
+            return []
+        arguments = said_arguments(function.get("parameters"), messages)
+        ident = "call_" + hashlib.sha256(f"{function.get('name')}:{json.dumps(arguments)}".encode()).hexdigest()[:24]
+    else:
+        if results >= wanted - 1:
+            return []
+        arguments = sample_arguments(function.get("parameters"), call=results + 1)
+        ident = f"call_{results + 1}"
+    return [{"id": ident, "type": "function",
+             "function": {"name": str(function.get("name", "")), "arguments": json.dumps(arguments)}}]
+
+
+def said_arguments(schema: Any, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """Arguments made from the last user message (see the module docstring)."""
+    said = next((str(m.get("content") or "") for m in reversed(messages) if m.get("role") == "user"), "")
+    kinds = {"string": said, "integer": len(said.split()), "number": len(said.split()), "boolean": True}
+    properties = (schema if isinstance(schema, dict) else {}).get("properties") or {}
+    return {name: kinds.get((spec or {}).get("type") if isinstance(spec, dict) else None, said)
+            for name, spec in properties.items()}
 
 
 def sample_arguments(schema: Any, *, call: int) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from datetime import datetime
 
 from django.db.models import Sum
 
+from executors.contract import EMBEDDINGS_API
 from executors.models import Executor
 from quotas.budget import Budgets
 from quotas.concurrency import ConcurrencyCaps, SlotCounts, concurrency_caps, executor_limit, slot_counts
@@ -52,9 +53,12 @@ class ExecutorView:
         return self.teams is None or team_id in self.teams
 
     def matches(self, job: Job) -> bool:
-        """Offers the model and satisfies the optional `class` and `memory_mb` requirements."""
+        """Offers the model (and serves embeddings, for an embeddings step) and satisfies the
+        optional `class` and `memory_mb` requirements."""
         capabilities = self.executor.capabilities
         if job.model not in (capabilities.get("models") or ()):
+            return False
+        if job.requirements.get("api") == EMBEDDINGS_API and not capabilities.get("embeddings"):
             return False
         wanted_class = job.requirements.get("class")
         if wanted_class and capabilities.get("class", wanted_class) != wanted_class:

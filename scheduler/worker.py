@@ -266,6 +266,7 @@ class Worker:
     async def _dispatch(self, flight: InFlight) -> None:
         job = flight.claim.job
         started = time.perf_counter()
+        on_delta: broadcast.DeltaStream | None = None
         try:
             if job.type == Job.Type.FLOW:
                 await flow_round_run(self, flight)  # writes its own end
@@ -274,11 +275,11 @@ class Worker:
                 outcome = await tool_job_outcome(self, flight.claim)
             else:
                 request = job_request(job)
-                on_delta = partial(broadcast.job_delta_send, job.pk) if request.stream else None
+                on_delta = broadcast.DeltaStream(job.pk, attempt=job.attempts) if request.stream else None
                 result = await flight.driver.execute(request, on_delta)
                 dispatch_observe(executor=flight.claim.executor, outcome="ok", seconds=time.perf_counter() - started)
                 outcome = Outcome(
-                    job_id=job.pk, lease=flight.claim.lease, ok=True, result=job_output(job, result.output),
+                    job_id=job.pk, lease=flight.claim.lease, ok=True, result=job_output(job, result.stored_output()),
                     tokens_used=result.tokens_used,
                     meta={"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
                           "seconds": round(time.monotonic() - flight.started, 4)},
@@ -296,10 +297,13 @@ class Worker:
             dispatch_observe(executor=flight.claim.executor, outcome="error", seconds=time.perf_counter() - started)
             flight.executor_fault = exc.executor_fault
             outcome = Outcome(job_id=job.pk, lease=flight.claim.lease, ok=False, error=str(exc), result=exc.detail,
-                              retryable=exc.retryable, retry_after=exc.retry_after, meta={"status": exc.status})
+                              retryable=exc.retryable, retry_after=exc.retry_after,
+                              meta={"status": exc.status, **({"timed_out": True} if exc.timed_out else {})})
         except Exception as exc:  # a driver bug must fail the job, not kill the worker
             log.exception("job %d: %s raised", job.pk, f"driver {flight.driver.kind}" if flight.driver else "its run")
             outcome = Outcome(job_id=job.pk, lease=flight.claim.lease, ok=False, error=f"driver error: {exc!r}")
+        if on_delta is not None:
+            await on_delta.flush()  # the output goes out before the end that the finish announces
         await self.outcomes.put(outcome)
 
     def _abort(self, job_id: int, reason: str) -> None:
@@ -458,8 +462,7 @@ class Worker:
     # --- notifications (PostgreSQL) -----------------------------------------------------------
 
     async def _listen(self) -> None:
-        params = {k: v for k, v in connection.get_connection_params().items()
-                  if k not in {"cursor_factory", "context", "prepare_threshold"}}
+        params = signals.listen_connection_params()
         delay = 0.5
         while True:
             try:

@@ -1,4 +1,8 @@
-"""ASGI entry point for daphne: HTTP (API, admin, dashboard) and the dashboard's WebSocket."""
+"""ASGI entry point for daphne: HTTP (API, admin, dashboard) and the dashboard's WebSocket.
+
+The OpenAI-compatible endpoint (/v1/) and the job API's wait and stream paths are served by
+scheduler/gateway before Django sees them: they wait on jobs, and a waiting request there holds no
+thread or database connection (see scheduler/gateway/__init__.py)."""
 
 import os
 
@@ -14,12 +18,15 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path  # noqa: E402
 
 from scheduler.consumers import DashboardConsumer  # noqa: E402
+from scheduler.gateway.asgi import GatewayRouter  # noqa: E402
 from telemachus.body_limit import BodyLimit  # noqa: E402
 from telemachus.websocket import SameOriginValidator  # noqa: E402
 
 application = ProtocolTypeRouter({
-    # API bodies are limited (413) and read here, chunked ones included, before Django sees them.
-    "http": BodyLimit(django_asgi_app),
+    # The OpenAI-compatible endpoint, job waits and streams are served ahead of Django (they wait
+    # without holding a thread); other API bodies are limited (413) and read, chunked ones
+    # included, before Django sees them.
+    "http": GatewayRouter(BodyLimit(django_asgi_app)),
     # Session authentication, as for the page itself; the Origin check (scheme, host and port)
     # stops other sites' pages from opening the socket with a signed-in user's cookie.
     "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter([

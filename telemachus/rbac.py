@@ -71,6 +71,13 @@ def visible_teams(user: Principal) -> QuerySet[Team]:
     return Team.objects.filter(memberships__user=user)
 
 
+def member_teams(user: Principal) -> QuerySet[Team]:
+    """The teams the user is a member of (for operators too: the teams they act in by default)."""
+    if not user.is_authenticated:
+        return Team.objects.none()
+    return Team.objects.filter(memberships__user=user).order_by("pk")
+
+
 def team_for_submit(user: Principal, slug: str) -> Team:
     """The team a user may submit into. A team that exists but that the user is not in reads the
     same as one that does not exist."""

@@ -152,7 +152,13 @@ if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL]},
+            "CONFIG": {
+                "hosts": [REDIS_URL],
+                # Deployments (or test runs) that share one Redis keep apart by prefix.
+                "prefix": os.environ.get("REDIS_PREFIX", "telemachus"),
+                # One channel per API process receives the output of every stream it relays.
+                "capacity": env_int("REDIS_CHANNEL_CAPACITY", 10_000),
+            },
         }
     }
 else:
@@ -232,7 +238,12 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "ENUM_NAME_OVERRIDES": {"PermissionEnum": "telemachus.api.PERMISSION_CHOICES"},
-    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "telemachus.schema.declare_errors"],
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        # Paths served ahead of Django's URLconf: /v1/, /api/jobs/{id}/wait/ and /stream/.
+        "scheduler.gateway.schema.gateway_paths",
+        "telemachus.schema.declare_errors",
+    ],
 }
 
 # Deployment hardening: on with DEBUG off, so `manage.py check --deploy` is clean in production.
@@ -298,6 +309,10 @@ TELEMACHUS_LOGIN_WINDOW_SECONDS = env_int("TELEMACHUS_LOGIN_WINDOW_SECONDS", 900
 TELEMACHUS_DASHBOARD_HEARTBEAT_SECONDS = env_float("TELEMACHUS_DASHBOARD_HEARTBEAT_SECONDS", 5)
 # Largest request body the API accepts (bytes); larger bodies get 413 payload_too_large.
 TELEMACHUS_MAX_BODY_BYTES = env_int("TELEMACHUS_MAX_BODY_BYTES", 1_048_576)
+# The OpenAI-compatible endpoint: a call that has no answer after this long gets 504 and its job
+# is canceled; database threads per API process shared by its waiting requests (scheduler/gateway/).
+TELEMACHUS_GATEWAY_TIMEOUT_SECONDS = env_float("TELEMACHUS_GATEWAY_TIMEOUT_SECONDS", 600)
+TELEMACHUS_GATEWAY_DB_THREADS = env_int("TELEMACHUS_GATEWAY_DB_THREADS", 8)
 # Dotted path of a custom QueuePolicy class; empty means the record's choice or the default.
 TELEMACHUS_QUEUE_POLICY = os.environ.get("TELEMACHUS_QUEUE_POLICY", "")
 # Extra executor drivers, `kind=dotted.path.Class` comma-separated, added to the built-in registry.

@@ -1,5 +1,6 @@
 """Real processes for tests: worker processes (`manage.py scheduler_worker`), model servers
-(`manage.py simllm`, the fault server), all on 127.0.0.1, against the test database."""
+(`manage.py simllm`, the fault server), the ASGI app under daphne, all on 127.0.0.1, against the
+test database."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -98,6 +100,15 @@ class Processes:
         wait_until(lambda: answers(base + "/v1/models"), timeout=20, what="simllm to listen")
         return base
 
+    def daphne(self, name: str = "daphne", **env: str) -> str:
+        """Serve the ASGI app (telemachus.asgi) with daphne; returns its base URL once it answers."""
+        port = free_port()
+        self.spawn(f"{name}-{port}", "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
+                   "telemachus.asgi:application", **env)
+        base = f"http://127.0.0.1:{port}"
+        wait_until(lambda: responds(base + "/v1/models"), timeout=60, what="daphne to listen")
+        return base
+
     def stop_all(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
@@ -110,6 +121,17 @@ def answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1):
             return True
+    except OSError:
+        return False
+
+
+def responds(url: str) -> bool:
+    """Any HTTP answer, an error status included."""
+    try:
+        with urllib.request.urlopen(url, timeout=1):
+            return True
+    except urllib.error.HTTPError:
+        return True
     except OSError:
         return False
 

@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from openai import OpenAI
 
 from tests.processes import ROOT, answers, free_port, wait_until
 
@@ -136,6 +137,13 @@ def test_fresh_database_to_a_finished_job_and_a_clean_stop(run):
     finished = call(f"{run.base}/jobs/{job['id']}/wait/?timeout=30", run.token)
     assert finished["status"] == "done" and finished["result"]["simulated"] is True
     assert finished["result"]["message"]["content"].endswith("Hello")
+    # The README's three lines: the demo's sim model through the OpenAI SDK, plain, streamed, embedded.
+    client = OpenAI(base_url=f"http://127.0.0.1:{run.port}/v1", api_key=run.token, max_retries=0, timeout=40)
+    reply = client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "Hello"}])
+    assert reply.choices[0].message.content.endswith("Hello") and reply.usage.total_tokens > 0
+    streamed = client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "Hi"}], stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices).endswith("Hi")
+    assert len(client.embeddings.create(model="sim", input="Hello").data[0].embedding) == 8
 
     run.ctrl_c()
     assert run.proc.wait(timeout=60) == 0, run.log_path.read_text()

@@ -2,7 +2,8 @@
 server, LM Studio, hosted providers).
 
 `endpoint` is the API base including its version prefix, for example http://127.0.0.1:11434/v1;
-a chat step is `POST {endpoint}/chat/completions`, discovery and probes `GET {endpoint}/models`.
+a chat step is `POST {endpoint}/chat/completions`, an embeddings step (`requirements.api` =
+`embeddings`) `POST {endpoint}/embeddings`, discovery and probes `GET {endpoint}/models`.
 A job's `tools` (OpenAI function schemas; a flow's are built from the tool registry) go to the
 server as they are, and the reply's `tool_calls` come back in the result's `message`. Each request
 names its job in an `X-Telemachus-Job` header, for the server's logs (simllm counts by it).
@@ -21,15 +22,19 @@ from typing import Any
 
 import httpx
 
-from executors.contract import DispatchError, DispatchRequest, DispatchResult, ExecutorDriver, Probe, StreamEvent
+from executors.contract import (
+    EMBEDDINGS_API, DispatchError, DispatchRequest, DispatchResult, ExecutorDriver, Probe, StreamEvent,
+)
 from executors.tokens import count_prompt_tokens
 from executors.models import Executor
 
 # Request options a job may pass through to the model server, beside model and messages.
 PASSTHROUGH_OPTIONS = (
     "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
-    "response_format", "tools", "tool_choice", "user",
+    "response_format", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs", "logit_bias",
+    "user",
 )
+EMBEDDING_OPTIONS = ("encoding_format", "dimensions", "user")
 # Worth another attempt (maybe elsewhere): overload and gateway errors. 4xx otherwise is the
 # request's fault (bad request, bad key, unknown model) and fails the job at once.
 RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
@@ -97,14 +102,20 @@ class LocalModelDriver(ExecutorDriver):
 
     async def dispatch(self, request: DispatchRequest) -> DispatchResult:
         self._require_endpoint()
+        embeddings = request.api == EMBEDDINGS_API
+        if embeddings:
+            path = "/embeddings"
+            body = {"model": request.model, "input": request.input.get("input")}
+            body.update({k: request.input[k] for k in EMBEDDING_OPTIONS if k in request.input})
+        else:
+            path, body = "/chat/completions", self.request_body(request)
         try:
-            response = await self.client().post("/chat/completions", json=self.request_body(request),
-                                                headers=job_header(request))
+            response = await self.client().post(path, json=body, headers=job_header(request))
         except httpx.HTTPError as exc:
             raise self._transport_error(exc) from exc
         if response.status_code >= 400:
             raise self._status_error(response, upstream_message(response))
-        return self._parse_completion(response)
+        return self._parse_embeddings(response) if embeddings else self._parse_completion(response)
 
     async def stream(self, request: DispatchRequest) -> AsyncIterator[StreamEvent]:
         """Relay the server's SSE stream. Usage comes from the final chunk when the server sends it
@@ -113,6 +124,7 @@ class LocalModelDriver(ExecutorDriver):
         self._require_endpoint()
         body = {**self.request_body(request), "stream": True, "stream_options": {"include_usage": True}}
         content, deltas, usage, finish, model = [], 0, None, None, None
+        tool_calls: dict[int, dict[str, Any]] = {}
         try:
             async with self.client().stream("POST", "/chat/completions", json=body,
                                             headers=job_header(request)) as response:
@@ -130,7 +142,10 @@ class LocalModelDriver(ExecutorDriver):
                     usage = chunk.get("usage") or usage
                     for choice in chunk.get("choices") or ():
                         finish = choice.get("finish_reason") or finish
-                        text = (choice.get("delta") or {}).get("content")
+                        delta = choice.get("delta") or {}
+                        for call in delta.get("tool_calls") or ():
+                            _merge_tool_call(tool_calls, call)
+                        text = delta.get("content")
                         if text:
                             content.append(text)
                             deltas += 1
@@ -141,10 +156,14 @@ class LocalModelDriver(ExecutorDriver):
             raise self._transport_error(exc) from exc
         prompt_tokens = int(usage["prompt_tokens"]) if usage else count_prompt_tokens(body["messages"])
         completion_tokens = int(usage["completion_tokens"]) if usage else deltas
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
+        if tool_calls:
+            message = {"role": "assistant", "content": message["content"] or None,
+                       "tool_calls": [tool_calls[index] for index in sorted(tool_calls)]}
         yield StreamEvent(kind="done", result=DispatchResult(
             output={
                 "model": model,
-                "message": {"role": "assistant", "content": "".join(content)},
+                "message": message,
                 "finish_reason": finish,
                 "streamed": True,
                 "usage_counted": usage is None,
@@ -204,9 +223,10 @@ class LocalModelDriver(ExecutorDriver):
         return text
 
     def _transport_error(self, exc: httpx.HTTPError) -> DispatchError:
-        what = "timed out" if isinstance(exc, httpx.TimeoutException) else "unreachable"
+        timed_out = isinstance(exc, httpx.TimeoutException)
         detail = self._redact(f"{type(exc).__name__}: {exc}".rstrip(": "))
-        return DispatchError(f"{self.executor.name} {what} ({detail})", retryable=True, executor_fault=True)
+        return DispatchError(f"{self.executor.name} {'timed out' if timed_out else 'unreachable'} ({detail})",
+                             retryable=True, executor_fault=True, timed_out=timed_out)
 
     def _status_error(self, response: httpx.Response, message: str) -> DispatchError:
         return DispatchError(
@@ -249,6 +269,34 @@ class LocalModelDriver(ExecutorDriver):
             prompt_tokens=int(usage.get("prompt_tokens") or 0),
             completion_tokens=int(usage.get("completion_tokens") or 0),
         )
+
+
+    def _parse_embeddings(self, response: httpx.Response) -> DispatchResult:
+        try:
+            data = strict_json(response.content)
+            vectors = data["data"]
+            if not isinstance(vectors, list):
+                raise TypeError("data is not a list")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DispatchError(
+                f"{self.executor.name}: malformed embeddings {response.text[:200]!r}", retryable=True,
+                executor_fault=True,
+            ) from exc
+        usage = data.get("usage") or {}
+        return DispatchResult(output={"model": data.get("model"), "data": vectors},
+                              prompt_tokens=int(usage.get("prompt_tokens") or 0))
+
+
+def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
+    """Fold one streamed tool-call fragment into the calls so far: the first fragment of a call
+    brings its id, type and name; later ones append to its arguments."""
+    index = int(delta.get("index") or 0)
+    call = calls.setdefault(index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+    call["id"] = delta.get("id") or call["id"]
+    call["type"] = delta.get("type") or call["type"]
+    function = delta.get("function") or {}
+    call["function"]["name"] += function.get("name") or ""
+    call["function"]["arguments"] += function.get("arguments") or ""
 
 
 class RemoteModelDriver(LocalModelDriver):

@@ -10,6 +10,8 @@ Knobs, read from the executor's `meta`:
     tokens_per_s      if set, adds completion_tokens / tokens_per_s seconds of generation time
     output_tokens     completion tokens per reply, capped by the request's max_tokens (default 16)
     fail_rate         probability in [0, 1] that a dispatch fails (default 0)
+    embedding_dims    length of the vectors of an embeddings step (default 8; needs
+                      `capabilities.embeddings: true`, like any executor that serves embeddings)
 
 Asked with `tools`, it calls them deterministically (executors/simtools.py: a prompt holding
 `[rounds:N]` makes N rounds), in the OpenAI format: the message carries `tool_calls` and the
@@ -18,9 +20,10 @@ finish reason is `tool_calls`.
 
 import asyncio
 import random
-from executors.contract import DispatchError, DispatchRequest, DispatchResult, ExecutorDriver
+
+from executors.contract import EMBEDDINGS_API, DispatchError, DispatchRequest, DispatchResult, ExecutorDriver
 from executors.simtools import sim_tool_calls
-from executors.tokens import count_prompt_tokens
+from executors.tokens import count_prompt_tokens, embedding_inputs, simulated_embedding
 
 
 class SimDriver(ExecutorDriver):
@@ -47,7 +50,9 @@ class SimDriver(ExecutorDriver):
             await asyncio.sleep(delay)
         if random.random() < self._knob("fail_rate", 0):
             raise DispatchError("simulated failure (sim executor fail_rate)", retryable=False)
-        calls = sim_tool_calls(messages, request.input.get("tools"))
+        if request.api == EMBEDDINGS_API:
+            return self._embed(request)
+        calls = sim_tool_calls(messages, request.input.get("tools"), request.input.get("tool_choice", "auto"))
         if calls:
             message = {"role": "assistant", "content": None, "tool_calls": calls}
             finish = "tool_calls"
@@ -59,4 +64,17 @@ class SimDriver(ExecutorDriver):
             output={"simulated": True, "model": request.model, "message": message, "finish_reason": finish},
             prompt_tokens=count_prompt_tokens(messages),
             completion_tokens=completion,
+        )
+
+    def _embed(self, request: DispatchRequest) -> DispatchResult:
+        texts = embedding_inputs(request.input.get("input"))
+        dims = int(self._knob("embedding_dims", 8))
+        return DispatchResult(
+            output={
+                "simulated": True,
+                "model": request.model,
+                "data": [{"object": "embedding", "index": i, "embedding": simulated_embedding(text, dims)}
+                         for i, text in enumerate(texts)],
+            },
+            prompt_tokens=sum(len(text.split()) for text in texts),
         )

@@ -2,6 +2,8 @@ from typing import Any
 
 from rest_framework import serializers
 
+from executors.contract import CHAT_API, EMBEDDINGS_API
+from executors.tokens import embedding_inputs
 from scheduler.models import Job, JobEvent
 from scheduler.services.rounds import DEFAULT_MAX_ROUNDS, MAX_ROUNDS
 from telemachus.serializers import StrictSerializer
@@ -28,6 +30,8 @@ class MessageInput(serializers.Serializer):
 class RequirementsInput(StrictSerializer):
     model = serializers.CharField(max_length=200)
     est_tokens = serializers.IntegerField(min_value=0, max_value=10**12, default=0)
+    # The model API a chat job calls: completions (the default) or embeddings of `input.input`.
+    api = serializers.ChoiceField(choices=(CHAT_API, EMBEDDINGS_API), required=False)
     # `class` is a Python keyword; the field is declared under its JSON name below.
     memory_mb = serializers.IntegerField(min_value=0, required=False)
 
@@ -100,7 +104,12 @@ class JobSubmitInput(StrictSerializer):
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         kind = attrs["type"]
         attrs.setdefault("requirements", {})
-        if kind == Job.Type.CHAT and not attrs["input"].get("messages"):
+        if attrs["requirements"].get("api") == EMBEDDINGS_API:
+            if kind != Job.Type.CHAT:
+                raise serializers.ValidationError({"requirements": {"api": ["Embeddings are chat jobs."]}})
+            if not embedding_inputs(attrs["input"].get("input")):
+                raise serializers.ValidationError({"input": {"input": ["A string or a list of strings to embed."]}})
+        elif kind == Job.Type.CHAT and not attrs["input"].get("messages"):
             raise serializers.ValidationError({"input": {"messages": ["A non-empty list of messages is required."]}})
         if kind in TYPE_INPUTS:
             shape = TYPE_INPUTS[kind](data=attrs["input"])

@@ -1,7 +1,6 @@
 from django.urls import path
 
 from scheduler.api import views
-from scheduler.api.wait import job_wait
 
 urlpatterns = [
     path("jobs/", views.JobListCreateApi.as_view(), name="job-list"),
@@ -9,5 +8,4 @@ urlpatterns = [
     path("jobs/<int:job_id>/cancel/", views.JobCancelApi.as_view(), name="job-cancel"),
     path("jobs/<int:job_id>/requeue/", views.JobRequeueApi.as_view(), name="job-requeue"),
     path("jobs/<int:job_id>/events/", views.JobEventListApi.as_view(), name="job-events"),
-    path("jobs/<int:job_id>/wait/", job_wait, name="job-wait"),
 ]

@@ -1,5 +1,10 @@
 """The only writer of JobEvent rows. Callers pass the time of the change (usually the database
-clock read under their lock) so an event's `at` matches the transition it records."""
+clock read under their lock) so an event's `at` matches the transition it records.
+
+Every event of a job also tells the API processes watching it (waits, streams, the OpenAI-compatible
+endpoint) that it changed, at commit: jobs change state only through services that record an
+event in the same transaction, so this one place covers every transition. A job's first event
+(`queued`, from submit) tells nobody: no one can be watching a job before its id is returned."""
 
 from collections.abc import Iterable
 from datetime import datetime
@@ -8,6 +13,7 @@ from typing import Any
 from django.utils import timezone
 
 from executors.models import Executor
+from scheduler import signals
 from scheduler.models import Job, JobEvent
 
 
@@ -20,12 +26,17 @@ def job_event(
 
 
 def events_record(events: Iterable[JobEvent]) -> None:
-    JobEvent.objects.bulk_create(list(events))
+    events = list(events)
+    JobEvent.objects.bulk_create(events)
+    signals.notify_job_watchers(
+        (event.job_id, event.event) for event in events
+        if event.job_id is not None and event.event != JobEvent.Type.QUEUED
+    )
 
 
 def event_record(
     *, job: Job | None, event: str, at: datetime | None = None, executor: Executor | int | None = None, **meta: Any
 ) -> JobEvent:
     created = job_event(job=job, event=event, at=at, executor=executor, **meta)
-    created.save()
+    events_record([created])
     return created

@@ -5,6 +5,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
+from executors.contract import EMBEDDINGS_API
 from executors.selectors import executors_usable_by
 from quotas.budget import quota_check
 from scheduler import signals
@@ -35,8 +36,9 @@ def job_submit(
     `requirements` and `input` arrive shape-checked (JobSubmitInput); this checks, in order: the
     team (which the user must belong to), that the job's kind is switched on for it (403
     feature_disabled), the permission the job type needs (RBAC.require), the tools it names
-    (scheduler/jobtypes.py), an enabled executor usable by the team that offers the model (a tool
-    job needs none), the budgets (Quota.check) for the
+    (scheduler/jobtypes.py), an enabled executor usable by the team that offers the model (and
+    embeddings, when `requirements.api` asks for them; a tool job needs none), the budgets
+    (Quota.check) for the
     estimate, the priority the principal may use (priority map: clamped, with an event, or
     refused, per policy) and the policy's admission (the team's queue depth cap: 429 try_later).
     Nothing is written when a check fails. Locks the team's row while it counts the queue, so
@@ -49,8 +51,10 @@ def job_submit(
     job_input_check(user=user, team=team_obj, type=type, input=input)
     # A tool job runs in a worker's tool threads, on no executor: it names no model.
     model = "" if type == Job.Type.TOOL else requirements["model"]
-    if model and not executors_usable_by(team=team_obj, model=model):
-        raise UnknownModel(f"No enabled executor available to team {team_obj.slug!r} offers model {model!r}.", model=model)
+    embeddings = requirements.get("api") == EMBEDDINGS_API
+    if model and not executors_usable_by(team=team_obj, model=model, embeddings=embeddings):
+        offers = f"embeddings of model {model!r}" if embeddings else f"model {model!r}"
+        raise UnknownModel(f"No enabled executor available to team {team_obj.slug!r} offers {offers}.", model=model)
     now = timezone.now()
     quota_check(team_id=team_obj.pk, user_id=user.pk, tokens=requirements.get("est_tokens", 0), now=now)
     record = queue_policy()

@@ -62,6 +62,26 @@ class TestAgainstSimllm:
         assert result.output["usage_counted"] is False
         assert (result.prompt_tokens, result.completion_tokens) == (6, 4)
 
+    def test_tool_calls_pass_through_plain_and_streamed(self, simllm):
+        tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+            "type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}}}}}]
+        plain = run(dispatch(driver(f"{simllm}/v1"), request(tools=tools)))
+        streamed = run(dispatch(driver(f"{simllm}/v1"), request(tools=tools, stream=True), []))
+        for result in (plain, streamed):
+            (call,) = result.output["message"]["tool_calls"]
+            assert call["function"] == {"name": "lookup", "arguments": '{"query": "say something", "limit": 2}'}
+            assert call["id"].startswith("call_") and result.output["finish_reason"] == "tool_calls"
+        assert plain.output["message"]["tool_calls"][0]["id"] == streamed.output["message"]["tool_calls"][0]["id"]
+
+    def test_embeddings(self, simllm):
+        embed = DispatchRequest(job_id=1, type="chat", model="m", input={"input": ["one two", "three"]},
+                                requirements={"model": "m", "api": "embeddings"})
+        result = run(dispatch(driver(f"{simllm}/v1"), embed))
+        assert [item["index"] for item in result.output["data"]] == [0, 1]
+        assert len(result.output["data"][0]["embedding"]) == 16 and result.prompt_tokens == 3
+        again = run(dispatch(driver(f"{simllm}/v1"), embed))
+        assert again.output["data"] == result.output["data"], "the same text embeds the same"
+
     def test_list_models_and_probe(self, simllm):
         async def scenario():
             d = driver(f"{simllm}/v1")

@@ -145,9 +145,20 @@ class TestSimulatedToolCalls:
         assert sim_tool_calls(self.conversation(1), self.TOOLS)[0]["id"] == "call_2"
         assert sim_tool_calls(self.conversation(2), self.TOOLS) == []
 
-    def test_no_tools_or_no_marker_means_an_answer(self):
+    def test_no_tools_or_tool_choice_none_means_an_answer(self):
         assert sim_tool_calls(self.conversation(0), None) == []
-        assert sim_tool_calls(self.conversation(0, prompt="hello"), self.TOOLS) == []
+        assert sim_tool_calls(self.conversation(0), self.TOOLS, "none") == []
+
+    def test_without_the_marker_a_tool_is_called_once_then_its_result_answered(self):
+        weather = [{"type": "function", "function": {"name": "weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+        (call,) = sim_tool_calls(self.conversation(0, prompt="Paris tomorrow"), weather)
+        assert call["function"] == {"name": "weather", "arguments": '{"city": "Paris tomorrow", "days": 2}'}
+        assert sim_tool_calls(self.conversation(1, prompt="Paris tomorrow"), weather) == []
+
+    def test_a_named_tool_choice_picks_the_tool(self):
+        chosen = sim_tool_calls(self.conversation(0), self.TOOLS, {"type": "function", "function": {"name": "clock"}})
+        assert chosen[0]["function"]["name"] == "clock"
 
     def test_arguments_fit_the_schema(self):
         strict = {"type": "object", "properties": {"city": {"type": "string"}, "n": {"type": "integer"}},

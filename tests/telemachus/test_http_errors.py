@@ -34,16 +34,6 @@ def test_other_paths_keep_django_pages():
     assert response.status_code == 404 and not response["Content-Type"].startswith("application/json")
 
 
-def test_post_to_wait_is_a_json_405_not_a_csrf_page(member_setup):
-    # Given a signed-in browser session without a CSRF token (the case)...
-    browser = Client(enforce_csrf_checks=True)
-    browser.force_login(member_setup[0])
-    # When it POSTs to the long poll, which only reads...
-    response = browser.post("/api/jobs/1/wait/", {})
-    # Then the answer is a JSON 405.
-    assert_error(response, 405, "method_not_allowed")
-
-
 def test_csrf_failure_on_an_api_view_is_json(member_setup):
     browser = Client(enforce_csrf_checks=True)
     browser.force_login(member_setup[0])

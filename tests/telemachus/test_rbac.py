@@ -152,10 +152,6 @@ class TestCrossTeamIsolation:
         assert api(member_setup[0]).post(f"/api/jobs/{bobs_job.pk}/cancel/").status_code == 404
         assert Job.objects.get(pk=bobs_job.pk).status == "queued"
 
-    def test_wait(self, api, member_setup, bobs_job):
-        response = api(member_setup[0]).get(f"/api/jobs/{bobs_job.pk}/wait/?timeout=0")
-        assert response.status_code == 404 and response.json()["error"] == "not_found"
-
     def test_events(self, api, member_setup, bobs_job):
         assert api(member_setup[0]).get(f"/api/jobs/{bobs_job.pk}/events/").status_code == 404
 

@@ -6,7 +6,7 @@ from executors.simllm import SimLLM
 
 class Command(BaseCommand):
     help = (
-        "Serve a simulated OpenAI-compatible model server (/v1/chat/completions, /v1/models) on "
+        "Serve a simulated OpenAI-compatible model server (/v1/chat/completions, /v1/embeddings, /v1/models) on "
         "127.0.0.1, for demos, tests of the HTTP drivers and capacity planning. Replies are labelled simulated."
     )
 

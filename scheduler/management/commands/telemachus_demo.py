@@ -33,7 +33,7 @@ class Command(BaseCommand):
                 name="sim",
                 defaults={
                     "kind": "sim",
-                    "capabilities": {"models": ["sim"], "class": "cpu"},
+                    "capabilities": {"models": ["sim"], "class": "cpu", "embeddings": True},
                     "max_concurrency": 8,
                     "meta": {"latency_ms": 300, "jitter_ms": 100, "output_tokens": 24},
                 },

@@ -1,0 +1,366 @@
+"""What an API process hears about jobs, shared by every request it serves.
+
+A request that waits for a job (`/wait/`, `/stream/`, `/v1/chat/completions`) takes a `Watch` on
+it and sleeps until the feed says the job changed or output arrived; then it reads the job again.
+The feed runs one listener per process (per event loop), never one per request:
+
+* job changes: on PostgreSQL, LISTEN on `signals.JOBS_CHANNEL`, where every job event sends its
+  job id and event at commit (scheduler/services/events.py). On SQLite, which has no NOTIFY and
+  serves one host, a watch on the database file's `PRAGMA data_version` (it changes when another
+  connection commits; reading it touches no table), checked every few milliseconds while
+  anything is watched, followed by one query for the state of every watched job.
+  If the PostgreSQL listener is down, the same query runs once a second until it is back.
+* output deltas of streamed jobs (scheduler/broadcast.py): from the channel layer (one channel for
+  the process, added to the group of each job watched for output) or, on PostgreSQL without Redis,
+  from the same LISTEN connection.
+
+Missing a delta is survivable (a watcher fills the gap from the job's result); missing a change is
+not, so every path that could lose one (a listener that reconnects, a watch taken after the change)
+marks the watch changed and lets the watcher read the database."""
+
+import asyncio
+import json
+import logging
+import sqlite3
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from channels.layers import get_channel_layer
+from django.db import connection
+from django.db.models import Max
+
+from scheduler import broadcast, signals
+from scheduler.gateway.database import db
+from scheduler.models import Job, JobEvent
+
+log = logging.getLogger("telemachus.feed")
+SQLITE_WATCH_SECONDS = 0.005
+FALLBACK_POLL_SECONDS = 1.0
+# Events after which the job is over (its status is terminal).
+ENDING_EVENTS = frozenset({JobEvent.Type.FINISHED, JobEvent.Type.FAILED, JobEvent.Type.CANCELED})
+# How many recently changed jobs the PostgreSQL listener remembers, for watches taken just after.
+RECENT_JOBS = 50_000
+
+
+@dataclass(frozen=True)
+class Delta:
+    attempt: int
+    offset: int
+    text: str
+
+
+class Relay:
+    """A job's output as relayed so far, kept in step with the deltas heard. Each delta says where
+    it starts, so a repeated one is dropped and a missed one shows as a gap; a delta of a later
+    attempt shows that the model's stream broke off and the job was retried.
+
+    An `exact` relay (the OpenAI stream) must add up to the answer: after a gap it relays nothing
+    more (the rest comes from the job's result, `rest()`), and a retry after text went out leaves
+    it `broken`, since it cannot take back what it sent. A loose one (the job stream, whose deltas
+    carry offsets and attempts) may start where it joined and starts over with each attempt."""
+
+    def __init__(self, *, exact: bool) -> None:
+        self.exact = exact
+        self.base = 0  # where the relayed text starts in the attempt's output
+        self.sent = ""
+        self.attempt: int | None = None
+        self.gap = False
+        self.broken = False
+
+    def accept(self, deltas: list[Delta]) -> list[Delta]:
+        """The new, in-order pieces of output among `deltas`."""
+        fresh = []
+        for delta in deltas:
+            if self.attempt is None or (delta.attempt > self.attempt and not (self.exact and self.sent)):
+                self.attempt, self.sent, self.gap = delta.attempt, "", False
+                self.base = 0 if self.exact else delta.offset
+            if delta.attempt > self.attempt:
+                self.broken = True
+            if delta.attempt != self.attempt or self.gap or self.broken:
+                continue
+            have = self.base + len(self.sent)
+            if delta.offset > have:
+                self.gap = True
+            elif delta.offset + len(delta.text) > have:
+                text = delta.text[have - delta.offset:]
+                fresh.append(Delta(delta.attempt, have, text))
+                self.sent += text
+        return fresh
+
+    def rest(self, result: dict[str, Any] | None) -> str | None:
+        """What remains to relay of the final text, or None if it does not continue what was sent."""
+        full = str(((result or {}).get("message") or {}).get("content") or "")[self.base:]
+        return full[len(self.sent):] if full.startswith(self.sent) else None
+
+
+class Watch:
+    """One request's interest in one job. `changed`: the job changed since the last `take()`;
+    `maybe_ended`: one of those changes may have ended it (read the job to know); `deltas`: output
+    that arrived, oldest first."""
+
+    def __init__(self, feed: "JobFeed", job_id: int, *, deltas: bool) -> None:
+        self.feed = feed
+        self.job_id = job_id
+        self.wants_deltas = deltas
+        self.changed = False
+        self.maybe_ended = False
+        self.deltas: list[Delta] = []
+        self._ready = asyncio.Event()
+
+    def notify(self, *, ended: bool) -> None:
+        self.changed = True
+        self.maybe_ended = self.maybe_ended or ended
+        self._ready.set()
+
+    def add_delta(self, delta: Delta) -> None:
+        self.deltas.append(delta)
+        self._ready.set()
+
+    async def wait(self, timeout: float, *, unless: asyncio.Future | None = None) -> bool:
+        """Sleep until something arrives (True), the timeout passes or `unless` is done (False)."""
+        if self._ready.is_set():
+            return True
+        waiter = asyncio.ensure_future(self._ready.wait())
+        waiting = {waiter} if unless is None else {waiter, unless}
+        try:
+            await asyncio.wait(waiting, timeout=max(timeout, 0), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        return self._ready.is_set()
+
+    def take(self) -> tuple[bool, bool, list[Delta]]:
+        """(changed, maybe_ended, deltas) since the last take, and reset."""
+        taken = (self.changed, self.maybe_ended, self.deltas)
+        self.changed, self.maybe_ended, self.deltas = False, False, []
+        self._ready.clear()
+        return taken
+
+    def close(self) -> None:
+        self.feed._drop(self)
+
+    def __enter__(self) -> "Watch":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class JobFeed:
+    _instances: dict[asyncio.AbstractEventLoop, "JobFeed"] = {}
+
+    def __init__(self) -> None:
+        self.vendor = connection.vendor
+        self.deltas_via = broadcast.delta_transport()
+        self.watches: dict[int, set[Watch]] = {}
+        # PostgreSQL: job id -> (epoch, event) of the last change heard, for `watch(since=...)`.
+        self.recent: OrderedDict[int, tuple[int, str]] = OrderedDict()
+        self.epoch = 0
+        self.listening = False
+        self.generation = 0  # bumped each time the listener (re)connects
+        self._known: dict[int, tuple[str, int | None]] = {}
+        self._anything_watched = asyncio.Event()
+        self._group_ops: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
+        self._channel: str | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    @classmethod
+    def current(cls) -> "JobFeed":
+        """The feed of the running event loop, started on first use."""
+        loop = asyncio.get_running_loop()
+        feed = cls._instances.get(loop)
+        if feed is None:
+            cls._instances = {lp: f for lp, f in cls._instances.items() if not lp.is_closed()}
+            feed = cls._instances[loop] = cls()
+            feed._start()
+        return feed
+
+    def _start(self) -> None:
+        if self.vendor == "postgresql":
+            self._tasks.append(asyncio.create_task(self._listen(), name="feed-listen"))
+        elif self.vendor == "sqlite":
+            self._tasks.append(asyncio.create_task(self._watch_sqlite(), name="feed-sqlite"))
+        if self.deltas_via == broadcast.LAYER:
+            self._tasks.append(asyncio.create_task(self._receive_deltas(), name="feed-deltas"))
+
+    # --- watches --------------------------------------------------------------------------------
+
+    def mark(self) -> tuple[int, int] | None:
+        """Taken before an action (a submit); a watch taken after it `since` this mark is told of
+        changes it missed in between, when the feed can know (PostgreSQL, listener up)."""
+        return (self.generation, self.epoch) if self.listening else None
+
+    def watch(self, job_id: int, *, deltas: bool = False, since: tuple[int, int] | None = None) -> Watch:
+        """A watch on a job. Without a usable `since`, it starts out changed: read the job first."""
+        watch = Watch(self, job_id, deltas=deltas)
+        first = job_id not in self.watches
+        self.watches.setdefault(job_id, set()).add(watch)
+        self._anything_watched.set()
+        if deltas and self.deltas_via == broadcast.LAYER and not any(
+            w.wants_deltas for w in self.watches[job_id] if w is not watch
+        ):
+            self._group_ops.put_nowait(("add", job_id))
+        if since is None or not self.listening or since[0] != self.generation:
+            watch.notify(ended=True)
+        elif (heard := self.recent.get(job_id)) is not None and heard[0] > since[1]:
+            watch.notify(ended=heard[1] in ENDING_EVENTS)
+        if first and self.vendor == "sqlite":
+            self._known.pop(job_id, None)
+        return watch
+
+    def _drop(self, watch: Watch) -> None:
+        watches = self.watches.get(watch.job_id)
+        if not watches or watch not in watches:
+            return
+        watches.discard(watch)
+        if watch.wants_deltas and self.deltas_via == broadcast.LAYER and not any(w.wants_deltas for w in watches):
+            self._group_ops.put_nowait(("discard", watch.job_id))
+        if not watches:
+            del self.watches[watch.job_id]
+            self._known.pop(watch.job_id, None)
+            if not self.watches:
+                self._anything_watched.clear()
+
+    def _changed(self, job_id: int, event: str) -> None:
+        self.epoch += 1
+        self.recent[job_id] = (self.epoch, event)
+        self.recent.move_to_end(job_id)
+        if len(self.recent) > RECENT_JOBS:
+            self.recent.popitem(last=False)
+        for watch in self.watches.get(job_id, ()):
+            watch.notify(ended=event in ENDING_EVENTS)
+
+    def _delta(self, job_id: int, delta: Delta) -> None:
+        for watch in self.watches.get(job_id, ()):
+            if watch.wants_deltas:
+                watch.add_delta(delta)
+
+    def _all_changed(self) -> None:
+        for watches in self.watches.values():
+            for watch in watches:
+                watch.notify(ended=True)
+
+    # --- PostgreSQL -----------------------------------------------------------------------------
+
+    async def _listen(self) -> None:
+        delay = 0.5
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                    **signals.listen_connection_params(), autocommit=True
+                ) as conn:
+                    await conn.execute(f"LISTEN {signals.JOBS_CHANNEL}")
+                    self.listening, delay = True, 0.5
+                    self.generation += 1
+                    self._all_changed()  # anything that happened while we were not listening
+                    async for note in conn.notifies():
+                        self._on_notify(note.payload)
+            except (psycopg.Error, OSError) as exc:
+                log.warning("job feed: LISTEN connection lost (%s); reading watched jobs each second until it is back", exc)
+            self.listening = False
+            await self._poll_for(delay)
+            delay = min(delay * 2, 10.0)
+
+    async def _poll_for(self, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        until = loop.time() + seconds
+        while True:
+            if self.watches:
+                await self._refresh()
+            left = until - loop.time()
+            if left <= 0:
+                return
+            await asyncio.sleep(min(FALLBACK_POLL_SECONDS, left))
+
+    def _on_notify(self, payload: str) -> None:
+        try:
+            if payload.startswith(signals.CHANGED):
+                for item in payload[len(signals.CHANGED):].split(","):
+                    job_id, _, event = item.partition(":")
+                    self._changed(int(job_id), event)
+            elif payload.startswith(signals.DELTA) and self.deltas_via == broadcast.POSTGRES:
+                message = json.loads(payload[len(signals.DELTA):])
+                self._delta(int(message["job"]), Delta(int(message["attempt"]), int(message["offset"]), message["text"]))
+        except (ValueError, KeyError, TypeError):
+            log.warning("job feed: ignored a malformed notification %r", payload[:200])
+
+    # --- SQLite ---------------------------------------------------------------------------------
+
+    async def _watch_sqlite(self) -> None:
+        path = str(connection.settings_dict["NAME"])
+        if not path or path.startswith(":memory:") or path.startswith("file:"):
+            return
+        watcher = sqlite3.connect(path, check_same_thread=False)
+        try:
+            seen = None
+            while True:
+                if not self.watches:
+                    await self._anything_watched.wait()
+                version = watcher.execute("PRAGMA data_version").fetchone()[0]
+                if version != seen:
+                    seen = version
+                    await self._refresh()
+                await asyncio.sleep(SQLITE_WATCH_SECONDS)
+        finally:
+            watcher.close()
+
+    async def _refresh(self) -> None:
+        """Read the state of every watched job in one query; tell the watches of those that changed."""
+        ids = sorted(self.watches)
+        if not ids:
+            return
+        try:
+            states = await db(_job_states, job_ids=ids)
+        except Exception as exc:
+            log.warning("job feed: could not read watched jobs (%s)", exc)
+            return
+        for job_id in ids:
+            state = states.get(job_id, ("gone", None))
+            if self._known.get(job_id) != state and job_id in self.watches:
+                self._known[job_id] = state
+                for watch in self.watches[job_id]:
+                    watch.notify(ended=state[0] in Job.TERMINAL or state[0] == "gone")
+
+    # --- channel layer --------------------------------------------------------------------------
+
+    async def _receive_deltas(self) -> None:
+        layer = get_channel_layer()
+        if layer is None:
+            return
+        self._channel = await layer.new_channel()
+        groups = asyncio.create_task(self._group_membership(layer), name="feed-groups")
+        try:
+            while True:
+                try:
+                    message = await layer.receive(self._channel)
+                    self._delta(int(message["job"]), Delta(int(message["attempt"]), int(message["offset"]),
+                                                           message["text"]))
+                except (KeyError, ValueError, TypeError):
+                    log.warning("job feed: ignored a malformed delta")
+                except Exception as exc:
+                    log.warning("job feed: channel layer receive failed (%s); retrying", exc)
+                    await asyncio.sleep(1.0)
+        finally:
+            groups.cancel()
+
+    async def _group_membership(self, layer: Any) -> None:
+        """Group adds and discards, one at a time in the order watches asked for them."""
+        while True:
+            op, job_id = await self._group_ops.get()
+            group = broadcast.job_group(job_id)
+            try:
+                if op == "add":
+                    await layer.group_add(group, self._channel)
+                else:
+                    await layer.group_discard(group, self._channel)
+            except Exception as exc:
+                log.warning("job feed: could not %s group %s (%s)", op, group, exc)
+
+
+def _job_states(*, job_ids: list[int]) -> dict[int, tuple[str, int | None]]:
+    """Status and latest event id of each job: what a watcher would see change."""
+    rows = Job.objects.filter(pk__in=job_ids).annotate(last_event=Max("events__id")).values_list(
+        "pk", "status", "last_event"
+    )
+    return {pk: (status, last_event) for pk, status, last_event in rows}

@@ -1,0 +1,159 @@
+"""The job API's long-lived requests, token or session authenticated like the rest of /api/:
+
+* `GET /api/jobs/{id}/wait/?timeout=S` answers when the job ends or the timeout passes (at most
+  300 s), with the job as `GET /api/jobs/{id}/` shows it.
+* `GET /api/jobs/{id}/stream/` is a Server-Sent Events stream: `job` (the job now), then `event` for
+  each of its events (with the event's id as the SSE id, so a client that reconnects with
+  `Last-Event-ID` gets only newer ones), `status` when the status changes, `delta` for each piece
+  of a streamed job's output (`{"attempt", "offset", "text"}`) as the worker receives it, and
+  `done` with the final job, after which the stream ends. Deltas come in order, each starting where
+  the last ended (a stream opened while the model writes starts where it joined); a retried job's
+  next attempt starts again at offset 0; output still on its way when the job ended comes as one
+  last delta before `done`. A comment every 15 s keeps idle
+  connections open. Leaving the stream does not cancel the job.
+
+Both wake on the process's job feed (feed.py) instead of polling the database."""
+
+import asyncio
+import json
+from typing import Any
+
+from django.conf import settings
+from rest_framework.utils.encoders import JSONEncoder
+
+from scheduler.api.serializers import JobEventOutput, JobOutput
+from scheduler.gateway.asgi import Reply, Request, api_error
+from scheduler.gateway.auth import token_key, user_for_session, user_for_token
+from scheduler.gateway.database import db
+from scheduler.gateway.feed import Delta, JobFeed, Relay
+from scheduler.models import Job, JobEvent
+from telemachus import rbac
+
+DEFAULT_TIMEOUT, MAX_TIMEOUT = 30.0, 300.0
+KEEPALIVE_SECONDS = 15.0
+SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+async def serve(request: Request, reply: Reply, job_id: str, action: str) -> None:
+    if request.method != "GET":
+        return await reply.json(405, api_error(405, "method_not_allowed", f'Method "{request.method}" not allowed.'),
+                                {"allow": "GET"})
+    user = await db(_user, authorization=request.header("authorization"),
+                    session_key=request.cookie(settings.SESSION_COOKIE_NAME))
+    if user is None:
+        return await reply.json(401, api_error(401, "not_authenticated", "Authentication credentials were not provided."),
+                                {"www-authenticate": "Token"})
+    if action == "wait":
+        await job_wait(request, reply, user=user, job_id=int(job_id))
+    else:
+        await job_stream(request, reply, user=user, job_id=int(job_id))
+
+
+def _user(*, authorization: str | None, session_key: str | None) -> rbac.Principal | None:
+    """The token's user; or, with no Authorization header, the session's. A bad token is refused
+    even when a session cookie came along."""
+    if authorization:
+        key = token_key(authorization)
+        return user_for_token(key=key) if key else None
+    return user_for_session(session_key=session_key) if session_key else None
+
+
+def _not_found(job_id: int) -> dict[str, Any]:
+    return api_error(404, "not_found", f"Job {job_id} not found.")
+
+
+async def job_wait(request: Request, reply: Reply, *, user: rbac.Principal, job_id: int) -> None:
+    try:
+        timeout = float(request.param("timeout") or DEFAULT_TIMEOUT)
+        if not 0 <= timeout <= MAX_TIMEOUT:
+            raise ValueError
+    except ValueError:
+        return await reply.json(400, {**api_error(400, "validation_error", "Invalid input."),
+                                      "fields": {"timeout": [f"A number of seconds from 0 to {MAX_TIMEOUT:.0f}."]}})
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    with JobFeed.current().watch(job_id) as watch:
+        data = None
+        while True:
+            _, maybe_ended, _ = watch.take()
+            if maybe_ended or data is None:
+                data = await db(_job_data, user=user, job_id=job_id)
+                if data is None:
+                    return await reply.json(404, _not_found(job_id))
+                if data["status"] in Job.TERMINAL:
+                    break
+            if not await watch.wait(deadline - loop.time(), unless=reply.gone):
+                if reply.gone.done():
+                    return
+                data = await db(_job_data, user=user, job_id=job_id)
+                if data is None:
+                    return await reply.json(404, _not_found(job_id))
+                break
+    await reply.json(200, data)
+
+
+async def job_stream(request: Request, reply: Reply, *, user: rbac.Principal, job_id: int) -> None:
+    try:
+        after = int(request.header("last-event-id") or 0)
+    except ValueError:
+        after = 0
+    relay = Relay(exact=False)
+    with JobFeed.current().watch(job_id, deltas=True) as watch:
+        watch.take()
+        snapshot = await db(_snapshot, user=user, job_id=job_id, after=after)
+        if snapshot is None:
+            return await reply.json(404, _not_found(job_id))
+        data, events = snapshot
+        await reply.start(200, SSE_HEADERS)
+        await reply.write(_sse("job", data))
+        status = data["status"]
+        while True:
+            for event in events:
+                after = event["id"]
+                await reply.write(_sse("event", event, ident=after))
+            if data["status"] != status:
+                status = data["status"]
+                await reply.write(_sse("status", {"status": status}))
+            if status in Job.TERMINAL:
+                rest = relay.rest(data["result"]) if data["input"].get("stream") and status == Job.Status.DONE else None
+                if rest:  # output still on its way, or sent before this stream opened
+                    await reply.write(_delta(Delta(relay.attempt or data["attempts"], relay.base + len(relay.sent), rest)))
+                return await reply.end(_sse("done", data))
+            events = []
+            while not events and data["status"] == status:
+                if not await watch.wait(KEEPALIVE_SECONDS, unless=reply.gone):
+                    if reply.gone.done():
+                        return
+                    await reply.write(b": keepalive\n\n")
+                    continue
+                changed, _, deltas = watch.take()
+                for delta in relay.accept(deltas):
+                    await reply.write(_delta(delta))
+                if changed:
+                    snapshot = await db(_snapshot, user=user, job_id=job_id, after=after)
+                    if snapshot is None:  # deleted, or no longer visible to this user
+                        return await reply.end()
+                    data, events = snapshot
+
+
+def _delta(delta: Delta) -> bytes:
+    return _sse("delta", {"attempt": delta.attempt, "offset": delta.offset, "text": delta.text})
+
+
+def _sse(event: str, data: Any, *, ident: int | None = None) -> bytes:
+    head = f"id: {ident}\n" if ident is not None else ""
+    return f"{head}event: {event}\ndata: {json.dumps(data, cls=JSONEncoder)}\n\n".encode()
+
+
+def _job_data(*, user: rbac.Principal, job_id: int) -> dict[str, Any] | None:
+    job = rbac.visible_jobs(user).select_related("team", "user", "executor").filter(pk=job_id).first()
+    return None if job is None else JobOutput(job).data
+
+
+def _snapshot(*, user: rbac.Principal, job_id: int, after: int) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """The job as the API shows it, and its events newer than `after`."""
+    data = _job_data(user=user, job_id=job_id)
+    if data is None:
+        return None
+    events = JobEvent.objects.filter(job_id=job_id, pk__gt=after).select_related("executor").order_by("pk")
+    return data, JobEventOutput(events, many=True).data
