@@ -107,6 +107,8 @@ class Budgets:
         self.accounts = accounts
         self.now = now
         self.pending = Deltas()
+        # Accounts that refused some job (`blocking`), so their window's end may let it start.
+        self.refused: dict[LedgerKey, Account] = {}
 
     @classmethod
     def load(cls, *, now: datetime, rules: list[Rule] | None = None) -> "Budgets":
@@ -141,6 +143,7 @@ class Budgets:
             if executor_id is not None and account.rule.scope != QuotaPolicy.Scope.EXECUTOR:
                 continue
             if account.cost(tokens) > account.remaining:
+                self.refused[account.key] = account
                 return account
         return None
 
@@ -151,6 +154,12 @@ class Budgets:
 
     def global_exhausted(self) -> bool:
         return any(a.rule.scope == QuotaPolicy.Scope.GLOBAL and a.remaining <= 0 for a in self.accounts)
+
+    def next_reset(self) -> datetime | None:
+        """The earliest end of a window that refused a job or has run out: when it resets, work it
+        held back may start."""
+        ends = [a.end for a in self.accounts if a.remaining <= 0] + [a.end for a in self.refused.values()]
+        return min(ends, default=None)
 
     def reserve(self, *, team_id: int, user_id: int, executor_id: int, tokens: int) -> dict[str, Any] | None:
         """Count the estimate against every budget the job counts against, for the rest of this

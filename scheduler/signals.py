@@ -1,12 +1,26 @@
 """Wake-ups for workers. On PostgreSQL a NOTIFY issued inside a transaction is delivered only when it
-commits, so a worker never wakes for work it cannot yet see; on SQLite workers poll."""
+commits, so a worker never wakes for work it cannot yet see; on SQLite workers watch the database
+file's `data_version`, which moves on every commit.
+
+What wakes a worker, and who sends it:
+  queued    work entered the queue (submit, requeue, recovery, release)
+  freed     slots were freed by someone who will not claim them (cancel, release, recovery, a
+            flow's step, a finish outside a worker or by a worker that is stopping); a worker's
+            own finishes wake only itself, since it has the local room to use what it freed
+  config    configuration changed (telemachus/config.py: sent by database triggers, whoever
+            writes): a cap raised, an executor added, enabled or back in health, a breaker closed
+  canceled:<job id>  stop that job's dispatch
+Time frees capacity too (a retry's backoff, a breaker's cooldown, a budget window): the claim tells
+the worker when the next of those is due (`ClaimBatch.wake_in`), so nobody needs to send anything."""
 
 from django.db import connection
 
-CHANNEL = "telemachus"
+from telemachus.config import CHANNEL, CONFIG_CHANGED
+
 QUEUED = "queued"
 FREED = "freed"
 CANCELED = "canceled"
+CONFIG = CONFIG_CHANGED
 
 
 def notify_workers(message: str) -> None:

@@ -77,6 +77,8 @@ class ClaimState:
         self.team_in_use = counts.team.copy()
         self.user_in_use = counts.user.copy()
         self.executors = executors
+        # When the breakers of executors now out of placement end their cooldown.
+        self.cooldown_ends: list[datetime] = []
         self.team_slugs: dict[int, str] = {}
         self._running_tokens: Counter | None = None
 
@@ -95,11 +97,10 @@ class ClaimState:
         })
         caps = concurrency_caps(rules)
         counts = slot_counts()
-        placeable = [
-            e for e in every
-            if e.enabled and e.health != Executor.Health.DOWN
-            and not (e.breaker == Executor.Breaker.OPEN and e.breaker_until and e.breaker_until > now)
-        ]
+        usable = [e for e in every if e.enabled and e.health != Executor.Health.DOWN]
+        cooling = {e.pk: e.breaker_until for e in usable
+                   if e.breaker == Executor.Breaker.OPEN and e.breaker_until and e.breaker_until > now}
+        placeable = [e for e in usable if e.pk not in cooling]
         owned_by = rbac.executor_teams() if any(e.team_id for e in placeable) else {}
         executors = []
         for e in placeable:
@@ -112,6 +113,7 @@ class ClaimState:
         budgets = Budgets.load(now=now, rules=rules)
         state = cls(now=now, policy=policy, caps=caps, counts=counts, executors=executors, budgets=budgets)
         state.team_slugs.update(teams)
+        state.cooldown_ends = list(cooling.values())
         return state
 
     def running_tokens(self) -> Counter:
@@ -142,6 +144,10 @@ class ClaimState:
     def user_free(self, user_id: int) -> float:
         cap = self.caps.user.get(user_id)
         return UNCAPPED if cap is None else cap - self.user_in_use[user_id]
+
+    def executor_full(self) -> bool:
+        """Some placeable executor has no free slot: work for its models may be waiting for one."""
+        return any(view.free <= 0 for view in self.executors)
 
     def capped_teams(self) -> set[int]:
         return {team_id for team_id in self.caps.team if self.team_free(team_id) <= 0}

@@ -36,9 +36,14 @@ class Claim:
 @dataclass(frozen=True)
 class ClaimBatch:
     claims: list[Claim]
-    # True when work may be waiting for capacity (a cap was reached or jobs were left behind), so
-    # the caller should try again when slots are freed; False when the queue had nothing placeable.
+    # True when work may be waiting for capacity (a cap at any scope was reached, an executor is
+    # full, or jobs were left behind), so the caller should try again when slots are freed; False
+    # when the queue had nothing that more capacity would let start.
     backlog: bool
+    # Seconds from the claim until something that waits on time may become claimable: a retry's
+    # backoff ends, a breaker's cooldown ends, a budget window resets. None when nothing does (or
+    # the claim took all it could, so the caller claims again at once anyway).
+    wake_in: float | None = None
 
 
 def lease_length() -> timedelta:
@@ -91,8 +96,9 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
                 break
         backlog = (
             passed_over or len(chosen) >= limit or state.global_free() <= 0
-            or bool(state.capped_teams() or state.capped_users())
+            or bool(state.capped_teams() or state.capped_users()) or state.executor_full()
         )
+        wake_at = _next_eligible(state) if len(chosen) < limit else None
         for view in {view.pk: view for _, view in chosen if view.trial}.values():
             breaker_trial_started(executor=view.executor, now=now)
         if chosen:
@@ -120,7 +126,22 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
         for job, _ in chosen:
             charges[job.team_id] += job.cost_estimate if record.cost == record.Cost.TOKENS else record.entry_penalty
         team_shares_charge(charges=charges, now=now, half_life=record.half_life_seconds)
-        return ClaimBatch(claims=claims, backlog=backlog)
+        wake_in = max((wake_at - now).total_seconds(), 0.0) if wake_at is not None else None
+        return ClaimBatch(claims=claims, backlog=backlog, wake_in=wake_in)
+
+
+def _next_eligible(state: ClaimState) -> datetime | None:
+    """The next moment queued work that waits on time may become claimable: the earliest end of a
+    retry's backoff (job_retry_idx), of a breaker's cooldown, or of a budget window that refused
+    work or ran out. A worker sleeps until then instead of polling."""
+    moments = [*state.cooldown_ends, *filter(None, [state.budgets.next_reset()])]
+    retry = (
+        Job.objects.filter(status=Job.Status.QUEUED, run_after__gt=state.now)
+        .order_by("run_after").values_list("run_after", flat=True).first()
+    )
+    if retry is not None:
+        moments.append(retry)
+    return min(moments, default=None)
 
 
 def _record_deferrals(deferred: list[tuple[Job, Account]], *, now: datetime) -> None:

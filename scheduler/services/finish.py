@@ -50,7 +50,7 @@ def retry_delay(*, attempt: int, retry_after: float | None) -> float:
     return max(delay, retry_after or 0.0)
 
 
-def jobs_finish(*, outcomes: Sequence[Outcome]) -> FinishReport:
+def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> FinishReport:
     """Write the results of finished dispatches: status done or failed, result, tokens, and the
     matching event; free their slots. Batched so a busy worker writes many results per commit.
 
@@ -63,7 +63,11 @@ def jobs_finish(*, outcomes: Sequence[Outcome]) -> FinishReport:
     clock. Anything else (lease expired, job recovered, canceled, or finished by someone else) is
     refused and recorded as a `finish_refused` event; the job is left as it is, so a job completes
     exactly once. Locks the job rows in ascending id (level 3). Durable: not inside another
-    transaction."""
+    transaction.
+
+    Freed slots wake the workers (`freed`), unless `wake_others` is False: a worker finishing its
+    own jobs claims again itself, with the local room the finished jobs left, so waking every
+    other worker would only have them race it for the same slots."""
     if not outcomes:
         return FinishReport(accepted=[], refused=[])
     by_job = {outcome.job_id: outcome for outcome in outcomes}
@@ -133,7 +137,8 @@ def jobs_finish(*, outcomes: Sequence[Outcome]) -> FinishReport:
             Slot.objects.filter(job_id__in=ended).delete()
             update_rows(Job, finished)
             update_rows(Job, retrying)
-            signals.notify_workers(signals.FREED)
+            if wake_others:
+                signals.notify_workers(signals.FREED)
         events_record(events)
         # Ledger rows last (lock level 4).
         quota_settle(

@@ -1,0 +1,14 @@
+from django.db import migrations
+
+from telemachus.config import watch_config
+
+
+class Migration(migrations.Migration):
+    """Queue policy writes bump the configuration version."""
+
+    dependencies = [
+        ("scheduler", "0007_fair_share"),
+        ("telemachus", "0003_config_version"),
+    ]
+
+    operations = [watch_config("scheduler.QueuePolicy")]
