@@ -90,9 +90,10 @@ def breaker_record(*, reports: Sequence[DispatchReport]) -> list[JobEvent]:
 
 def breaker_trial_started(*, executor: Executor, now: datetime) -> None:
     """open → half open, when the claim places the one trial request after the cooldown.
-    Runs inside the claim, after the claim lock (level 1) and before job rows (level 3)."""
+    Runs inside the claim, after the claim lock (level 1) and before job rows (level 3). Leaves
+    `executor` as it is: the claim's executors are shared configuration (the row's change bumps
+    the configuration version, so the next claim reads it again)."""
     if Executor.objects.filter(pk=executor.pk, breaker=Executor.Breaker.OPEN).update(breaker=Executor.Breaker.HALF_OPEN):
-        executor.breaker = Executor.Breaker.HALF_OPEN
         events_record([_event(executor, JobEvent.Type.BREAKER_HALF_OPEN, now)])
 
 

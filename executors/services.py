@@ -15,8 +15,9 @@ def executor_create(**fields: Any) -> Executor:
 
 
 def executor_update(*, executor: Executor, **fields: Any) -> Executor:
-    """Apply an operator's edit. The next claim reads the row afresh, so a change to `enabled`,
-    `max_concurrency` or `capabilities` takes effect without restarting workers."""
+    """Apply an operator's edit. The write moves the configuration version (by trigger), so the
+    next claim and submit read the row again and a change to `enabled`, `max_concurrency` or
+    `capabilities` takes effect without restarting workers; on PostgreSQL it also wakes them."""
     for name, value in fields.items():
         setattr(executor, name, value)
     executor.save(update_fields=[*fields, "updated_at"])

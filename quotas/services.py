@@ -8,7 +8,8 @@ def quota_policy_create(**fields: Any) -> QuotaPolicy:
 
 
 def quota_policy_update(*, policy: QuotaPolicy, **fields: Any) -> QuotaPolicy:
-    """The claim reads quota rows afresh each time, so a new limit applies to the next claim."""
+    """The write moves the configuration version (by trigger), so the next claim and submit read
+    the rules again and a new limit applies at once; on PostgreSQL a raised cap wakes the workers."""
     for name, value in fields.items():
         setattr(policy, name, value)
     policy.save(update_fields=[*fields, "updated_at"])

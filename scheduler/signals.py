@@ -14,6 +14,7 @@ Time frees capacity too (a retry's backoff, a breaker's cooldown, a budget windo
 the worker when the next of those is due (`ClaimBatch.wake_in`), so nobody needs to send anything."""
 
 from django.db import connection
+from django.db.models import Func, TextField, Value
 
 from telemachus.config import CHANNEL, CONFIG_CHANGED
 
@@ -28,3 +29,12 @@ def notify_workers(message: str) -> None:
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_notify(%s, %s)", [CHANNEL, message])
+
+
+def notify_column(message: str) -> Func | Value:
+    """`notify_workers` as a column of a statement the caller runs anyway inside the transaction
+    that makes the change, which saves a round trip (a NOTIFY in a transaction that rolls back is
+    never delivered). A constant on SQLite."""
+    if connection.vendor == "postgresql":
+        return Func(Value(CHANNEL), Value(message), function="pg_notify", output_field=TextField())
+    return Value("", output_field=TextField())

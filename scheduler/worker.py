@@ -1,11 +1,12 @@
 """The scheduler worker: claims jobs, dispatches them to executors, heartbeats, finishes, recovers.
 
 One asyncio loop keeps up to `concurrency` dispatches in flight (model calls are network I/O, so
-hundreds are cheap). Database calls run in short transactions on two dedicated threads, each with
-its own connection, never while a model call is awaited: claim, run, finish are separate steps.
-Claims (and recovery and probes) take one thread; the writes of the jobs this worker holds
-(finishes, heartbeats, releases) the other, so a finish never waits behind a claim (finishes do
-not take the claim lock, so the two overlap in the database too).
+hundreds are cheap). Database calls run in short transactions on dedicated threads, never while
+a model call is awaited: claim, run, finish are separate steps. On PostgreSQL, claims (and
+recovery and probes) take one thread and connection; the writes of the jobs this worker holds
+(finishes, heartbeats, releases) another, so a finish never waits behind a claim (finishes do not
+take the claim lock, so the two overlap in the database too). SQLite serializes writers, so there
+a second connection would only wait for the first: everything shares one thread.
 
   claim loop   claims as many jobs as there are free local slots, then waits to be woken: by
                NOTIFY on PostgreSQL (work queued, capacity freed, configuration changed, a job
@@ -109,7 +110,9 @@ class Worker:
         self.stopping = False
         self.forced = False
         self._claim_thread = _database_thread("telemachus-claim")
-        self._finish_thread = _database_thread("telemachus-finish")
+        self._finish_thread = (
+            _database_thread("telemachus-finish") if connection.vendor == "postgresql" else self._claim_thread
+        )
         self.processed = 0
 
     # --- database calls, on two threads ---------------------------------------------------------
@@ -148,10 +151,9 @@ class Worker:
             await asyncio.gather(*background, return_exceptions=True)
             for driver in self.drivers.all():
                 await driver.aclose()
-            await self.db(_close_connection)
-            await self.held_db(_close_connection)
-            self._claim_thread.shutdown(wait=True)
-            self._finish_thread.shutdown(wait=True)
+            for thread in {self._claim_thread, self._finish_thread}:
+                await asyncio.get_running_loop().run_in_executor(thread, _close_connection)
+                thread.shutdown(wait=True)
         log.info("worker %s stopped after %d jobs", self.name, self.processed)
 
     def _install_signal_handlers(self) -> None:

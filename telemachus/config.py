@@ -94,6 +94,24 @@ def config_snapshot() -> ConfigSnapshot:
     return config_at(config_version())
 
 
+def config_current() -> tuple[ConfigSnapshot, bool]:
+    """The snapshot this process last used, not confirmed (no query), for a caller that confirms
+    the version later in a statement of its own; or, in a process that has none yet, the snapshot
+    for the version now. The flag says whether it was just confirmed."""
+    snapshot = _current
+    if snapshot.version < 0:
+        return config_snapshot(), True
+    return snapshot, False
+
+
+def config_reload(version: int | None) -> ConfigSnapshot:
+    """A new, empty snapshot for `version`, replacing one that turned out not to match the
+    database (a rolled-back or flushed test database can repeat a version)."""
+    global _current
+    _current = ConfigSnapshot(version or 0)
+    return _current
+
+
 def config_cache_clear() -> None:
     """Forget every snapshot (tests: a flushed or rolled-back database can repeat a version)."""
     global _current

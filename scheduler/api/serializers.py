@@ -3,6 +3,7 @@ from typing import Any
 from rest_framework import serializers
 
 from scheduler.models import Job, JobEvent
+from scheduler.services.submit import MAX_BULK
 
 MESSAGE_ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -93,3 +94,13 @@ class JobEventOutput(serializers.ModelSerializer):
         model = JobEvent
         fields = ["id", "event", "at", "executor", "meta"]
         read_only_fields = fields
+
+
+class JobBulkSubmitInput(StrictSerializer):
+    """Up to MAX_BULK jobs, each as `POST /api/jobs/` takes it."""
+
+    jobs = JobSubmitInput(many=True, min_length=1, max_length=MAX_BULK)
+
+
+class JobBulkOutput(serializers.Serializer):
+    jobs = JobOutput(many=True, read_only=True)

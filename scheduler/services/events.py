@@ -8,6 +8,7 @@ from typing import Any
 from django.utils import timezone
 
 from executors.models import Executor
+from scheduler.bulk import insert_rows
 from scheduler.models import Job, JobEvent
 
 
@@ -20,7 +21,10 @@ def job_event(
 
 
 def events_record(events: Iterable[JobEvent]) -> None:
-    JobEvent.objects.bulk_create(list(events))
+    """Write events in one multi-row INSERT (their ids are not read back)."""
+    insert_rows(JobEvent, [
+        {"job": e.job_id, "executor": e.executor_id, "event": e.event, "at": e.at, "meta": e.meta} for e in events
+    ])
 
 
 def event_record(

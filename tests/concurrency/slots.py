@@ -11,8 +11,9 @@ from quotas.concurrency import slot_counts
 class SlotSampler(threading.Thread):
     """Samples live slots per scope from the database, on its own connection, and keeps peaks."""
 
-    def __init__(self) -> None:
+    def __init__(self, interval: float = 0.005) -> None:
         super().__init__(daemon=True)
+        self.interval = interval
         self.stop = threading.Event()
         self.peak_total = 0
         self.peak = {"executor": Counter(), "team": Counter(), "user": Counter()}
@@ -27,7 +28,7 @@ class SlotSampler(threading.Thread):
                 for scope in self.peak:
                     for key, n in getattr(counts, scope).items():
                         self.peak[scope][key] = max(self.peak[scope][key], n)
-                self.stop.wait(0.005)
+                self.stop.wait(self.interval)
         finally:
             connection.close()
 

@@ -23,8 +23,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 LATENCY_MS, CAP, JOBS = 200, 6, 240
 # Workers that only wake on purpose (the safety timer would cap throughput near CAP a minute),
-# run as deployed: with DEBUG off, Django keeps no log of every query.
-WORKER = {"concurrency": 8, "extra": ("--idle-poll", "60"), "DEBUG": "0", "SECRET_KEY": "test-only-" + "x" * 50}
+# run as deployed: with DEBUG off, Django keeps no log of every query; no line per job either.
+WORKER = {"concurrency": 8, "extra": ("--idle-poll", "60"), "DEBUG": "0", "SECRET_KEY": "test-only-" + "x" * 50,
+          "LOG_LEVEL": "WARNING"}
 
 
 def submit(user, team: str, n: int = 1) -> list[int]:
@@ -53,7 +54,8 @@ def drain_at_cap(scope: str, processes, make_user, make_team) -> None:
         submit(b1, "b", 10)
 
     # When two worker processes drain the queue...
-    with SlotSampler() as sampler:
+    # Sampling every 20 ms sees every 200 ms job's slot, without taking CPU from the workers.
+    with SlotSampler(interval=0.02) as sampler:
         workers = [processes.worker(f"w{i}", **WORKER) for i in range(2)]
         wait_until(lambda: not Job.objects.exclude(status="done").exists(), timeout=240, interval=0.2,
                    what=f"all {JOBS} jobs to finish")
