@@ -1,10 +1,8 @@
-"""Many rows in one statement, for the hot paths (claims, finishes, events).
+"""Per-row updates of many rows in one statement, for the worker's hot path (finishing a batch).
 
 Django's bulk_update builds a CASE WHEN per row per field, which costs more Python time than
-the whole rest of a finish. `update_rows` writes `WITH v(...) AS (VALUES ...) UPDATE ... FROM v`,
-which PostgreSQL and SQLite (3.33+) both run; `insert_rows` a plain multi-row INSERT without the
-model instances and id read-back of bulk_create. Values are adapted by each field as the ORM
-would."""
+the whole rest of a finish. This writes `WITH v(...) AS (VALUES ...) UPDATE ... FROM v`, which
+PostgreSQL and SQLite (3.33+) both run, with values adapted by each field as the ORM would."""
 
 from collections.abc import Sequence
 from typing import Any
@@ -35,21 +33,4 @@ def update_rows(model: type[Model], rows: Sequence[dict[str, Any]], *, key: str 
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         return cursor.rowcount
-
-
-def insert_rows(model: type[Model], rows: Sequence[dict[str, Any]]) -> None:
-    """Insert rows (dicts of field name -> value; a foreign key by its id) in one statement,
-    without building model instances or reading ids back."""
-    if not rows:
-        return
-    fields = [model._meta.get_field(name) for name in rows[0]]
-    qn = connection.ops.quote_name
-    placeholder = "(" + ", ".join(["%s"] * len(fields)) + ")"
-    sql = (
-        f"INSERT INTO {qn(model._meta.db_table)} ({', '.join(qn(f.column) for f in fields)}) "
-        f"VALUES {', '.join([placeholder] * len(rows))}"
-    )
-    params = [field.get_db_prep_save(row[field.name], connection) for row in rows for field in fields]
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
 

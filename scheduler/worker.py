@@ -519,7 +519,9 @@ def _database_thread(name: str) -> ThreadPoolExecutor:
 
 
 def _persistent_connection() -> None:
-    """A worker's database thread keeps its connection (no per-call reconnect)."""
+    """A worker's database thread keeps its connection (no per-call reconnect), its own rather
+    than one from the pool the API processes share."""
+    connection.settings_dict["OPTIONS"].pop("pool", None)
     connection.settings_dict["CONN_MAX_AGE"] = None
 
 
