@@ -60,10 +60,13 @@ def policy_record(snapshot: ConfigSnapshot) -> QueuePolicy:
 
 def grants(snapshot: ConfigSnapshot, user) -> rbac.Grants:
     """What the user may do in which team, as of the snapshot's version."""
-    key = f"user:{user.pk}"
-    if snapshot.count("user:") >= MAX_USERS:
-        snapshot.forget("user:")
-    return snapshot.get(key, lambda: rbac.grants_load(user))
+    users: dict[int, rbac.Grants] = snapshot.get("grants", dict)
+    found = users.get(user.pk)
+    if found is None:
+        if len(users) >= MAX_USERS:
+            users.clear()
+        found = users.setdefault(user.pk, rbac.grants_load(user))
+    return found
 
 
 def _load(version: int) -> Configuration:

@@ -62,15 +62,6 @@ class ConfigSnapshot:
         with self._lock:
             return self._values.setdefault(key, value)
 
-    def forget(self, prefix: str) -> None:
-        """Drop values whose key starts with `prefix` (bounds per-user entries)."""
-        with self._lock:
-            for key in [key for key in self._values if key.startswith(prefix)]:
-                del self._values[key]
-
-    def count(self, prefix: str) -> int:
-        return sum(1 for key in list(self._values) if key.startswith(prefix))
-
 
 _current = ConfigSnapshot(-1)
 
