@@ -92,7 +92,7 @@ class ExecutorInput(StrictSerializer):
 
 
 class ExecutorOutput(serializers.ModelSerializer):
-    team = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    team = serializers.SlugRelatedField(slug_field="slug", read_only=True, allow_null=True)
 
     class Meta:
         model = Executor
@@ -123,7 +123,7 @@ class ExecutorListCreateApi(ListAPIView):
         rbac.require_operator(request.user)
         data = ExecutorInput(data=request.data)
         data.is_valid(raise_exception=True)
-        executor = executor_create(**data.validated_data)
+        executor = executor_create(by=request.user, **data.validated_data)
         return Response(ExecutorOutput(executor).data, status=status.HTTP_201_CREATED)
 
 
@@ -137,11 +137,11 @@ class ExecutorDetailApi(APIView):
         executor = managed_executor(request, executor_id)
         data = ExecutorInput(executor, data=request.data, partial=True)
         data.is_valid(raise_exception=True)
-        return Response(ExecutorOutput(executor_update(executor=executor, **data.validated_data)).data)
+        return Response(ExecutorOutput(executor_update(executor=executor, by=request.user, **data.validated_data)).data)
 
     @extend_schema(responses={204: None})
     def delete(self, request: Request, executor_id: int) -> Response:
-        executor_delete(executor=managed_executor(request, executor_id))
+        executor_delete(executor=managed_executor(request, executor_id), by=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
@@ -150,7 +150,7 @@ class ExecutorSyncApi(APIView):
 
     @extend_schema(request=None, responses=ExecutorOutput)
     def post(self, request: Request, executor_id: int) -> Response:
-        return Response(ExecutorOutput(executor_sync(executor=managed_executor(request, executor_id))).data)
+        return Response(ExecutorOutput(executor_sync(executor=managed_executor(request, executor_id), by=request.user)).data)
 
 
 class ExecutorEventListApi(ListAPIView):

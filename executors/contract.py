@@ -66,7 +66,8 @@ class DispatchError(Exception):
     """A dispatch that failed. `retryable` tells the worker whether another attempt (possibly on
     another executor) could succeed; `executor_fault` whether the failure counts against the
     executor's circuit breaker (connection refused or reset, timeout, 5xx); the message is what the
-    job's `error` shows."""
+    job's `error` shows. `detail`, when given, is stored as the failed job's `result` (a task's
+    exception class and traceback, for the tasks API)."""
 
     def __init__(
         self,
@@ -76,9 +77,11 @@ class DispatchError(Exception):
         status: int | None = None,
         retry_after: float | None = None,
         executor_fault: bool | None = None,
+        detail: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.retryable = retryable
+        self.detail = detail
         self.status = status
         self.retry_after = retry_after
         self.executor_fault = retryable and status != 429 if executor_fault is None else executor_fault

@@ -22,6 +22,7 @@ from executors.contract import Probe
 from executors.models import Executor
 from scheduler.models import JobEvent
 from scheduler.services.events import events_record, job_event
+from telemachus.changes import changes_notify
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,8 @@ def breaker_record(*, reports: Sequence[DispatchReport]) -> list[JobEvent]:
         for pk in changed:
             executors[pk].save(update_fields=["last_seen", "breaker", "breaker_until", "consecutive_failures"])
         events_record(events)
+        if events:
+            changes_notify("breaker")
     return events
 
 
@@ -95,6 +98,7 @@ def breaker_trial_started(*, executor: Executor, now: datetime) -> None:
     the configuration version, so the next claim reads it again)."""
     if Executor.objects.filter(pk=executor.pk, breaker=Executor.Breaker.OPEN).update(breaker=Executor.Breaker.HALF_OPEN):
         events_record([_event(executor, JobEvent.Type.BREAKER_HALF_OPEN, now)])
+        changes_notify("breaker")
 
 
 def probes_due(*, interval: float) -> list[Executor]:
@@ -131,6 +135,8 @@ def probe_record(*, results: Sequence[tuple[int, Probe]]) -> list[JobEvent]:
             executor.health = probe.health
             executor.save(update_fields=fields)
         events_record(events)
+        if events:
+            changes_notify("health")
     return events
 
 

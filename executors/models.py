@@ -1,6 +1,11 @@
+import logging
+
+from django.core.exceptions import ValidationError
 from django.db import models
 
 from telemachus.models import Team
+
+log = logging.getLogger("telemachus.executors")
 
 
 class Executor(models.Model):
@@ -52,3 +57,43 @@ class Executor(models.Model):
     @property
     def offered_models(self) -> list[str]:
         return list(self.capabilities.get("models") or [])
+
+    @classmethod
+    def from_db(cls, db: str | None, field_names: list[str], values: list) -> "Executor":
+        """Loaded rows are never trusted to have the shapes the API enforces: an executor whose
+        capabilities, transport or meta is not an object (edited by SQL, say) would otherwise crash
+        every claim and the queue page. Such a value is logged once and read as empty (the
+        executor then offers no model), so the rest of the cluster keeps working."""
+        executor = super().from_db(db, field_names, values)
+        for name, problem in json_shape_problems(executor, loaded=field_names).items():
+            key = (executor.pk, name, repr(getattr(executor, name.split(".")[0]))[:200])
+            if name == "capabilities.models":
+                executor.capabilities = {**executor.capabilities, "models": []}
+            else:
+                setattr(executor, name, {})
+            if key not in _reported:
+                _reported.add(key)
+                log.error("executor %s: stored %s %s; read as empty until it is fixed", executor.name, name, problem)
+        return executor
+
+    def clean(self) -> None:
+        """The admin's form: the shapes from_db would otherwise discard."""
+        problems = json_shape_problems(self, loaded=[f.attname for f in self._meta.concrete_fields])
+        if problems:
+            raise ValidationError({name.split(".")[0]: f"{name} {problem}" for name, problem in problems.items()})
+
+
+_reported: set[tuple] = set()
+
+
+def json_shape_problems(executor: Executor, *, loaded: list[str]) -> dict[str, str]:
+    """The JSON fields of an executor that do not have the shape the scheduler reads."""
+    problems = {}
+    for name in ("capabilities", "transport", "meta"):
+        if name in loaded and not isinstance(getattr(executor, name), dict):
+            problems[name] = "is not an object"
+    if "capabilities" in loaded and "capabilities" not in problems:
+        models = executor.capabilities.get("models", [])
+        if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
+            problems["capabilities.models"] = "is not a list of model names"
+    return problems

@@ -7,6 +7,9 @@ are built in; a deployment adds its own with TELEMACHUS_TASKS = "name=dotted.pat
 it is a handful of entries and Python caches the imports, so there is no cache to go stale when
 the setting changes.
 
+A job may also name a task declared with Django's tasks API (`@task`, scheduler/tasks_backend.py)
+by its dotted path: `declared_task` accepts only a Task object in a module of an installed app.
+
 This module is also the first thing a pool process imports (`task_process_init`, `task_run`), so
 it must stay importable before Django is set up: no models at import time.
 """
@@ -25,9 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import django
+from django.apps import apps
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
+from django.db import close_old_connections
 from django.utils.module_loading import import_string
+
+from telemachus.tasks_api import Task, TaskContext, task_backends
 
 BUILTIN_TASKS = {
     "telemachus.add": "executors.tasks.add",
@@ -117,6 +124,46 @@ def task_resolve(*, name: str) -> Callable[..., Any]:
     return fn
 
 
+# --- tasks declared with Django's tasks API -------------------------------------------------------
+
+
+def declared_task(*, path: str) -> Task | None:
+    """The Django task declared (`@task`) at `path` ("reports.tasks.summarize"), or None when `path`
+    is not inside an installed app.
+
+    A job names such a task by its dotted path, so finding it imports code: only a module of an
+    installed app is imported (checked by name, before anything is imported), and only a Task
+    object is accepted, so a job cannot make a worker import or call anything else. Raises
+    UnknownTask for a path inside an installed app that does not lead to a Task."""
+    module, _, _ = path.rpartition(".")
+    if not module or apps.get_containing_app_config(module) is None:
+        return None
+    try:
+        found = import_string(path)
+    except ImportError as exc:
+        raise UnknownTask(f"cannot import task {path}: {exc}") from exc
+    if not isinstance(found, Task):
+        raise UnknownTask(f"{path} is not a task declared with Django's @task")
+    return found
+
+
+def declared_task_run(path: str, backend: str, result_id: str, /, *args: Any, **kwargs: Any) -> Any:
+    """Call a declared task in a pool process. A task that takes context gets a TaskContext whose
+    `task_result` is what the backend's `get_result(result_id)` reports (the job is running, on
+    its current attempt). Database connections the call opened are closed after it, as after a
+    request."""
+    task = declared_task(path=path)
+    if task is None:
+        raise UnknownTask(f"{path} is not in an installed app")
+    try:
+        if task.takes_context:
+            context = TaskContext(task_result=task_backends[backend].get_result(result_id))
+            return task.call(context, *args, **kwargs)
+        return task.call(*args, **kwargs)
+    finally:
+        close_old_connections()
+
+
 # --- inside a pool process --------------------------------------------------------------------
 
 
@@ -129,6 +176,8 @@ class TaskOutcome:
     ok: bool
     value_json: str = ""
     error: str = ""
+    # The dotted path of the exception's class ("builtins.ValueError"), when the task raised.
+    exception_class: str = ""
     traceback: str = ""
     elapsed_s: float = 0.0
 
@@ -163,7 +212,8 @@ def task_run(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) ->
         value = fn(*args, **kwargs)
     except (Exception, SystemExit) as exc:
         return TaskOutcome(
-            ok=False, error=f"raised {type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
+            ok=False, error=f"raised {type(exc).__name__}: {exc}",
+            exception_class=f"{type(exc).__module__}.{type(exc).__qualname__}", traceback=traceback.format_exc(),
             elapsed_s=time.perf_counter() - started,
         )
     elapsed = time.perf_counter() - started

@@ -8,6 +8,7 @@ from django.utils import timezone
 from quotas.budget import Account, Budgets
 from quotas.models import QuotaPolicy, Usage
 from quotas.rules import quota_rule_errors
+from quotas.services import quota_policy_create, quota_policy_delete, quota_policy_update
 from telemachus.admin import ReadOnlyAdmin
 
 
@@ -33,12 +34,28 @@ class QuotaPolicyForm(forms.ModelForm):
 
 @admin.register(QuotaPolicy)
 class QuotaPolicyAdmin(admin.ModelAdmin):
-    """Budget rules show their usage in the current window beside the limit."""
+    """Budget rules show their usage in the current window beside the limit. Saves and deletes go
+    through the quota services, so they are audited like API edits."""
 
     form = QuotaPolicyForm
     list_display = ["dimension", "scope", "subject", "limit", "window", "used", "remaining", "resets", "updated_at"]
     list_filter = ["dimension", "scope", "window"]
     search_fields = ["subject"]
+
+    def save_model(self, request: HttpRequest, obj: QuotaPolicy, form, change: bool) -> None:
+        fields = {name: form.cleaned_data[name] for name in form.Meta.fields}
+        if change:
+            stored = QuotaPolicy.objects.get(pk=obj.pk)
+            quota_policy_update(policy=stored, by=request.user, **fields)
+        else:
+            obj.pk = quota_policy_create(by=request.user, **fields).pk
+
+    def delete_model(self, request: HttpRequest, obj: QuotaPolicy) -> None:
+        quota_policy_delete(policy=obj, by=request.user)
+
+    def delete_queryset(self, request: HttpRequest, queryset) -> None:
+        for policy in queryset:
+            quota_policy_delete(policy=policy, by=request.user)
 
     def changelist_view(self, request: HttpRequest, extra_context=None):
         # Read the ledger once per page, not once per row; a context variable, because the admin

@@ -13,9 +13,10 @@ from quotas.models import QuotaPolicy
 from quotas.rules import quota_rule_errors
 from quotas.selectors import usage_report
 from quotas.services import quota_policy_create, quota_policy_delete, quota_policy_update
-from scheduler.api.serializers import StrictSerializer
 from telemachus import rbac
 from telemachus.errors import NotFound
+from telemachus.pagination import query_params_check
+from telemachus.serializers import StrictSerializer
 
 
 
@@ -76,7 +77,7 @@ class QuotaPolicyListCreateApi(ListAPIView):
         rbac.require_operator(request.user)
         data = QuotaPolicyInput(data=request.data)
         data.is_valid(raise_exception=True)
-        policy = quota_policy_create(**data.validated_data)
+        policy = quota_policy_create(by=request.user, **data.validated_data)
         return Response(QuotaPolicyOutput(policy).data, status=status.HTTP_201_CREATED)
 
 
@@ -97,11 +98,11 @@ class QuotaPolicyDetailApi(APIView):
         policy = managed_policy(request, policy_id)
         data = QuotaPolicyInput(policy, data=request.data, partial=partial)
         data.is_valid(raise_exception=True)
-        return Response(QuotaPolicyOutput(quota_policy_update(policy=policy, **data.validated_data)).data)
+        return Response(QuotaPolicyOutput(quota_policy_update(policy=policy, by=request.user, **data.validated_data)).data)
 
     @extend_schema(responses={204: None})
     def delete(self, request: Request, policy_id: int) -> Response:
-        quota_policy_delete(policy=managed_policy(request, policy_id))
+        quota_policy_delete(policy=managed_policy(request, policy_id), by=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
@@ -115,6 +116,7 @@ class UsageApi(APIView):
 
     @extend_schema(parameters=[UsageFilter], responses=OpenApiTypes.OBJECT)
     def get(self, request: Request) -> Response:
+        query_params_check(request, UsageFilter().fields)
         filters = UsageFilter(data=request.query_params)
         filters.is_valid(raise_exception=True)
         report = usage_report(user=request.user, team=filters.validated_data.get("team"),

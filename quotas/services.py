@@ -1,20 +1,49 @@
 from typing import Any
 
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
+
 from quotas.models import QuotaPolicy
+from telemachus.audit import audit_record, changed_fields
+
+AUDITED = ("scope", "subject", "dimension", "limit", "window")
 
 
-def quota_policy_create(**fields: Any) -> QuotaPolicy:
-    return QuotaPolicy.objects.create(**fields)
+def _view(policy: QuotaPolicy) -> dict[str, Any]:
+    """The rule as the API shows it: no subject and no window are null."""
+    view = {name: getattr(policy, name) for name in AUDITED}
+    return {**view, "subject": view["subject"] or None, "window": view["window"] or None}
 
 
-def quota_policy_update(*, policy: QuotaPolicy, **fields: Any) -> QuotaPolicy:
-    """The write moves the configuration version (by trigger), so the next claim and submit read
-    the rules again and a new limit applies at once; on PostgreSQL a raised cap wakes the workers."""
-    for name, value in fields.items():
-        setattr(policy, name, value)
-    policy.save(update_fields=[*fields, "updated_at"])
+def quota_policy_create(*, by: AbstractBaseUser | None = None, **fields: Any) -> QuotaPolicy:
+    """A new rule; the next claim and submit apply it. Audited (`quota_policy.create`)."""
+    with transaction.atomic():
+        policy = QuotaPolicy.objects.create(**fields)
+        audit_record(by=by, action="quota_policy.create", object_type="quota_policy", object_id=policy.pk,
+                     object_repr=str(policy), after=_view(policy))
     return policy
 
 
-def quota_policy_delete(*, policy: QuotaPolicy) -> None:
-    policy.delete()
+def quota_policy_update(*, policy: QuotaPolicy, by: AbstractBaseUser | None = None, **fields: Any) -> QuotaPolicy:
+    """The write moves the configuration version (by trigger), so the next claim and submit read
+    the rules again and a new limit applies at once; on PostgreSQL a raised cap wakes the workers.
+    Audited with the changed fields before and after."""
+    before = _view(policy)
+    for name, value in fields.items():
+        setattr(policy, name, value)
+    was, now = changed_fields(before, _view(policy))
+    if not now:
+        return policy
+    with transaction.atomic():
+        policy.save(update_fields=[*fields, "updated_at"])
+        audit_record(by=by, action="quota_policy.update", object_type="quota_policy", object_id=policy.pk,
+                     object_repr=str(policy), before=was, after=now)
+    return policy
+
+
+def quota_policy_delete(*, policy: QuotaPolicy, by: AbstractBaseUser | None = None) -> None:
+    pk, before, label = policy.pk, _view(policy), str(policy)
+    with transaction.atomic():
+        policy.delete()
+        audit_record(by=by, action="quota_policy.delete", object_type="quota_policy", object_id=pk,
+                     object_repr=label, before=before)

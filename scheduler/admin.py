@@ -1,9 +1,11 @@
 from collections.abc import Callable
 
+from django import forms
 from django.contrib import admin, messages
 from django.http import HttpRequest
 
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
+from scheduler.policy_bounds import field_problem
 from scheduler.services.cancel import job_cancel
 from scheduler.services.policy import EDITABLE, queue_policy_update
 from scheduler.services.requeue import job_requeue
@@ -76,10 +78,26 @@ class SlotAdmin(ReadOnlyAdmin):
         return slot.job.lease_expires_at
 
 
+class QueuePolicyForm(forms.ModelForm):
+    """The API's bounds (scheduler/policy_bounds.py), so the admin cannot store what the API refuses."""
+
+    class Meta:
+        model = QueuePolicy
+        fields = EDITABLE
+
+    def clean(self) -> dict:
+        cleaned = super().clean()
+        for name in self.changed_data:
+            if name in cleaned and (problem := field_problem(name, cleaned[name])) is not None:
+                self.add_error(name, f"This value {problem}.")
+        return cleaned
+
+
 @admin.register(QueuePolicy)
 class QueuePolicyAdmin(admin.ModelAdmin):
     """Saved through the policy service, so admin edits are audited like API edits."""
 
+    form = QueuePolicyForm
     list_display = ["__str__", "placement", "cost", "half_life_seconds", "recovery", "max_attempts", "updated_at"]
     fields = EDITABLE
 

@@ -17,6 +17,7 @@ from scheduler.models import QueuePolicy
 from scheduler.selectors import queue_policy
 from telemachus import rbac
 from telemachus.config import ConfigSnapshot
+from telemachus.features import feature_switches
 from telemachus.models import Team
 
 # Per-user entries (grants) kept per version, at most; beyond it they are dropped and re-read.
@@ -33,6 +34,8 @@ class Configuration:
     caps: ConcurrencyCaps
     # Teams each team-owned executor serves (its owner and teams granted use_executor).
     executor_teams: dict[int, set[int]]
+    # Feature switches: (feature, team id or None) -> enabled.
+    features: dict[tuple[str, int | None], bool]
 
     def team(self, slug: str) -> Team | None:
         team_id = self.team_ids.get(slug)
@@ -70,8 +73,8 @@ def grants(snapshot: ConfigSnapshot, user) -> rbac.Grants:
 
 
 def _load(version: int) -> Configuration:
-    """Executors, teams, quota rules (subjects resolved) and executor grants: four or five plain
-    queries."""
+    """Executors, teams, quota rules (subjects resolved), executor grants and feature switches: a
+    few plain queries."""
     executors = tuple(Executor.objects.all())
     teams = {team.pk: team for team in Team.objects.all()}
     team_ids = {team.slug: pk for pk, team in teams.items()}
@@ -82,4 +85,5 @@ def _load(version: int) -> Configuration:
     return Configuration(
         version=version, executors=executors, teams=teams, team_ids=team_ids, rules=rules,
         caps=concurrency_caps(list(rules)), executor_teams=rbac.executor_teams(executors=executors),
+        features=feature_switches(),
     )

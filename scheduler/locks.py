@@ -36,12 +36,14 @@ from telemachus.config import config_at
 from telemachus.models import ConfigVersion
 
 
-def lock_claim() -> tuple[QueuePolicy, datetime]:
+def lock_claim(*, as_stored: bool = False) -> tuple[QueuePolicy, datetime]:
     """Lock the claim lock, then read the database clock, with what costs nothing more in the same
     statement: the configuration version (`policy.config_version`, scheduler/configuration.py) and
     when the next retry's backoff ends (`policy.next_retry`, job_retry_idx). The policy returned
     is a copy of the record as of that version (the configuration cache), so it is the row as it
     stands: any change to it moves the version, and a change cannot commit while the lock is held.
+    It comes back as the scheduler may use it (scheduler/policy_bounds.py: an out-of-bounds stored
+    value is replaced, never trusted); `as_stored` reads the row as it is, for its editor.
 
     Must run inside a transaction. The time is the database's, so leases do not depend on the
     worker hosts' clocks agreeing, and it is read once the lock is held: a statement's timestamp is
@@ -62,7 +64,10 @@ def lock_claim() -> tuple[QueuePolicy, datetime]:
         now, version, next_retry = cursor.fetchone()
     if connection.vendor != "postgresql":
         now, next_retry = (connection.ops.convert_datetimefield_value(v, None, connection) for v in (now, next_retry))
-    policy = copy.copy(policy_record(config_at(version)))
+    if as_stored:
+        policy = QueuePolicy.objects.get(pk=QueuePolicy.SINGLETON_ID)
+    else:
+        policy = copy.copy(policy_record(config_at(version)))  # queue_policy(): bounds applied
     policy.config_version, policy.next_retry = version, next_retry
     return policy, now
 

@@ -5,6 +5,7 @@ from datetime import datetime
 from django.db import connection
 
 from scheduler.models import Job, QueuePolicy
+from scheduler.policy_bounds import policy_in_force
 
 # SQLite allows at most 500 terms in a compound SELECT.
 LOOKUPS_PER_STATEMENT = 200
@@ -15,8 +16,9 @@ PAYLOAD_FIELDS = ("input", "result", "error")
 
 
 def queue_policy() -> QueuePolicy:
-    """The policy record as it is now, without locking it (the claim reads it under its lock)."""
-    return QueuePolicy.objects.filter(pk=QueuePolicy.SINGLETON_ID).first() or QueuePolicy()
+    """The policy record as it is now, without locking it (the claim reads it under its lock), as
+    the scheduler may use it: out-of-bounds stored values replaced (scheduler/policy_bounds.py)."""
+    return policy_in_force(QueuePolicy.objects.filter(pk=QueuePolicy.SINGLETON_ID).first() or QueuePolicy())
 
 
 def queued_heads(

@@ -1,93 +1,137 @@
 """The live state of the queue (GET /api/queue/, the dashboard): depth per team with its fair share
-and why it is not being served, slots in use per scope against caps, executors."""
+and why it is not being served, slots in use per scope against caps, executors; for the dashboard
+also the latest jobs (with why each queued one waits), the policy and the feature switches.
+
+Each picture is read in one transaction (`consistent_read`), so running counts, slots and the job
+list always agree with each other."""
 
 from collections import Counter
-from datetime import timedelta
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.contrib.auth import get_user_model
+from django.db import connection, transaction
 from django.db.models import Count, DurationField, ExpressionWrapper, F, OuterRef, Subquery, Sum, Value
 from django.db.models.functions import Coalesce, Greatest
+from django.urls import reverse
 from django.utils import timezone
 
 from executors.models import Executor
-from executors.selectors import models_usable_by
 from quotas.budget import Budgets
-from quotas.concurrency import concurrency_caps, executor_limit, slot_counts
+from quotas.concurrency import ConcurrencyCaps, SlotCounts, concurrency_caps, executor_limit, slot_counts
 from quotas.models import QuotaPolicy
 from quotas.rules import quota_rules
-from scheduler.models import Job
+from scheduler.models import Job, QueuePolicy
 from scheduler.selectors import queue_policy
+from scheduler.services.policy import EDITABLE
 from telemachus import rbac
+from telemachus.features import feature_states
 from telemachus.models import Team
 
+RECENT_JOBS = 50
+POLICY_CHOICES = {
+    field.name: [value for value, _ in field.choices]
+    for field in QueuePolicy._meta.get_fields() if field.name in EDITABLE and getattr(field, "choices", None)
+}
 
-def queue_snapshot(*, user: rbac.Principal) -> dict[str, Any]:
-    """Operators see everything; others see their own teams, themselves, and the executors their
-    teams may use."""
-    now = timezone.now()
-    rules = quota_rules()
-    caps, slots, budgets = concurrency_caps(rules), slot_counts(), Budgets.load(now=now, rules=rules)
-    record = queue_policy()
-    operator = rbac.is_operator(user)
-    teams = list(rbac.visible_teams(user).order_by("slug"))
-    depth: Counter = Counter()
-    for team_id, status, n in (
-        Job.objects.filter(status__in=[Job.Status.QUEUED, Job.Status.RUNNING]).order_by()
-        .values_list("team_id", "status").annotate(n=Count("id"))
-    ):
-        depth[team_id, status] = n
-    active = {team_id for team_id, _ in depth}
-    weights = {t.pk: record.weight(t.slug) for t in Team.objects.filter(pk__in=active)}
-    total_weight = sum(w for w in weights.values() if w > 0)
-    used = slot_seconds(since=now - timedelta(seconds=record.share_window_seconds), now=now)
-    total_used = sum(used.values())
-    out_of_budget = budgets.exhausted(QuotaPolicy.Scope.TEAM)
-    waiting = [t.pk for t in teams if depth[t.pk, Job.Status.QUEUED]]
-    heads, usable = queue_heads(waiting), models_usable_by(waiting)
 
-    executors = Executor.objects.select_related("team").order_by("name")
-    if not operator:
-        executors = executors.filter(team__isnull=True) | executors.filter(team_id__in=[t.pk for t in teams])
-    user_ids = set(caps.user) | set(slots.user) if operator else {user.pk}
-    usernames = dict(get_user_model().objects.filter(pk__in=user_ids).values_list("pk", "username"))
-    return {
-        "global": {"in_use": slots.total, "cap": caps.global_cap},
-        "teams": [
-            {
-                "team": team.slug,
-                "queued": depth[team.pk, Job.Status.QUEUED],
-                "running": depth[team.pk, Job.Status.RUNNING],
-                "in_use": slots.team[team.pk],
-                "cap": caps.team.get(team.pk),
-                "weight": record.weight(team.slug),
-                "target_share": round(weights.get(team.pk, 0) / total_weight, 4)
-                if team.pk in active and weights.get(team.pk, 0) > 0 else 0.0,
-                "actual_share": round(used[team.pk] / total_used, 4) if total_used else 0.0,
-                "not_served": not_served(team, head=heads.get(team.pk), usable_models=usable.get(team.pk, set()),
-                                         caps=caps, slots=slots, out_of_budget=team.pk in out_of_budget),
-            }
-            for team in teams
-        ],
-        "users": [
-            {"user": usernames[uid], "in_use": slots.user[uid], "cap": caps.user.get(uid)}
-            for uid in sorted(usernames, key=usernames.get)
-        ],
-        "executors": [
-            {
-                "name": e.name,
-                "kind": e.kind,
-                "team": e.team.slug if e.team else None,
-                "enabled": e.enabled,
-                "health": e.health,
-                "breaker": e.breaker,
-                "models": e.offered_models,
-                "in_use": slots.executor[e.pk],
-                "limit": executor_limit(name=e.name, max_concurrency=e.max_concurrency, caps=caps),
-            }
-            for e in executors
-        ],
-    }
+@contextmanager
+def consistent_read() -> Iterator[None]:
+    """Run the reads inside as one snapshot of the database: a read-only REPEATABLE READ
+    transaction on PostgreSQL; on SQLite a deferred (read) transaction, which in WAL mode sees one
+    snapshot from its first read on and never takes the write lock (Django's own transactions
+    begin IMMEDIATE, which would). Inside a transaction already, the caller's one is used."""
+    if connection.in_atomic_block:
+        yield
+        return
+    if connection.vendor == "postgresql":
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            yield
+        return
+    connection.ensure_connection()
+    with connection.cursor() as cursor:
+        cursor.execute("BEGIN DEFERRED")
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("COMMIT")
+
+
+@dataclass
+class Cluster:
+    """What the wait reasons are judged against: caps, live slots, budgets, every executor."""
+
+    now: datetime
+    record: QueuePolicy
+    caps: ConcurrencyCaps
+    slots: SlotCounts
+    budgets: Budgets
+    executors: list[Executor]
+    executor_teams: dict[int, set[int]]
+
+    @classmethod
+    def load(cls, *, now: datetime) -> "Cluster":
+        rules = quota_rules()
+        return cls(
+            now=now, record=queue_policy(), caps=concurrency_caps(rules), slots=slot_counts(),
+            budgets=Budgets.load(now=now, rules=rules), executors=list(Executor.objects.select_related("team")),
+            executor_teams=rbac.executor_teams(),
+        )
+
+    def limit(self, executor: Executor) -> int:
+        return executor_limit(name=executor.name, max_concurrency=executor.max_concurrency, caps=self.caps)
+
+    def usable_by(self, executor: Executor, team_id: int) -> bool:
+        return executor.team_id is None or team_id in self.executor_teams.get(executor.pk, {executor.team_id})
+
+
+def wait_reasons(cluster: Cluster, *, team_id: int, model: str, user_id: int) -> list[dict[str, Any]]:
+    """Why a queued job (of this team, user and model) is not started now: each reason a code, a
+    sentence for people, and its particulars. Empty when nothing stands in its way (the next
+    claim takes it, or it waits its turn by priority and fair share)."""
+    reasons: list[dict[str, Any]] = []
+
+    def add(code: str, text: str, **extra: Any) -> None:
+        reasons.append({"code": code, "text": text, **extra})
+
+    caps, slots = cluster.caps, cluster.slots
+    if team_id in caps.team and slots.team[team_id] >= caps.team[team_id]:
+        add("team_cap", "at team cap", cap=caps.team[team_id])
+    if user_id in caps.user and slots.user[user_id] >= caps.user[user_id]:
+        add("user_cap", "at user cap", cap=caps.user[user_id])
+    if caps.global_cap is not None and slots.total >= caps.global_cap:
+        add("global_cap", "at global cap", cap=caps.global_cap)
+    for account in cluster.budgets.applicable(team_id=team_id, user_id=user_id):
+        if account.remaining <= 0 and account.rule.scope != QuotaPolicy.Scope.EXECUTOR:
+            who = f"{account.rule.scope} {account.rule.subject}".rstrip()
+            add("budget_empty", f"over budget: {who} {account.rule.dimension} empty until {account.end:%Y-%m-%d %H:%M} UTC",
+                scope=account.rule.scope, dimension=account.rule.dimension, reset_at=account.end.isoformat())
+    offering = [e for e in cluster.executors if model in e.offered_models and cluster.usable_by(e, team_id)]
+    blocked = []
+    for executor in offering:
+        if not executor.enabled:
+            blocked.append(("executor_disabled", f"executor {executor.name} is disabled", executor, {}))
+        elif executor.health == Executor.Health.DOWN:
+            blocked.append(("executor_down", f"executor {executor.name} is down", executor, {}))
+        elif executor.breaker == Executor.Breaker.OPEN and executor.breaker_until and executor.breaker_until > cluster.now:
+            blocked.append(("executor_breaker_open",
+                            f"executor {executor.name}: breaker open until {executor.breaker_until:%H:%M:%S} UTC",
+                            executor, {"until": executor.breaker_until.isoformat()}))
+        elif slots.executor[executor.pk] >= cluster.limit(executor):
+            blocked.append(("executor_full", f"executor {executor.name} is full", executor,
+                            {"limit": cluster.limit(executor)}))
+    if not offering:
+        add("no_executor", "no executor offers the model", model=model)
+    elif len(blocked) == len(offering):  # every executor that could take it is out of reach
+        for code, text, executor, extra in blocked:
+            add(code, text, executor=executor.name, model=model, **extra)
+    return reasons
 
 
 def slot_seconds(*, since, now) -> Counter:
@@ -115,43 +159,123 @@ def queue_heads(team_ids: list[int]) -> dict[int, tuple[str, int]]:
     return {team_id: (model, user_id) for team_id, model, user_id in rows if model is not None}
 
 
-def not_served(team: Team, *, head: tuple[str, int] | None, usable_models: set[str], caps, slots,
-               out_of_budget: bool) -> list[str]:
-    """Why a team with queued work (its next job is `head`: model, user id) is not getting more
-    of it started."""
-    if head is None:
-        return []
-    model, user_id = head
-    reasons = []
-    if team.pk in caps.team and slots.team[team.pk] >= caps.team[team.pk]:
-        reasons.append("at team cap")
-    if out_of_budget:
-        reasons.append("over budget")
-    if user_id in caps.user and slots.user[user_id] >= caps.user[user_id]:
-        reasons.append("at user cap")
-    if model not in usable_models:
-        reasons.append("no executor offers the model")
-    if caps.global_cap is not None and slots.total >= caps.global_cap:
-        reasons.append("at global cap")
-    return reasons
+def queue_snapshot(*, user: rbac.Principal, cluster: Cluster | None = None) -> dict[str, Any]:
+    """Operators see everything; others see their own teams, themselves, and the executors their
+    teams may use. Read in one transaction unless the caller holds one."""
+    with consistent_read():
+        return _queue_snapshot(user=user, cluster=cluster or Cluster.load(now=timezone.now()))
 
 
-RECENT_JOBS = 25
+def _queue_snapshot(*, user: rbac.Principal, cluster: Cluster) -> dict[str, Any]:
+    now, record, caps, slots = cluster.now, cluster.record, cluster.caps, cluster.slots
+    operator = rbac.is_operator(user)
+    teams = list(rbac.visible_teams(user).order_by("slug"))
+    depth: Counter = Counter()
+    for team_id, status, n in (
+        Job.objects.filter(status__in=[Job.Status.QUEUED, Job.Status.RUNNING]).order_by()
+        .values_list("team_id", "status").annotate(n=Count("id"))
+    ):
+        depth[team_id, status] = n
+    active = {team_id for team_id, _ in depth}
+    weights = {t.pk: record.weight(t.slug) for t in Team.objects.filter(pk__in=active)}
+    total_weight = sum(w for w in weights.values() if w > 0)
+    used = slot_seconds(since=now - timedelta(seconds=record.share_window_seconds), now=now)
+    total_used = sum(used.values())
+    heads = queue_heads([t.pk for t in teams if depth[t.pk, Job.Status.QUEUED]])
+
+    def waits(team: Team) -> list[dict[str, Any]]:
+        queued = depth[team.pk, Job.Status.QUEUED]
+        reasons: list[dict[str, Any]] = []
+        if team.pk in heads:
+            model, user_id = heads[team.pk]
+            reasons = wait_reasons(cluster, team_id=team.pk, model=model, user_id=user_id)
+        depth_limit = record.queue_depth_limit(team.slug)
+        if queued >= depth_limit:
+            reasons.append({"code": "depth_cap", "text": f"queue at its depth cap ({depth_limit}): new jobs are refused",
+                            "cap": depth_limit})
+        return reasons
+
+    executors = [e for e in cluster.executors if operator or e.team_id is None or e.team_id in {t.pk for t in teams}]
+    user_ids = set(caps.user) | set(slots.user) if operator else {user.pk}
+    usernames = dict(get_user_model().objects.filter(pk__in=user_ids).values_list("pk", "username"))
+    team_rows = []
+    for team in teams:
+        reasons = waits(team)
+        team_rows.append({
+            "team": team.slug,
+            "queued": depth[team.pk, Job.Status.QUEUED],
+            "running": depth[team.pk, Job.Status.RUNNING],
+            "in_use": slots.team[team.pk],
+            "cap": caps.team.get(team.pk),
+            "weight": record.weight(team.slug),
+            "target_share": round(weights.get(team.pk, 0) / total_weight, 4)
+            if team.pk in active and weights.get(team.pk, 0) > 0 else 0.0,
+            "actual_share": round(used[team.pk] / total_used, 4) if total_used else 0.0,
+            "not_served": [reason["text"] for reason in reasons],
+            "waits": reasons,
+        })
+    return {
+        "global": {"in_use": slots.total, "cap": caps.global_cap},
+        "teams": team_rows,
+        "users": [
+            {"user": usernames[uid], "in_use": slots.user[uid], "cap": caps.user.get(uid)}
+            for uid in sorted(usernames, key=usernames.get)
+        ],
+        "executors": [
+            {
+                "id": e.pk,
+                "name": e.name,
+                "kind": e.kind,
+                "team": e.team.slug if e.team else None,
+                "enabled": e.enabled,
+                "health": e.health,
+                "breaker": e.breaker,
+                "breaker_until": e.breaker_until,
+                "models": e.offered_models,
+                "in_use": slots.executor[e.pk],
+                "limit": cluster.limit(e),
+                "max_concurrency": e.max_concurrency,
+            }
+            for e in executors
+        ],
+    }
 
 
 def dashboard_state(*, user: rbac.Principal) -> dict[str, Any]:
-    """What the live dashboard shows: the queue snapshot, and the latest jobs the user may see."""
-    jobs = rbac.visible_jobs(user).select_related("team", "user", "executor").defer("input", "result")
+    """What the live dashboard shows, all from one snapshot: the queue, the latest jobs the user may
+    see (how many of how many, each queued one with why it waits), and for the controls the queue
+    policy and the feature switches."""
+    with consistent_read():
+        cluster = Cluster.load(now=timezone.now())
+        queue = _queue_snapshot(user=user, cluster=cluster)
+        visible = rbac.visible_jobs(user)
+        jobs = list(visible.select_related("team", "user", "executor").defer("input", "result").order_by("-id")[:RECENT_JOBS])
+        total = visible.count() if len(jobs) == RECENT_JOBS else len(jobs)
+        operator = rbac.is_operator(user)
+        return {
+            "operator": operator,
+            "queue": queue,
+            "jobs": [_job_row(job, cluster, staff=user.is_staff) for job in jobs],
+            "jobs_total": total,
+            "jobs_link": reverse("admin:scheduler_job_changelist") if user.is_staff else reverse("job-list"),
+            "policy": {name: getattr(cluster.record, name) for name in EDITABLE},
+            "policy_choices": POLICY_CHOICES,
+            "features": feature_states(teams=rbac.visible_teams(user).order_by("slug")),
+        }
+
+
+def _job_row(job: Job, cluster: Cluster, *, staff: bool) -> dict[str, Any]:
+    waits: list[dict[str, Any]] = []
+    if job.status == Job.Status.QUEUED:
+        waits = wait_reasons(cluster, team_id=job.team_id, model=job.model, user_id=job.user_id)
+        if job.run_after and job.run_after > cluster.now:
+            waits.append({"code": "retry_backoff", "text": f"retrying after {job.run_after:%H:%M:%S} UTC",
+                          "until": job.run_after.isoformat()})
     return {
-        "queue": queue_snapshot(user=user),
-        "jobs": [
-            {
-                "id": job.pk, "team": job.team.slug, "user": job.user.get_username(), "type": job.type,
-                "model": job.model, "priority": job.priority, "status": job.status,
-                "executor": job.executor.name if job.executor else None, "attempts": job.attempts,
-                "tokens_used": job.tokens_used, "submitted_at": job.submitted_at, "started_at": job.started_at,
-                "finished_at": job.finished_at, "error": job.error[:200],
-            }
-            for job in jobs.order_by("-id")[:RECENT_JOBS]
-        ],
+        "id": job.pk, "team": job.team.slug, "user": job.user.get_username(), "type": job.type,
+        "model": job.model, "priority": job.priority, "status": job.status,
+        "executor": job.executor.name if job.executor else None, "attempts": job.attempts,
+        "tokens_used": job.tokens_used, "submitted_at": job.submitted_at, "started_at": job.started_at,
+        "finished_at": job.finished_at, "error": job.error[:200], "waits": [w["text"] for w in waits],
+        "link": reverse("admin:scheduler_job_change", args=[job.pk]) if staff else reverse("job-detail", args=[job.pk]),
     }

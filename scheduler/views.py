@@ -1,10 +1,35 @@
-"""The live dashboard page, for operators and team members; its data comes over /ws/dashboard/."""
+"""Pages outside the API: the live dashboard (its data comes over /ws/dashboard/) and /metrics."""
 
 from django.contrib.auth.decorators import login_required
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
+from django.views.decorators.http import require_GET
+from rest_framework.authentication import SessionAuthentication, TokenAuthentication
+from rest_framework.exceptions import AuthenticationFailed
+from rest_framework.request import Request
+
+from scheduler.metrics import metrics_exposition
+from telemachus import rbac
 
 
 @login_required
 def dashboard(request: HttpRequest) -> HttpResponse:
     return render(request, "scheduler/dashboard.html")
+
+
+@require_GET
+def metrics(request: HttpRequest) -> HttpResponse:
+    """GET /metrics: Prometheus text, for operators (token or session). For a scraper without a
+    token, a worker serves the same on TELEMACHUS_METRICS_BIND."""
+    try:
+        user = Request(request, authenticators=[TokenAuthentication(), SessionAuthentication()]).user
+    except AuthenticationFailed:
+        user = None
+    if user is None or not user.is_authenticated:
+        return JsonResponse({"error": "not_authenticated", "detail": "Authentication credentials were not provided."},
+                            status=401, headers={"WWW-Authenticate": "Token"})
+    if not rbac.is_operator(user):
+        return JsonResponse({"error": "forbidden", "detail": f"Requires the {rbac.MANAGE_PERMISSION} permission.",
+                             "permission": rbac.MANAGE_PERMISSION}, status=403)
+    body, content_type = metrics_exposition(request.headers.get("Accept", ""))
+    return HttpResponse(body, content_type=content_type)

@@ -45,6 +45,8 @@ from executors.health import DispatchReport, breaker_record, probe_record, probe
 from executors.models import Executor
 from executors.registry import DriverPool
 from scheduler import broadcast, signals
+from scheduler.metrics import CLAIM_SECONDS, DISPATCH_SECONDS
+from scheduler.probes import heartbeat_check, probe_serve
 from scheduler.services.claim import Claim, job_claim
 from scheduler.services.finish import FinishReport, Outcome, jobs_finish
 from scheduler.services.lease import jobs_release, leases_renew
@@ -114,6 +116,7 @@ class Worker:
             _database_thread("telemachus-finish") if connection.vendor == "postgresql" else self._claim_thread
         )
         self.processed = 0
+        self.beat_at = time.monotonic()
 
     # --- database calls, on two threads ---------------------------------------------------------
 
@@ -138,6 +141,7 @@ class Worker:
             asyncio.create_task(self._recovery(), name="recovery"),
             asyncio.create_task(self._probes(), name="probes"),
         ]
+        probes = await probe_serve(db=self.db, heartbeat=self._heartbeat_state) if settings.TELEMACHUS_METRICS_BIND else None
         if connection.vendor == "postgresql":
             background.append(asyncio.create_task(self._listen(), name="listener"))
         elif connection.vendor == "sqlite":
@@ -146,6 +150,8 @@ class Worker:
             await self._claim_loop()
             await self._drain()
         finally:
+            if probes is not None:
+                probes.close()
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
@@ -201,11 +207,17 @@ class Worker:
                 freed = self.freed
                 try:
                     async with self.breaker_gate:
+                        started = time.perf_counter()
                         batch = await self.db(job_claim, worker=self.name, limit=free)
+                        CLAIM_SECONDS.observe(time.perf_counter() - started)
                 except DatabaseError as exc:
                     log.warning("claim failed (%s); retrying in %.1fs", exc, idle)
                     await self._sleep(idle)
                     idle = min(idle * 2, self.poll_max)
+                    continue
+                except Exception:  # a bug or a bad setting must not end the worker: log, back off, go on
+                    log.exception("claim raised; retrying in %.1fs", self.poll_max)
+                    await self._sleep(self.poll_max)
                     continue
                 for claim in batch.claims:
                     self._start(claim)
@@ -272,6 +284,7 @@ class Worker:
         request = DispatchRequest(job_id=job.pk, type=job.type, model=job.model, input=job.input,
                                   requirements=job.requirements)
         on_delta = partial(broadcast.job_delta_send, job.pk) if request.stream else None
+        started = time.perf_counter()
         try:
             result = await flight.driver.execute(request, on_delta)
         except asyncio.CancelledError:
@@ -284,13 +297,15 @@ class Worker:
             self._capacity_freed()
             return
         except DispatchError as exc:
+            DISPATCH_SECONDS.labels(flight.claim.executor.name, "error").observe(time.perf_counter() - started)
             flight.executor_fault = exc.executor_fault
-            outcome = Outcome(job_id=job.pk, lease=flight.claim.lease, ok=False, error=str(exc),
+            outcome = Outcome(job_id=job.pk, lease=flight.claim.lease, ok=False, error=str(exc), result=exc.detail,
                               retryable=exc.retryable, retry_after=exc.retry_after, meta={"status": exc.status})
         except Exception as exc:  # a driver bug must fail the job, not kill the worker
             log.exception("job %d: driver %s raised", job.pk, flight.driver.kind)
             outcome = Outcome(job_id=job.pk, lease=flight.claim.lease, ok=False, error=f"driver error: {exc!r}")
         else:
+            DISPATCH_SECONDS.labels(flight.claim.executor.name, "ok").observe(time.perf_counter() - started)
             outcome = Outcome(
                 job_id=job.pk, lease=flight.claim.lease, ok=True, result=result.output,
                 tokens_used=result.tokens_used,
@@ -403,8 +418,9 @@ class Worker:
     async def _heartbeat(self) -> None:
         # Without LISTEN, the heartbeat is also how a cancel reaches us: beat faster.
         while True:
-            interval = self.lease_seconds / 3 if self.listening else min(self.lease_seconds / 3, 1.0)
+            interval = self._heartbeat_interval()
             await asyncio.sleep(interval)
+            self.beat_at = time.monotonic()
             held = {job_id: f.claim.lease for job_id, f in self.inflight.items() if f.abort_reason is None}
             if not held:
                 continue
@@ -424,6 +440,12 @@ class Worker:
                         self.inflight[job_id].renewed_at = now
                 else:
                     self._abort(job_id, "lease lost")
+
+    def _heartbeat_interval(self) -> float:
+        return self.lease_seconds / 3 if self.listening else min(self.lease_seconds / 3, 1.0)
+
+    def _heartbeat_state(self) -> str:
+        return heartbeat_check(beat_at=self.beat_at, interval=self._heartbeat_interval())
 
     async def _recover_once(self) -> None:
         try:

@@ -7,10 +7,10 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from scheduler.api.serializers import StrictSerializer
 from telemachus import rbac
 from telemachus.errors import NotFound
 from telemachus.models import Membership, Team
+from telemachus.serializers import StrictSerializer
 from telemachus.services import (
     team_create,
     team_delete,
@@ -91,7 +91,7 @@ class TeamListCreateApi(ListAPIView):
         rbac.require_operator(request.user)
         data = TeamCreateInput(data=request.data)
         data.is_valid(raise_exception=True)
-        team = team_create(**data.validated_data)
+        team = team_create(by=request.user, **data.validated_data)
         return Response(TeamOutput(team_queryset(Team.objects).get(pk=team.pk)).data, status=status.HTTP_201_CREATED)
 
 
@@ -106,13 +106,13 @@ class TeamDetailApi(APIView):
         rbac.require_operator(request.user)
         data = TeamUpdateInput(data=request.data)
         data.is_valid(raise_exception=True)
-        return Response(TeamOutput(team_update(team=team, **data.validated_data)).data)
+        return Response(TeamOutput(team_update(team=team, by=request.user, **data.validated_data)).data)
 
     @extend_schema(responses={204: None})
     def delete(self, request: Request, slug: str) -> Response:
         team = visible_team(request, slug)
         rbac.require_operator(request.user)
-        team_delete(team=team)
+        team_delete(team=team, by=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
@@ -126,7 +126,7 @@ class TeamGrantsApi(APIView):
         data = GrantsInput(data=request.data)
         data.is_valid(raise_exception=True)
         team_grants_set(team=team, team_grants=data.validated_data["team"],
-                        user_grants=data.validated_data.get("users"))
+                        user_grants=data.validated_data.get("users"), by=request.user)
         return Response(team_grants(team=team))
 
 
@@ -139,7 +139,8 @@ class TeamMemberListApi(APIView):
         rbac.require_team_manager(request.user, team)
         data = MemberInput(data=request.data)
         data.is_valid(raise_exception=True)
-        membership = team_member_set(team=team, **data.validated_data)
+        rbac.member_candidate(request.user, data.validated_data["username"])
+        membership = team_member_set(team=team, by=request.user, **data.validated_data)
         return Response(MemberOutput(membership).data, status=status.HTTP_201_CREATED)
 
 
@@ -151,5 +152,5 @@ class TeamMemberDetailApi(APIView):
         user = get_user_model().objects.filter(username=username, memberships__team=team).first()
         if user is None:
             raise NotFound(f"{username!r} is not a member of {slug!r}.")
-        team_member_remove(team=team, user=user)
+        team_member_remove(team=team, user=user, by=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)

@@ -6,3 +6,6 @@ class TelemachusConfig(AppConfig):
 
     name = "telemachus"
     verbose_name = "Teams"
+
+    def ready(self) -> None:
+        from telemachus import signin  # noqa: F401  (connects the sign-in counting signals)

@@ -84,3 +84,9 @@ class QuotaExceeded(DomainError):
     code = "quota_exceeded"
     status = 429
     default_detail = "The remaining budget cannot cover this request."
+
+
+class FeatureDisabled(DomainError):
+    code = "feature_disabled"
+    status = 403
+    default_detail = "This feature is switched off."

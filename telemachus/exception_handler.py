@@ -1,12 +1,16 @@
 """The API's one exception handler: domain errors, DRF errors and Django's 404/403 in one JSON shape."""
 
+import math
+
+from django.conf import settings
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.core.exceptions import RequestDataTooBig
 from django.http import Http404
 from rest_framework import exceptions as drf
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from telemachus.errors import DomainError
+from telemachus.errors import DomainError, PayloadTooLarge
 
 _DRF_CODES = {
     drf.NotAuthenticated: "not_authenticated",
@@ -22,6 +26,10 @@ _DRF_CODES = {
 
 
 def exception_handler(exc: Exception, context: dict) -> Response | None:
+    if isinstance(exc, RequestDataTooBig):
+        # DRF reads the whole body through Django, which refuses past DATA_UPLOAD_MAX_MEMORY_SIZE.
+        limit = settings.TELEMACHUS_MAX_BODY_BYTES
+        exc = PayloadTooLarge(f"Request body exceeds {limit} bytes.", limit=limit)
     if isinstance(exc, DomainError):
         return Response(exc.body(), status=exc.status, headers=exc.headers())
     if isinstance(exc, Http404):
@@ -37,4 +45,6 @@ def exception_handler(exc: Exception, context: dict) -> Response | None:
     else:
         code = next((c for cls, c in _DRF_CODES.items() if isinstance(exc, cls)), "error")
         response.data = {"error": code, "detail": str(getattr(exc, "detail", exc))}
+        if isinstance(exc, drf.Throttled) and exc.wait is not None:
+            response.data["retry_after"] = math.ceil(exc.wait)
     return response

@@ -1,6 +1,8 @@
 from django.conf import settings
 from django.contrib.auth.models import Group
+from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
+from django.utils import timezone
 
 
 class Team(models.Model):
@@ -58,3 +60,72 @@ class ConfigVersion(models.Model):
 
     def __str__(self) -> str:
         return f"configuration version {self.version}"
+
+
+class AuditEvent(models.Model):
+    """Append-only log of what people changed: who (and through which surface), when, on what, and
+    the fields' values before and after. It lives in the lowest app so every layer can write it in
+    the transaction of the change it describes (executors and quotas may not import scheduler).
+    Written only by telemachus.audit.audit_record; job lifecycle events stay in JobEvent."""
+
+    class Source(models.TextChoices):
+        API = "api"
+        ADMIN = "admin"
+        DASHBOARD = "dashboard"
+        WEB = "web"
+        SYSTEM = "system"
+
+    at = models.DateTimeField(default=timezone.now)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    # Kept when the user is deleted; "" for changes made by the system (commands, migrations).
+    actor_name = models.CharField(max_length=150, blank=True, default="")
+    source = models.CharField(max_length=16, choices=Source.choices, default=Source.SYSTEM)
+    action = models.CharField(max_length=64)
+    object_type = models.CharField(max_length=32)
+    object_id = models.CharField(max_length=150, blank=True, default="")
+    object_repr = models.CharField(max_length=200, blank=True, default="")
+    before = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
+    after = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [
+            models.Index("object_type", "object_id", "id", name="audit_object_idx"),
+            models.Index("actor_name", "id", name="audit_actor_idx"),
+            models.Index("at", name="audit_at_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.action} {self.object_type}:{self.object_id} by {self.actor_name or 'system'}"
+
+
+class FeatureSwitch(models.Model):
+    """Turns a feature (a job kind, or the OpenAI-compatible endpoint) on or off, for everyone
+    (team NULL) or for one team, which overrides the global switch. No row: on."""
+
+    class Feature(models.TextChoices):
+        CHAT = "chat"
+        TRANSLATE = "translate"
+        TOOL = "tool"
+        TASK = "task"
+        FLOW = "flow"
+        OPENAI = "openai", "OpenAI-compatible endpoint"
+
+    feature = models.CharField(max_length=16, choices=Feature.choices)
+    team = models.ForeignKey(Team, null=True, blank=True, on_delete=models.CASCADE, related_name="feature_switches")
+    enabled = models.BooleanField()
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["feature", "team"]
+        constraints = [
+            models.UniqueConstraint(fields=["feature"], condition=models.Q(team__isnull=True),
+                                    name="featureswitch_unique_global"),
+            models.UniqueConstraint(fields=["feature", "team"], condition=models.Q(team__isnull=False),
+                                    name="featureswitch_unique_team"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.feature} {'on' if self.enabled else 'off'} for {self.team or 'everyone'}"

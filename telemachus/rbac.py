@@ -16,6 +16,7 @@ not leak; a denial on a visible object is a 403 naming the missing permission.""
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
 from django.db.models import Q, QuerySet
 from guardian.core import ObjectPermissionChecker
@@ -87,6 +88,23 @@ def require_team_manager(user: Principal, team: Team) -> None:
     if is_operator(user) or team_role(user, team) == Membership.Role.MANAGER:
         return
     raise Forbidden(f"Requires the manager role in team {team.slug!r}.", permission="team:manage", team=team.slug)
+
+
+def member_candidate(user: Principal, username: str) -> AbstractBaseUser:
+    """The user that `user` (an operator or a team manager) may add to a team or give a role, by
+    name. Operators may name anyone. A manager may name only people they already share a team
+    with, and never an operator: otherwise a manager could pull anyone into their team, an
+    operator included, and learn which usernames exist. Unknown and not-allowed read the same."""
+    candidates = get_user_model().objects.filter(username=username)
+    if not is_operator(user):
+        candidates = candidates.filter(
+            is_active=True, memberships__team__in=Membership.objects.filter(user=user).values("team")
+        )
+    candidate = candidates.first()
+    if candidate is None or (not is_operator(user) and is_operator(candidate)):
+        reason = "" if is_operator(user) else " that you can add (managers add members of their own teams)"
+        raise ValidationFailed({"username": [f"No user {username!r}{reason}."]})
+    return candidate
 
 
 def visible_jobs(user: Principal) -> QuerySet[Job]:

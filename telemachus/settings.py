@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 
 import dj_database_url
+import django
+from csp.constants import NONCE, NONE, SELF
 from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -60,6 +62,7 @@ if not SECRET_KEY:
     SECRET_KEY = "dev-insecure-telemachus-key-only-for-local-runs"
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+CSRF_FAILURE_VIEW = "telemachus.http_errors.csrf_failure"
 
 INSTALLED_APPS = [
     "daphne",
@@ -80,8 +83,16 @@ INSTALLED_APPS = [
     "quotas",
     "scheduler",
 ]
+# A deployment's own apps (their `tasks.py` declare Django tasks that workers may run), comma-separated.
+INSTALLED_APPS += env_list("TELEMACHUS_APPS", [])
+if django.VERSION < (6, 0):
+    # Django 6 has the tasks API built in; on 5.2 the django-tasks package brings it, as an app
+    # (its system checks and log receivers).
+    INSTALLED_APPS.append("django_tasks")
 
 MIDDLEWARE = [
+    # First, so errors raised by any middleware below under /api/ and /v1/ are JSON too.
+    "telemachus.http_errors.ApiErrorMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -89,7 +100,9 @@ MIDDLEWARE = [
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
+    "telemachus.middleware.AuditSourceMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "csp.middleware.CSPMiddleware",
 ]
 
 ROOT_URLCONF = "telemachus.urls"
@@ -150,6 +163,14 @@ if REDIS_URL:
     }
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+# Throttle and sign-in counts (telemachus/throttles.py, telemachus/signin.py): per process by
+# default, shared by every API server through Redis when REDIS_URL is set.
+if REDIS_URL:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL,
+                          "KEY_PREFIX": "telemachus"}}
+else:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 
 AUTHENTICATION_BACKENDS = [
     "django.contrib.auth.backends.ModelBackend",
@@ -217,6 +238,7 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "ENUM_NAME_OVERRIDES": {"PermissionEnum": "telemachus.api.PERMISSION_CHOICES"},
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "telemachus.schema.declare_errors"],
 }
 
 # Deployment hardening: on with DEBUG off, so `manage.py check --deploy` is clean in production.
@@ -229,6 +251,23 @@ SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", not DEBUG)
 SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if env_bool("BEHIND_TLS_PROXY", False) else None
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"
+# Content-Security-Policy (django-csp): scripts only from this site or inline with the request's
+# nonce (`<script nonce="{{ request.csp_nonce }}">`), no plugins, no framing, forms and sockets to
+# this site only. Inline styles stay allowed: the admin's templates use style attributes.
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": [SELF],
+        "script-src": [SELF, NONCE],
+        "style-src": [SELF, "'unsafe-inline'"],
+        "img-src": [SELF, "data:"],
+        "font-src": [SELF, "data:"],
+        "connect-src": [SELF],
+        "object-src": [NONE],
+        "base-uri": [SELF],
+        "form-action": [SELF],
+        "frame-ancestors": [NONE],
+    },
+}
 
 LOGGING = {
     "version": 1,
@@ -253,8 +292,16 @@ TELEMACHUS_BREAKER_THRESHOLD = env_int("TELEMACHUS_BREAKER_THRESHOLD", 5)
 TELEMACHUS_BREAKER_COOLDOWN_SECONDS = env_float("TELEMACHUS_BREAKER_COOLDOWN_SECONDS", 30)
 # Active health probe of each executor (GET {endpoint}/models), by one worker per interval.
 TELEMACHUS_PROBE_INTERVAL_SECONDS = env_float("TELEMACHUS_PROBE_INTERVAL_SECONDS", 15)
-# How often the live dashboard re-reads the queue for each open page.
-TELEMACHUS_DASHBOARD_INTERVAL_SECONDS = env_float("TELEMACHUS_DASHBOARD_INTERVAL_SECONDS", 1)
+# Job submissions per user (POST /api/jobs/): "N/s", "N/min", "N/hour", "N/day"; empty turns it off.
+TELEMACHUS_SUBMIT_RATE = os.environ.get("TELEMACHUS_SUBMIT_RATE", "100/s")
+# Failed sign-ins (admin and dashboard) allowed per username and per client address within the
+# window (from the first failure); past either, the form answers 429 until the window ends.
+TELEMACHUS_LOGIN_FAILURES_PER_USERNAME = env_int("TELEMACHUS_LOGIN_FAILURES_PER_USERNAME", 5)
+TELEMACHUS_LOGIN_FAILURES_PER_ADDRESS = env_int("TELEMACHUS_LOGIN_FAILURES_PER_ADDRESS", 20)
+TELEMACHUS_LOGIN_WINDOW_SECONDS = env_int("TELEMACHUS_LOGIN_WINDOW_SECONDS", 900)
+# The live dashboard re-reads when the database changes; between changes it sends a heartbeat this
+# often, so the page's "updated" stamp stays honest.
+TELEMACHUS_DASHBOARD_HEARTBEAT_SECONDS = env_float("TELEMACHUS_DASHBOARD_HEARTBEAT_SECONDS", 5)
 # Largest request body the API accepts (bytes); larger bodies get 413 payload_too_large.
 TELEMACHUS_MAX_BODY_BYTES = env_int("TELEMACHUS_MAX_BODY_BYTES", 1_048_576)
 # Dotted path of a custom QueuePolicy class; empty means the record's choice or the default.
@@ -263,3 +310,18 @@ TELEMACHUS_QUEUE_POLICY = os.environ.get("TELEMACHUS_QUEUE_POLICY", "")
 TELEMACHUS_EXECUTOR_DRIVERS = env_list("TELEMACHUS_EXECUTOR_DRIVERS", [])
 # Extra task callables for cpu-node executors, `name=dotted.path.function` comma-separated.
 TELEMACHUS_TASKS = env_list("TELEMACHUS_TASKS", [])
+
+# Django's tasks API: `my_task.enqueue(...)` submits a governed `task` job that runs on a cpu-node
+# executor (scheduler/tasks_backend.py, docs/tasks.md). The team and the service user a task is
+# submitted as, unless the caller names them with `enqueue_as(...)`.
+TASKS = {
+    "default": {
+        "BACKEND": "scheduler.tasks_backend.TelemachusBackend",
+        "OPTIONS": {
+            "team": os.environ.get("TELEMACHUS_TASK_TEAM", ""),
+            "user": os.environ.get("TELEMACHUS_TASK_USER", ""),
+        },
+    },
+}
+# host:port where a worker serves /metrics (no token), /healthz and /readyz; unset: none.
+TELEMACHUS_METRICS_BIND = os.environ.get("TELEMACHUS_METRICS_BIND", "")

@@ -2,7 +2,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 from django.views.generic import RedirectView
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
 from executors import api as executors_api
 from quotas import api as quotas_api
@@ -10,6 +10,11 @@ from scheduler import views as pages
 from scheduler.api import views as scheduler_views
 from scheduler.api.policy import PolicyApi
 from telemachus import api as teams_api
+from telemachus.audit_api import AuditListApi
+from telemachus.features_api import FeatureApi
+from telemachus.health import healthz, readyz
+from telemachus.signin import attempts_limited
+from telemachus.users_api import UserListCreateApi
 
 api = [
     path("", include("scheduler.api.urls")),
@@ -27,15 +32,22 @@ api = [
     path("quota-policies/", quotas_api.QuotaPolicyListCreateApi.as_view(), name="quota-policy-list"),
     path("quota-policies/<int:policy_id>/", quotas_api.QuotaPolicyDetailApi.as_view(), name="quota-policy-detail"),
     path("usage/", quotas_api.UsageApi.as_view(), name="usage"),
+    path("audit/", AuditListApi.as_view(), name="audit"),
+    path("features/", FeatureApi.as_view(), name="features"),
+    path("users/", UserListCreateApi.as_view(), name="user-list"),
     path("schema/", SpectacularAPIView.as_view(), name="schema"),
-    path("docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+    path("docs/", SpectacularSwaggerSplitView.as_view(url_name="schema"), name="docs"),  # no inline script (CSP)
 ]
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="dashboard"), name="home"),
     path("dashboard/", pages.dashboard, name="dashboard"),
-    path("login/", auth_views.LoginView.as_view(template_name="scheduler/login.html"), name="login"),
+    path("metrics", pages.metrics, name="metrics"),
+    path("healthz", healthz, name="healthz"),
+    path("readyz", readyz, name="readyz"),
+    path("login/", attempts_limited(auth_views.LoginView.as_view(template_name="scheduler/login.html")), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("admin/login/", attempts_limited(admin.site.login)),
     path("admin/", admin.site.urls),
     path("api/", include(api)),
 ]

@@ -2,6 +2,7 @@ import itertools
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.core.cache import cache
 from django.db import connection
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
@@ -36,6 +37,14 @@ def fresh_configuration_cache():
     config_cache_clear()
     yield
     config_cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    """Throttle and sign-in counts (Django's cache) do not carry from one test to the next."""
+    cache.clear()
+    yield
+    cache.clear()
 
 
 @pytest.fixture

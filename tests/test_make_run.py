@@ -1,13 +1,19 @@
 """What `make run` does on a fresh machine, end to end with the real settings: migrate, seed the
 demo (twice: it must be idempotent and show the admin password once), then bin/run serves daphne
-and a worker; a job submitted over HTTP ends `done` with the simulated reply; Ctrl-C stops both."""
+and a worker; a job submitted over HTTP ends `done` with the simulated reply; Ctrl-C stops both.
+
+And how bin/run stops with a slow job in flight: one Ctrl-C lets it finish while the API keeps
+answering (within a bounded grace, past which the job goes back to the queue); two Ctrl-C give it
+back at once. Either way both processes are gone when bin/run returns."""
 
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -32,36 +38,177 @@ def call(url: str, token: str, body: dict | None = None) -> dict:
         return json.loads(response.read())
 
 
-def test_fresh_database_to_a_finished_job_and_a_clean_stop(tmp_path):
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "telemachus.settings", "PYTHONUNBUFFERED": "1",
-           "DATABASE_URL": f"sqlite:///{tmp_path}/run.sqlite3"}
-    env.pop("DEBUG", None)
-    manage(env, "migrate", "--noinput")
-    first, second = manage(env, "telemachus_demo"), manage(env, "telemachus_demo")
-    password = first.split("password (shown once): ")[1].split()[0]
-    assert "admin user present" in second and password not in second
-    token = manage(env, "drf_create_token", "admin").split()[2]
+def children(pid: int) -> list[int]:
+    """Live (not zombie) processes whose parent is `pid`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
 
-    port = free_port()
-    log = open(tmp_path / "run.log", "w")
-    run = subprocess.Popen(["bin/run"], cwd=ROOT, env={**env, "PY": sys.executable, "PORT": str(port)},
-                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+def running(pid: int) -> bool:
     try:
-        base = f"http://127.0.0.1:{port}/api"
-        wait_until(lambda: answers(f"{base}/schema/"), timeout=30, what="daphne to listen")
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as home:  # the dashboard's sign-in
-            assert home.url.endswith("/login/?next=/dashboard/") and b"Sign in" in home.read()
-        job = call(f"{base}/jobs/", token, {
-            "type": "chat", "team": "demo", "requirements": {"model": "sim", "est_tokens": 50},
-            "input": {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16},
-        })
-        assert job["status"] == "queued"
-        finished = call(f"{base}/jobs/{job['id']}/wait/?timeout=30", token)
-        assert finished["status"] == "done" and finished["result"]["simulated"] is True
-        assert finished["result"]["message"]["content"].endswith("Hello")
-    finally:
-        os.killpg(run.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group
-        code = run.wait(timeout=30)
-    assert code == 0, (tmp_path / "run.log").read_text()
-    assert not answers(f"http://127.0.0.1:{port}/api/schema/")
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
+
+class Run:
+    """bin/run against a fresh SQLite database in `tmp_path`, with the demo seeded."""
+
+    def __init__(self, tmp_path: Path, **env: str) -> None:
+        self.tmp_path = tmp_path
+        self.env = {**os.environ, "DJANGO_SETTINGS_MODULE": "telemachus.settings", "PYTHONUNBUFFERED": "1",
+                    "DATABASE_URL": f"sqlite:///{tmp_path}/run.sqlite3", **env}
+        self.env.pop("DEBUG", None)
+        self.env.pop("REDIS_URL", None)
+        manage(self.env, "migrate", "--noinput")
+        self.seed_output = manage(self.env, "telemachus_demo")
+        self.token = manage(self.env, "drf_create_token", "admin").split()[2]
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}/api"
+        self.log_path = tmp_path / "run.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, *, sigint_ignored: bool = False) -> None:
+        """`sigint_ignored`: as a shell starts a background job, or as some CI runners start steps."""
+        log = open(self.log_path, "w")
+        ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
+        self.proc = subprocess.Popen(["bin/run"], cwd=ROOT, env={**self.env, "PY": sys.executable,
+                                                                 "PORT": str(self.port)},
+                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=ignore)
+        wait_until(lambda: answers(f"{self.base}/schema/"), timeout=60, what="daphne to listen")
+        wait_until(lambda: len(children(self.proc.pid)) == 2, timeout=30, what="daphne and the worker")
+
+    def ctrl_c(self) -> None:
+        """What a terminal does on Ctrl-C: SIGINT to the foreground process group."""
+        os.killpg(self.proc.pid, signal.SIGINT)
+
+    def submit(self, content: str = "Hello") -> dict:
+        return call(f"{self.base}/jobs/", self.token, {
+            "type": "chat", "team": "demo", "requirements": {"model": "sim", "est_tokens": 50},
+            "input": {"messages": [{"role": "user", "content": content}], "max_tokens": 16},
+        })
+
+    def job(self, job_id: int) -> dict:
+        return call(f"{self.base}/jobs/{job_id}/", self.token)
+
+    def job_status_in_database(self, job_id: int) -> str:
+        return manage(self.env, "shell", "-c",
+                      f"from scheduler.models import Job; print(Job.objects.get(pk={job_id}).status)").split()[-1]
+
+    def slow_sim(self, latency_ms: int) -> None:
+        manage(self.env, "shell", "-c",
+               f"from executors.models import Executor; Executor.objects.filter(name='sim')"
+               f".update(meta={{'latency_ms': {latency_ms}}})")
+
+    def stop_all(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            for pid in children(self.proc.pid):
+                os.kill(pid, signal.SIGKILL)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def run(tmp_path):
+    started = Run(tmp_path)
+    yield started
+    started.stop_all()
+
+
+def test_fresh_database_to_a_finished_job_and_a_clean_stop(run):
+    second = manage(run.env, "telemachus_demo")
+    password = run.seed_output.split("password (shown once): ")[1].split()[0]
+    assert "admin user present" in second and password not in second
+    run.start()
+    with urllib.request.urlopen(f"http://127.0.0.1:{run.port}/", timeout=10) as home:  # the dashboard's sign-in
+        assert home.url.endswith("/login/?next=/dashboard/") and b"Sign in" in home.read()
+    job = run.submit()
+    assert job["status"] == "queued"
+    finished = call(f"{run.base}/jobs/{job['id']}/wait/?timeout=30", run.token)
+    assert finished["status"] == "done" and finished["result"]["simulated"] is True
+    assert finished["result"]["message"]["content"].endswith("Hello")
+
+    run.ctrl_c()
+    assert run.proc.wait(timeout=60) == 0, run.log_path.read_text()
+    assert not answers(f"{run.base}/schema/")
+
+
+def test_one_ctrl_c_finishes_the_job_in_flight_while_the_api_answers(run):
+    # Given a job that takes 6 s, in flight...
+    run.slow_sim(6000)
+    run.start()
+    pids = children(run.proc.pid)
+    job = run.submit()
+    wait_until(lambda: run.job(job["id"])["status"] == "running", timeout=30, what="the job to start")
+
+    # When Ctrl-C is pressed once...
+    run.ctrl_c()
+    time.sleep(1)
+
+    # Then the API still answers while the job runs on...
+    assert run.proc.poll() is None
+    assert run.job(job["id"])["status"] == "running"
+    # ...the job finishes, and then both processes are gone with bin/run.
+    assert run.proc.wait(timeout=60) == 0, run.log_path.read_text()
+    assert run.job_status_in_database(job["id"]) == "done"
+    assert not any(running(pid) for pid in pids), run.log_path.read_text()
+    assert not answers(f"{run.base}/schema/")
+
+
+def test_two_ctrl_c_give_the_job_back_and_leave_nothing_running(run):
+    # Given a job that would take a minute, in flight...
+    run.slow_sim(60_000)
+    run.start()
+    pids = children(run.proc.pid)
+    job = run.submit()
+    wait_until(lambda: run.job(job["id"])["status"] == "running", timeout=30, what="the job to start")
+
+    # When Ctrl-C is pressed twice...
+    run.ctrl_c()
+    wait_until(lambda: "stopping" in run.log_path.read_text(), timeout=10, what="the first Ctrl-C to be heard")
+    run.ctrl_c()
+
+    # Then bin/run returns promptly, with the job back in the queue and no process left behind.
+    started = time.monotonic()
+    assert run.proc.wait(timeout=40) == 0, run.log_path.read_text()
+    assert time.monotonic() - started < 30
+    assert not any(running(pid) for pid in pids), run.log_path.read_text()
+    assert run.job_status_in_database(job["id"]) == "queued"
+
+
+def test_the_grace_is_bounded(tmp_path):
+    # Given a grace of 3 s and a job that would take a minute...
+    run = Run(tmp_path, TELEMACHUS_SHUTDOWN_GRACE="3")
+    try:
+        run.slow_sim(60_000)
+        run.start()
+        job = run.submit()
+        wait_until(lambda: run.job(job["id"])["status"] == "running", timeout=30, what="the job to start")
+
+        # When Ctrl-C is pressed once...
+        run.ctrl_c()
+        time.sleep(1)
+        assert run.job(job["id"])["status"] == "running", "the API is up during the grace"
+
+        # Then after the grace the job goes back to the queue and everything stops.
+        assert run.proc.wait(timeout=40) == 0, run.log_path.read_text()
+        assert run.job_status_in_database(job["id"]) == "queued"
+    finally:
+        run.stop_all()
+
+
+def test_ctrl_c_works_even_when_started_with_sigint_ignored(run):
+    run.start(sigint_ignored=True)
+    pids = children(run.proc.pid)
+    run.ctrl_c()
+    assert run.proc.wait(timeout=60) == 0, run.log_path.read_text()
+    assert not any(running(pid) for pid in pids)

@@ -4,7 +4,10 @@ processes on the worker's host. It is the worked example of adding an executor k
 
 A job of type `task` carries `input = {"callable": "<task name>", "args": [...], "kwargs": {...}}`.
 Its result is `{"value": <the return value>, "task": <name>, "elapsed_s": <seconds in the call>}`,
-with zero tokens. The value must be JSON (it becomes the job's result).
+with zero tokens. The value must be JSON (it becomes the job's result). The callable is a
+registered task's name or the dotted path of a task declared with Django's tasks API (then
+`input.backend` names the tasks backend alias that enqueued it). A task that raises fails its job
+with `{"exception_class": "<dotted path>", "traceback": "..."}` as the job's result.
 
 Capacity: each worker process keeps one process pool per cpu-node executor, created on the first
 dispatch, with `max_concurrency` processes (the executor's own capacity), started on demand and
@@ -24,6 +27,7 @@ scheduler counts that capacity as free.
 """
 
 import asyncio
+import functools
 import inspect
 import json
 import logging
@@ -38,7 +42,15 @@ from django.core.exceptions import ImproperlyConfigured
 
 from executors.contract import DispatchError, DispatchRequest, DispatchResult, ExecutorDriver
 from executors.models import Executor
-from executors.tasks import TaskOutcome, UnknownTask, task_process_init, task_resolve, task_run
+from executors.tasks import (
+    TaskOutcome,
+    UnknownTask,
+    declared_task,
+    declared_task_run,
+    task_process_init,
+    task_resolve,
+    task_run,
+)
 
 log = logging.getLogger("telemachus.executors")
 
@@ -70,9 +82,11 @@ class CpuNodeDriver(ExecutorDriver):
         name, fn, args, kwargs = self._task_call(request)
         outcome = await self._run(request.job_id, fn, args, kwargs)
         if not outcome.ok:
+            detail = None
             if outcome.traceback:
                 log.info("job %d: task %r raised\n%s", request.job_id, name, outcome.traceback)
-            raise DispatchError(f"task {name!r} {outcome.error}", retryable=False)
+                detail = {"exception_class": outcome.exception_class, "traceback": outcome.traceback}
+            raise DispatchError(f"task {name!r} {outcome.error}", retryable=False, detail=detail)
         return DispatchResult(
             output={"value": json.loads(outcome.value_json), "task": name, "elapsed_s": round(outcome.elapsed_s, 6)}
         )
@@ -91,19 +105,36 @@ class CpuNodeDriver(ExecutorDriver):
         if not isinstance(name, str) or not isinstance(args, list) or not isinstance(kwargs, dict):
             raise DispatchError(f"a task job's input must be {TASK_INPUT_SHAPE}", retryable=False)
         try:
-            fn = task_resolve(name=name)
+            fn, target, leading = self._resolve(request, name)
         except (UnknownTask, ImproperlyConfigured) as exc:
             raise DispatchError(str(exc), retryable=False) from exc
         try:
-            signature = inspect.signature(fn)
+            signature = inspect.signature(target)
         except (TypeError, ValueError):
             signature = None  # some builtins have none; a bad call then fails inside the task
         if signature is not None:
             try:
-                signature.bind(*args, **kwargs)
+                signature.bind(*leading, *args, **kwargs)
             except TypeError as exc:
                 raise DispatchError(f"bad arguments for task {name!r}: {exc}", retryable=False) from exc
         return name, fn, args, kwargs
+
+    @staticmethod
+    def _resolve(request: DispatchRequest, name: str) -> tuple[Callable[..., Any], Callable[..., Any], tuple]:
+        """What to send to the pool, the function whose signature the arguments must fit, and the
+        arguments the call adds before the job's own (a declared task's context)."""
+        try:
+            fn = task_resolve(name=name)
+        except UnknownTask:
+            declared = declared_task(path=name)
+            if declared is None:
+                raise
+            backend = request.input.get("backend", declared.backend)
+            if not isinstance(backend, str):
+                raise UnknownTask(f"a task job's input.backend must be a tasks backend alias, not {backend!r}") from None
+            call = functools.partial(declared_task_run, name, backend, str(request.job_id))
+            return call, declared.func, (None,) if declared.takes_context else ()
+        return fn, fn, ()
 
     async def _run(self, job_id: int, fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> TaskOutcome:
         """Run the call in the pool, awaited without blocking the event loop."""

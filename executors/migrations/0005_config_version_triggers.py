@@ -10,7 +10,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ("executors", "0004_alter_executor_options"),
-        ("telemachus", "0003_config_version"),
+        ("telemachus", "0004_config_version"),
     ]
 
     operations = [

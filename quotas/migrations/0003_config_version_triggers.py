@@ -8,7 +8,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ("quotas", "0002_usage"),
-        ("telemachus", "0003_config_version"),
+        ("telemachus", "0004_config_version"),
     ]
 
     operations = [watch_config("quotas.QuotaPolicy")]

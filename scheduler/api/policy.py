@@ -9,8 +9,9 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from scheduler.api.serializers import StrictSerializer
-from scheduler.models import Job, QueuePolicy
+from scheduler.models import QueuePolicy
 from scheduler.policy import BaseQueuePolicy
+from scheduler.policy_bounds import MAPS, SCALARS, field_problem
 from scheduler.selectors import queue_policy
 from scheduler.services.policy import EDITABLE, queue_policy_update
 from telemachus import rbac
@@ -26,27 +27,52 @@ def _import_policy(path: str) -> None:
         raise serializers.ValidationError(f"{path!r} is not a queue policy class (a BaseQueuePolicy subclass).")
 
 
-class PolicyInput(StrictSerializer):
-    """Every field is optional: fields left out keep their value."""
+class NumberField(serializers.FloatField):
+    """A float that is not a boolean (DRF's FloatField takes `true` as 1.0)."""
 
-    team_weights = serializers.DictField(child=serializers.FloatField(min_value=0), required=False)
-    default_weight = serializers.FloatField(min_value=0, required=False)
+    def to_internal_value(self, data: Any) -> float:
+        if isinstance(data, bool):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+def bounded(name: str, **kwargs: Any) -> serializers.Field:
+    """A number field with the policy's bounds for `name` (scheduler/policy_bounds.py)."""
+    low, high, kind = SCALARS.get(name) or MAPS[name]
+    if kind is int:
+        return serializers.IntegerField(min_value=int(low), max_value=int(high), **kwargs)
+    return NumberField(min_value=low, max_value=high, **kwargs)
+
+
+class PolicyInput(StrictSerializer):
+    """Every field is optional: fields left out keep their value. Numbers are bounded (a setting
+    outside its bounds is a 400 naming them, never a claim that cannot run)."""
+
+    team_weights = serializers.DictField(child=bounded("team_weights"), required=False)
+    default_weight = bounded("default_weight", required=False)
     cost = serializers.ChoiceField(choices=QueuePolicy.Cost.choices, required=False)
-    half_life_seconds = serializers.FloatField(min_value=1, max_value=30 * 86400, required=False)
-    entry_penalty = serializers.FloatField(min_value=0, required=False)
-    aging_after_seconds = serializers.FloatField(min_value=0, required=False)
-    aging_step_seconds = serializers.FloatField(min_value=1, required=False)
-    aging_max_boost = serializers.IntegerField(min_value=0, max_value=Job.PRIORITY_MAX - Job.PRIORITY_MIN, required=False)
-    max_queue_depth = serializers.DictField(child=serializers.IntegerField(min_value=0), required=False)
-    priority_map = serializers.DictField(
-        child=serializers.IntegerField(min_value=Job.PRIORITY_MIN, max_value=Job.PRIORITY_MAX), required=False
-    )
+    half_life_seconds = bounded("half_life_seconds", required=False)
+    entry_penalty = bounded("entry_penalty", required=False)
+    aging_after_seconds = bounded("aging_after_seconds", required=False)
+    aging_step_seconds = bounded("aging_step_seconds", required=False)
+    aging_max_boost = bounded("aging_max_boost", required=False)
+    max_queue_depth = serializers.DictField(child=bounded("max_queue_depth"), required=False)
+    priority_map = serializers.DictField(child=bounded("priority_map"), required=False)
     priority_over_limit = serializers.ChoiceField(choices=QueuePolicy.OverLimit.choices, required=False)
     placement = serializers.ChoiceField(choices=QueuePolicy.Placement.choices, required=False)
     recovery = serializers.ChoiceField(choices=QueuePolicy.Recovery.choices, required=False)
-    max_attempts = serializers.IntegerField(min_value=1, max_value=100, required=False)
+    max_attempts = bounded("max_attempts", required=False)
     policy_class = serializers.CharField(max_length=300, allow_blank=True, required=False)
-    share_window_seconds = serializers.FloatField(min_value=1, required=False)
+    share_window_seconds = bounded("share_window_seconds", required=False)
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        """The shared bounds (scheduler/policy_bounds.py) have the last word, so the API, the admin
+        and the claim agree on what a valid policy is."""
+        problems = {name: [f"This value {problem}."] for name, value in attrs.items()
+                    if (problem := field_problem(name, value)) is not None}
+        if problems:
+            raise serializers.ValidationError(problems)
+        return attrs
 
     def validate_team_weights(self, weights: dict[str, float]) -> dict[str, float]:
         _known_teams(weights)
@@ -90,13 +116,29 @@ class PolicyOutput(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+def policy_seen_by(user: rbac.Principal, data: dict[str, Any]) -> dict[str, Any]:
+    """What a user may see of the policy: operators all of it; others only the entries about their
+    own teams, themselves and the roles, so no other team's slug or weight and no other user's
+    name leaks (the rule everywhere else)."""
+    if rbac.is_operator(user):
+        return data
+    slugs = set(rbac.visible_teams(user).values_list("slug", flat=True))
+    mine = {*Membership.Role.values, *(f"team:{slug}" for slug in slugs), f"user:{user.get_username()}"}
+    return {
+        **data,
+        "team_weights": {k: v for k, v in data["team_weights"].items() if k in slugs},
+        "max_queue_depth": {k: v for k, v in data["max_queue_depth"].items() if k == "default" or k in slugs},
+        "priority_map": {k: v for k, v in data["priority_map"].items() if k in mine},
+    }
+
+
 class PolicyApi(APIView):
     """The queue policy: anyone signed in reads it; operators change it (audited, applies to the
     next claim)."""
 
     @extend_schema(responses=PolicyOutput)
     def get(self, request: Request) -> Response:
-        return Response(PolicyOutput(queue_policy()).data)
+        return Response(policy_seen_by(request.user, PolicyOutput(queue_policy()).data))
 
     @extend_schema(request=PolicyInput, responses=PolicyOutput)
     def put(self, request: Request) -> Response:

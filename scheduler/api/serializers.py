@@ -4,20 +4,9 @@ from rest_framework import serializers
 
 from scheduler.models import Job, JobEvent
 from scheduler.services.submit import MAX_BULK
+from telemachus.serializers import StrictSerializer
 
 MESSAGE_ROLES = ("system", "user", "assistant", "tool", "developer")
-
-
-class StrictSerializer(serializers.Serializer):
-    """Rejects fields it does not name, so a client that tries to set `status`, `user` or
-    `tokens_used` hears about it instead of being silently ignored."""
-
-    def to_internal_value(self, data: Any) -> Any:
-        if isinstance(data, dict):
-            unknown = sorted(set(data) - set(self.fields))
-            if unknown:
-                raise serializers.ValidationError({name: ["This field is not accepted here."] for name in unknown})
-        return super().to_internal_value(data)
 
 
 class MessageInput(serializers.Serializer):
@@ -76,7 +65,7 @@ class JobListFilter(serializers.Serializer):
 class JobOutput(serializers.ModelSerializer):
     team = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     user = serializers.SlugRelatedField(slug_field="username", read_only=True)
-    executor = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    executor = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)
 
     class Meta:
         model = Job
@@ -88,7 +77,7 @@ class JobOutput(serializers.ModelSerializer):
 
 
 class JobEventOutput(serializers.ModelSerializer):
-    executor = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    executor = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)
 
     class Meta:
         model = JobEvent

@@ -18,6 +18,7 @@ from scheduler.services.submit import JobSpec, job_submit, jobs_submit
 from telemachus import rbac
 from telemachus.errors import NotFound, ValidationFailed
 from telemachus.pagination import NewestFirstCursorPagination
+from telemachus.throttles import SubmitRateThrottle
 
 
 def visible_job(request: Request, job_id: int) -> Job:
@@ -31,6 +32,8 @@ class JobListCreateApi(ListAPIView):
     """GET lists the jobs the caller may see, newest first; POST submits a job."""
 
     serializer_class = JobOutput
+    filter_serializer = JobListFilter
+    throttle_classes = [SubmitRateThrottle]
 
     @extend_schema(
         parameters=[

@@ -9,6 +9,7 @@ import time
 
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
 from rest_framework.authentication import SessionAuthentication, TokenAuthentication
 from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.request import Request
@@ -37,6 +38,7 @@ def _status(user: rbac.Principal, job_id: int) -> str | None:
     return rbac.visible_jobs(user).filter(pk=job_id).values_list("status", flat=True).first()
 
 
+@csrf_exempt  # reads only; token clients send no CSRF token, and a POST here must be a 405, not a 403
 async def job_wait(request: HttpRequest, job_id: int) -> JsonResponse:
     if request.method != "GET":
         return JsonResponse({"error": "method_not_allowed", "detail": f"Method {request.method} not allowed."}, status=405)

@@ -8,7 +8,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ("scheduler", "0007_fair_share"),
-        ("telemachus", "0003_config_version"),
+        ("telemachus", "0004_config_version"),
     ]
 
     operations = [watch_config("scheduler.QueuePolicy")]

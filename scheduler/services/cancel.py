@@ -6,6 +6,7 @@ from scheduler import signals
 from scheduler.locks import lock_job
 from scheduler.models import Job, JobEvent, Slot
 from scheduler.services.events import event_record
+from telemachus.audit import audit_record
 from telemachus.errors import Conflict, NotFound
 
 
@@ -15,7 +16,8 @@ def job_cancel(*, job_id: int, by: AbstractBaseUser | None = None) -> Job:
     Locks the job row (lock level 3). A running job's slots are deleted and its lease cleared in this
     transaction, so the capacity is free for the next claim immediately and the holder's next
     heartbeat, step or finish is refused; on PostgreSQL the holder is also told at commit, so it
-    aborts its dispatch without waiting for a heartbeat. A finished job is a 409 conflict."""
+    aborts its dispatch without waiting for a heartbeat. A finished job is a 409 conflict. A cancel
+    by a person (`by`) is also audited (`job.cancel`)."""
     with transaction.atomic():
         job = lock_job(job_id)
         if job is None:
@@ -34,6 +36,9 @@ def job_cancel(*, job_id: int, by: AbstractBaseUser | None = None) -> Job:
             job=job, event=JobEvent.Type.CANCELED, at=now, was=was,
             by=by.get_username() if by is not None else None,
         )
+        if by is not None:
+            audit_record(by=by, action="job.cancel", object_type="job", object_id=job.pk, object_repr=str(job),
+                         before={"status": was}, after={"status": job.status})
         if was == Job.Status.RUNNING:
             signals.notify_workers(f"{signals.CANCELED}:{job.pk}")
             signals.notify_workers(signals.FREED)

@@ -17,6 +17,7 @@ from scheduler.policy import policy_for
 from scheduler.services.events import events_record, job_event
 from scheduler.services.shares import team_shares_charge
 from scheduler.state import ClaimState, ExecutorView
+from telemachus.changes import changes_notify
 
 
 MAX_ORDER_ROUNDS = 3
@@ -103,6 +104,8 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
         for view in {view.pk: view for _, view in chosen if view.trial}.values():
             breaker_trial_started(executor=view.executor, now=now)
         claims = _start(chosen, worker=worker, state=state) if chosen else []
+        if claims:
+            changes_notify("claimed")  # live dashboards, not workers
         _record_deferrals(list(deferred.values()), now=now)
         # Ledger rows last (lock level 4): the reservations of the jobs actually started, and one
         # `deferred` event for each budget found empty for the first time in its window.

@@ -4,8 +4,8 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
 from scheduler.locks import lock_claim
-from scheduler.models import JobEvent, QueuePolicy
-from scheduler.services.events import event_record
+from scheduler.models import QueuePolicy
+from telemachus.audit import audit_record
 
 EDITABLE = (
     "team_weights", "default_weight", "cost", "half_life_seconds", "entry_penalty", "aging_after_seconds",
@@ -15,14 +15,14 @@ EDITABLE = (
 
 
 def queue_policy_update(*, changes: dict[str, Any], by: AbstractBaseUser | None) -> QueuePolicy:
-    """Edit the queue policy (fields validated by the caller) and audit it: one `policy_changed`
-    event with the fields' values before and after. Takes the claim lock (level 1), so the change
+    """Edit the queue policy (fields validated by the caller) and audit it: one `queue_policy.update`
+    audit event with the changed fields' values before and after. Takes the claim lock (level 1), so the change
     lands between two claims and applies to the next one, on every worker, without a restart."""
     unknown = set(changes) - set(EDITABLE)
     if unknown:
         raise ValueError(f"not editable: {', '.join(sorted(unknown))}")
     with transaction.atomic():
-        record, now = lock_claim()
+        record, now = lock_claim(as_stored=True)
         changed = {name: value for name, value in changes.items() if getattr(record, name) != value}
         if not changed:
             return record
@@ -30,6 +30,6 @@ def queue_policy_update(*, changes: dict[str, Any], by: AbstractBaseUser | None)
         for name, value in changed.items():
             setattr(record, name, value)
         record.save(update_fields=[*changed, "updated_at"])
-        event_record(job=None, event=JobEvent.Type.POLICY_CHANGED, at=now,
-                     by=by.get_username() if by is not None else None, before=before, after=changed)
+        audit_record(by=by, action="queue_policy.update", object_type="queue_policy", object_id=record.pk,
+                     object_repr=str(record), before=before, after=changed)
     return record

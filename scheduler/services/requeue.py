@@ -6,6 +6,7 @@ from scheduler.locks import lock_job
 from scheduler.models import Job, JobEvent
 from scheduler.services.events import event_record
 from telemachus import rbac
+from telemachus.audit import audit_record
 from telemachus.errors import Conflict, NotFound
 
 REQUEUEABLE = (Job.Status.FAILED, Job.Status.CANCELED)
@@ -17,7 +18,7 @@ def job_requeue(*, job_id: int, by: AbstractBaseUser) -> Job:
     the tokens it used, which were billed) stay. It keeps its place by age, bypasses the depth cap
     (an operator's decision), and still meets caps and budgets at the claim like any queued job.
 
-    Locks the job row (level 3). A queued, running or done job is a 409 conflict: cancel a running
+    Audited (`job.requeue`). Locks the job row (level 3). A queued, running or done job is a 409 conflict: cancel a running
     job first; submit a done one again."""
     rbac.require_operator(by)
     with transaction.atomic():
@@ -37,5 +38,7 @@ def job_requeue(*, job_id: int, by: AbstractBaseUser) -> Job:
                                 "started_at", "finished_at", "run_after", "deferred_until"])
         event_record(job=job, event=JobEvent.Type.REQUEUED, at=job.db_now, reason="operator", was=was,
                      by=by.get_username())
+        audit_record(by=by, action="job.requeue", object_type="job", object_id=job.pk, object_repr=str(job),
+                     before={"status": was}, after={"status": job.status})
         signals.notify_workers(signals.QUEUED)
     return job

@@ -30,6 +30,7 @@ from telemachus.config import (
     ConfigSnapshot, config_at, config_current, config_reload, config_snapshot, version_annotation,
 )
 from telemachus.errors import DomainError, TryLater, UnknownModel, ValidationFailed
+from telemachus.features import feature_require
 from telemachus.models import Team
 
 # The most jobs one bulk submit may carry.
@@ -46,6 +47,7 @@ class JobSpec:
     input: dict[str, Any]
     priority: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    run_after: datetime | None = None
 
 
 def job_submit(
@@ -57,17 +59,22 @@ def job_submit(
     input: dict[str, Any],
     priority: int = 0,
     meta: dict[str, Any] | None = None,
+    run_after: datetime | None = None,
 ) -> Job:
     """Admit a job and persist it `queued` with its `queued` event, in one transaction.
 
     `requirements` and `input` arrive shape-checked (JobSubmitInput); this checks, in order: the
-    team (which the user must belong to), the permission the job type needs (RBAC.require), an
+    team (which the user must belong to), that the job's kind is switched on for it (403
+    feature_disabled), the permission the job type needs (RBAC.require), an
     enabled executor usable by the team that offers the model, the budgets (Quota.check) for the
     estimate, the priority the principal may use (priority map: clamped, with an event, or
     refused, per policy) and the policy's admission (the team's queue depth cap: 429 try_later).
     Nothing is written when a check fails. Locks the team's row while it counts the queue, so
-    concurrent submits cannot overfill it. Wakes the workers on commit."""
-    spec = JobSpec(team=team, type=type, requirements=requirements, input=input, priority=priority, meta=meta or {})
+    concurrent submits cannot overfill it. Wakes the workers on commit. With `run_after` (an aware
+    datetime) the job waits in the queue, counted against the depth cap, and no claim takes it
+    before then (the same not-before time a retry waits on)."""
+    spec = JobSpec(team=team, type=type, requirements=requirements, input=input, priority=priority, meta=meta or {},
+                   run_after=run_after)
     (job,) = _submit(user=user, specs=[spec])
     return job
 
@@ -139,7 +146,9 @@ def _admit(*, user: AbstractBaseUser, specs: Sequence[JobSpec], snapshot: Config
     jobs = Job.objects.bulk_create([item.job for item in admitted])
     events = []
     for item in admitted:
-        events.append(job_event(job=item.job, event=JobEvent.Type.QUEUED, at=now, priority=item.job.priority))
+        deferred = {"run_after": item.job.run_after.isoformat()} if item.job.run_after is not None else {}
+        events.append(job_event(job=item.job, event=JobEvent.Type.QUEUED, at=now, priority=item.job.priority,
+                                **deferred))
         if item.requested > item.allowed:
             events.append(job_event(job=item.job, event=JobEvent.Type.PRIORITY_CLAMPED, at=now,
                                     requested=item.requested, allowed=item.allowed, reason=item.source))
@@ -152,6 +161,7 @@ def _check(conf: Configuration, record: QueuePolicy, who: rbac.Grants, user: Abs
     """The configuration checks of one job, in job_submit's order; the job, unsaved."""
     try:
         team = who.team_for_submit(conf.team(spec.team), spec.team)
+        feature_require(feature=spec.type, team=team, switches=conf.features)
         who.require(rbac.JOB_TYPE_PERMISSION[spec.type], team=team)
         model = spec.requirements["model"]
         if not conf.executors_usable_by(team_id=team.pk, model=model):
@@ -165,7 +175,7 @@ def _check(conf: Configuration, record: QueuePolicy, who: rbac.Grants, user: Abs
     job = Job(
         type=spec.type, user=user, team=team, priority=min(spec.priority, allowed), requirements=spec.requirements,
         model=model, cost_estimate=spec.requirements.get("est_tokens", 0), input=spec.input, meta=spec.meta,
-        submitted_at=now,
+        submitted_at=now, run_after=spec.run_after,
     )
     return _Admitted(job=job, requested=spec.priority, allowed=allowed, source=source)
 

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -158,6 +159,12 @@ class TestDispatch:
         assert not error.retryable
         assert str(error) == "task 'telemachus.add' raised TypeError: add takes numbers, not str"
 
+    def test_an_exception_inside_the_task_is_stored_with_its_class_and_traceback(self, make_driver):
+        error = dispatch_error(make_driver(), request("telemachus.add", 1, "two"))
+
+        assert error.detail["exception_class"] == "builtins.TypeError"
+        assert "TypeError: add takes numbers, not str" in error.detail["traceback"]
+
     def test_a_value_that_is_not_json_is_refused(self, make_driver, settings):
         settings.TELEMACHUS_TASKS = ["test.set=builtins.set", "test.float=builtins.float"]
         driver = make_driver()
@@ -208,6 +215,35 @@ class TestRegistry:
 
         assert str(caught.value).startswith(message)
         assert str(error).startswith(message) and not error.retryable
+
+
+class TestDeclaredTasks:
+    """Tasks declared with Django's tasks API, named by dotted path (tests/scheduler/declared_tasks.py)."""
+
+    def test_a_declared_task_runs_by_its_dotted_path(self, make_driver):
+        result = dispatch(make_driver(), request("tests.scheduler.declared_tasks.add", 2, b=5))
+
+        assert result.output["value"] == 7 and result.output["task"] == "tests.scheduler.declared_tasks.add"
+
+    def test_its_arguments_are_checked_against_the_function(self, make_driver):
+        error = dispatch_error(make_driver(), request("tests.scheduler.declared_tasks.add", 2, b=1, c=5))
+
+        assert str(error) == ("bad arguments for task 'tests.scheduler.declared_tasks.add': "
+                              "got an unexpected keyword argument 'c'")
+
+    def test_a_function_that_is_not_a_task_does_not_run(self, make_driver):
+        error = dispatch_error(make_driver(), request("tests.scheduler.declared_tasks.not_a_task"))
+
+        assert not error.retryable
+        assert str(error) == "tests.scheduler.declared_tasks.not_a_task is not a task declared with Django's @task"
+
+    def test_a_path_outside_the_installed_apps_is_never_imported(self, make_driver):
+        assert "antigravity" not in sys.modules
+
+        error = dispatch_error(make_driver(), request("antigravity.fly"))
+
+        assert str(error).startswith("unknown task 'antigravity.fly'; registered tasks:")
+        assert "antigravity" not in sys.modules
 
 
 class TestPool:

@@ -2,6 +2,8 @@
 through the real ASGI application (session cookie, origin check, consumer)."""
 
 import json
+import re
+import time
 
 import pytest
 from asgiref.sync import async_to_sync
@@ -9,8 +11,11 @@ from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.test import Client
 
+from executors.models import Executor
+from scheduler.models import Job, QueuePolicy
 from scheduler.services.submit import job_submit
 from telemachus.asgi import application
+from telemachus.models import AuditEvent, FeatureSwitch
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -22,7 +27,7 @@ def signed_in(user) -> str:
 
 
 def socket(session: str | None = None, origin: str = "http://127.0.0.1:8000") -> WebsocketCommunicator:
-    headers = [(b"origin", origin.encode())]
+    headers = [(b"host", b"127.0.0.1:8000"), (b"origin", origin.encode())]
     if session:
         headers.append((b"cookie", f"sessionid={session}".encode()))
     return WebsocketCommunicator(application, "/ws/dashboard/", headers=headers)
@@ -39,12 +44,15 @@ class TestPage:
         response = browser.post("/login/?next=/dashboard/", {"username": "alice", "password": "pw"})
         assert response.url == "/dashboard/"
         page = browser.get("/dashboard/")
-        assert page.status_code == 200 and b"/ws/dashboard/" in page.content and b"alice" in page.content
+        assert page.status_code == 200 and b"/static/scheduler/dashboard.js" in page.content and b"alice" in page.content
+        # No inline script, handler or style, so a Content-Security-Policy can forbid them.
+        assert b"<script>" not in page.content and not re.search(rb"\son[a-z]+=", page.content)
+        assert b"style=" not in page.content and b"<style" not in page.content
 
 
 class TestSocket:
     def test_pushes_the_queue_and_its_changes(self, member_setup, settings):
-        settings.TELEMACHUS_DASHBOARD_INTERVAL_SECONDS = 0.05
+        settings.TELEMACHUS_DASHBOARD_HEARTBEAT_SECONDS = 0.2
         alice = member_setup[0]
         session = signed_in(alice)
 
@@ -80,7 +88,7 @@ class TestSocket:
 
     @pytest.mark.parametrize("how", ["deactivated", "signed out"])
     def test_closes_when_the_account_is_deactivated_or_signs_out(self, member_setup, settings, how):
-        settings.TELEMACHUS_DASHBOARD_INTERVAL_SECONDS = 0.05
+        settings.TELEMACHUS_DASHBOARD_HEARTBEAT_SECONDS = 0.2
         alice = member_setup[0]
         browser = Client()
         browser.force_login(alice)
@@ -99,3 +107,157 @@ class TestSocket:
             return await communicator.receive_output(timeout=5)
 
         assert async_to_sync(scenario)() == {"type": "websocket.close", "code": 4401}
+
+
+async def receive_state(communicator, timeout=5.0, where=lambda state: True):
+    """The next pushed state that satisfies `where` (heartbeats and replies are skipped)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        message = json.loads(await communicator.receive_from(timeout=max(deadline - time.monotonic(), 0.01)))
+        if "state" in message and where(message["state"]):
+            return message["state"]
+
+
+async def receive_reply(communicator, timeout=5.0):
+    while True:
+        message = json.loads(await communicator.receive_from(timeout=timeout))
+        if "reply" in message:
+            return message
+
+
+def run(scenario):
+    return async_to_sync(scenario)()
+
+
+class TestOperatorActions:
+    """An operator acts from the dashboard: the same services and checks as the API, audited as
+    coming from the dashboard, and every open dashboard sees the result within a second."""
+
+    @pytest.fixture
+    def sockets(self, operator, member_setup, settings):
+        settings.TELEMACHUS_DASHBOARD_HEARTBEAT_SECONDS = 2
+        return signed_in(operator), signed_in(member_setup[0])
+
+    def test_team_weight_and_executor_capacity_reach_every_open_dashboard(self, sockets, member_setup):
+        operator_session, member_session = sockets
+        executor = member_setup[4]
+
+        async def scenario():
+            acting, watching = socket(operator_session), socket(member_session)
+            assert (await acting.connect())[0] and (await watching.connect())[0]
+            await receive_state(acting)
+            await receive_state(watching)
+            started = time.monotonic()
+            await acting.send_json_to({"id": 1, "action": "policy.update", "changes": {"team_weights": {"a": 3}}})
+            reply = await receive_reply(acting)
+            seen = await receive_state(watching, where=lambda s: s["queue"]["teams"][0]["weight"] == 3.0)
+            weight_latency = time.monotonic() - started
+            await acting.send_json_to({"id": 2, "action": "executor.update", "executor": executor.pk,
+                                       "changes": {"max_concurrency": 7, "enabled": False}})
+            second = await receive_reply(acting)
+            shown = await receive_state(acting, where=lambda s: s["queue"]["executors"][0]["max_concurrency"] == 7)
+            await acting.disconnect()
+            await watching.disconnect()
+            return reply, seen, weight_latency, second, shown
+
+        reply, seen, latency, second, shown = run(scenario)
+        assert reply == {"reply": 1, "ok": True} and second == {"reply": 2, "ok": True}
+        assert seen["operator"] is False and latency < 1.5
+        assert shown["queue"]["executors"][0]["enabled"] is False and shown["operator"] is True
+        assert QueuePolicy.objects.get().team_weights == {"a": 3.0}
+        assert Executor.objects.filter(pk=executor.pk, max_concurrency=7, enabled=False).exists()
+        events = {e.action: e for e in AuditEvent.objects.filter(actor__username="operator")}
+        assert {e.source for e in events.values()} == {"dashboard"}
+        assert events["executor.update"].before == {"max_concurrency": 4, "enabled": True}
+        assert events["queue_policy.update"].after == {"team_weights": {"a": 3.0}}
+
+    def test_cancel_requeue_and_feature_switch(self, sockets, member_setup):
+        operator_session, _ = sockets
+        job = job_submit(user=member_setup[0], team="a", type="chat", requirements={"model": "m"},
+                         input={"messages": [{"role": "user", "content": "hi"}]})
+
+        async def scenario():
+            communicator = socket(operator_session)
+            await communicator.connect()
+            await receive_state(communicator)
+            replies = []
+            for request in (
+                {"action": "job.cancel", "job": job.pk},
+                {"action": "job.cancel", "job": job.pk},  # already canceled: 409
+                {"action": "job.requeue", "job": job.pk},
+                {"action": "feature.set", "changes": {"feature": "tool", "team": "a", "enabled": False}},
+                {"action": "policy.update", "changes": {"placement": "random"}},  # the API's validation
+                {"action": "executor.update", "executor": member_setup[4].pk, "changes": {"kind": "sim"}},
+                {"action": "reboot"},
+            ):
+                await communicator.send_json_to(request)
+                replies.append(await receive_reply(communicator))
+            await communicator.disconnect()
+            return replies
+
+        cancel, again, requeue, feature, bad_policy, bad_executor, unknown = run(scenario)
+        assert cancel["ok"] and requeue["ok"] and feature["ok"]
+        assert again["error"]["error"] == "conflict"
+        assert bad_policy["error"]["error"] == "validation_error" and "placement" in bad_policy["error"]["fields"]
+        assert bad_executor["error"]["fields"] == {"changes": ["Change one or more of: enabled, max_concurrency."]}
+        assert unknown["error"]["error"] == "validation_error"
+        assert Job.objects.get().status == "queued"
+        assert FeatureSwitch.objects.get().enabled is False
+        actions = list(AuditEvent.objects.filter(source="dashboard").values_list("action", flat=True))
+        assert sorted(actions) == ["feature.set", "job.cancel", "job.requeue"]
+
+    def test_a_members_socket_refuses_actions(self, sockets, member_setup):
+        _, member_session = sockets
+        job = job_submit(user=member_setup[0], team="a", type="chat", requirements={"model": "m"},
+                         input={"messages": [{"role": "user", "content": "hi"}]})
+
+        async def scenario():
+            communicator = socket(member_session)
+            await communicator.connect()
+            state = await receive_state(communicator)
+            replies = []
+            for request in ({"id": "w", "action": "policy.update", "changes": {"team_weights": {"a": 9}}},
+                            {"id": "c", "action": "job.cancel", "job": job.pk}):
+                await communicator.send_json_to(request)
+                replies.append(await receive_reply(communicator))
+            await communicator.disconnect()
+            return state, replies
+
+        state, replies = run(scenario)
+        assert state["operator"] is False
+        assert [(r["reply"], r["ok"], r["error"]["error"]) for r in replies] == [("w", False, "forbidden"),
+                                                                                ("c", False, "forbidden")]
+        assert QueuePolicy.objects.filter(team_weights={"a": 9}).count() == 0
+        assert Job.objects.get().status == "queued" and not AuditEvent.objects.filter(source="dashboard").exists()
+
+
+class TestPushes:
+    def test_idle_dashboards_get_heartbeats_not_re_reads(self, member_setup, settings):
+        settings.TELEMACHUS_DASHBOARD_HEARTBEAT_SECONDS = 0.2
+        session = signed_in(member_setup[0])
+
+        async def scenario():
+            communicator = socket(session)
+            await communicator.connect()
+            messages = [json.loads(await communicator.receive_from(timeout=5)) for _ in range(4)]
+            await communicator.disconnect()
+            return messages
+
+        first, *beats = run(scenario)
+        assert "state" in first
+        assert all(set(beat) == {"at"} for beat in beats), "nothing changed, so only the stamp moves"
+        stamps = [beat["at"] for beat in beats]
+        assert stamps == sorted(stamps) and len(set(stamps)) == 3
+
+    def test_the_job_list_says_how_many_of_how_many_and_links(self, member_setup, operator):
+        from scheduler.snapshot import RECENT_JOBS, dashboard_state
+
+        alice = member_setup[0]
+        for _ in range(RECENT_JOBS + 3):
+            Job.objects.create(type="chat", user=alice, team=member_setup[2], model="m", requirements={"model": "m"})
+        state = dashboard_state(user=operator)
+        assert len(state["jobs"]) == RECENT_JOBS and state["jobs_total"] == RECENT_JOBS + 3
+        assert state["jobs_link"] == "/admin/scheduler/job/"
+        assert state["jobs"][0]["link"] == f"/admin/scheduler/job/{state['jobs'][0]['id']}/change/"
+        mine = dashboard_state(user=alice)
+        assert mine["jobs_total"] == RECENT_JOBS + 3 and mine["jobs"][0]["link"].startswith("/api/jobs/")

@@ -12,6 +12,7 @@ from scheduler.policy import FairSharePolicy, policy_for
 from scheduler.services.claim import job_claim
 from scheduler.services.finish import job_finish
 from scheduler.services.submit import job_submit
+from telemachus.models import AuditEvent
 from tests.conftest import chat_body
 
 pytestmark = pytest.mark.django_db
@@ -283,9 +284,10 @@ class TestPolicyApi:
         response = client.put("/api/policy/", {"team_weights": {"a": 3}, "placement": "pack"}, format="json")
         assert response.status_code == 200
         assert response.json()["team_weights"] == {"a": 3.0} and response.json()["placement"] == "pack"
-        event = JobEvent.objects.get(event="policy_changed")
-        assert event.meta == {"by": "operator", "before": {"team_weights": {}, "placement": "least-loaded"},
-                              "after": {"team_weights": {"a": 3.0}, "placement": "pack"}}
+        event = AuditEvent.objects.get(action="queue_policy.update")
+        assert (event.actor_name, event.source) == ("operator", "api")
+        assert event.before == {"team_weights": {}, "placement": "least-loaded"}
+        assert event.after == {"team_weights": {"a": 3.0}, "placement": "pack"}
         assert QueuePolicy.objects.get().placement == "pack"
 
     def test_members_read_but_cannot_edit(self, api, member_setup):
@@ -310,7 +312,7 @@ class TestPolicyApi:
     def test_bad_input(self, api, operator, member_setup, body, field):
         response = api(operator).put("/api/policy/", body, format="json")
         assert response.status_code == 400 and field in response.json()["fields"]
-        assert not JobEvent.objects.filter(event="policy_changed").exists()
+        assert not AuditEvent.objects.filter(action="queue_policy.update").exists()
 
     def test_admin_edits_are_audited_too(self, client, operator, member_setup):
         client.force_login(operator)
@@ -322,5 +324,5 @@ class TestPolicyApi:
         data = {k: ("" if v is None else v) for k, v in data.items()}
         response = client.post("/admin/scheduler/queuepolicy/1/change/", data)
         assert response.status_code == 302, response.content[:3000]
-        event = JobEvent.objects.get(event="policy_changed")
-        assert event.meta["by"] == "operator" and event.meta["after"]["placement"] == "weighted"
+        event = AuditEvent.objects.get(action="queue_policy.update")
+        assert (event.actor_name, event.source) == ("operator", "admin") and event.after["placement"] == "weighted"

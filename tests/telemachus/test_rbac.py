@@ -124,8 +124,9 @@ class TestRoles:
         assert response.status_code == 403 and response.json()["permission"] == "job:cancel"
         assert Job.objects.get(pk=jobs[1].pk).status == "queued"
 
-    def test_manager_manages_members(self, api, chat_only, make_user):
-        make_user("erin")
+    def test_manager_manages_members(self, api, chat_only, make_user, make_team):
+        # Given erin, who shares another team with mia, lab's manager...
+        make_team("other", {make_user("erin"): "member", chat_only[2]: "member"})
         client = api(chat_only[2])
         assert client.post("/api/teams/lab/members/", {"username": "erin"}, format="json").status_code == 201
         assert client.delete("/api/teams/lab/members/erin/").status_code == 204

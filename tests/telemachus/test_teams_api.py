@@ -1,4 +1,7 @@
+import threading
+
 import pytest
+from django.db import connection
 
 from scheduler.services.submit import job_submit
 from telemachus.models import Membership, Team
@@ -90,3 +93,66 @@ class TestTeamsApi:
         response = api(operator).delete("/api/teams/a/")
         assert response.status_code == 409 and response.json()["error"] == "conflict"
         assert Team.objects.filter(slug="a").exists()
+
+
+class TestManagersAddOnlyPeopleTheyKnow:
+    """A manager adds members of their own other teams, never an operator, and cannot tell an
+    existing stranger from a name no one has."""
+
+    @pytest.fixture
+    def lab(self, make_user, make_team):
+        mia, carol, stranger = make_user("mia"), make_user("carol"), make_user("stranger")
+        make_user("root", is_superuser=True)
+        lab = make_team("lab", {mia: "manager"})
+        make_team("side", {mia: "member", carol: "member"})
+        make_team("elsewhere", {stranger: "member"})
+        return lab, mia
+
+    def test_a_member_of_a_shared_team_can_be_added(self, api, lab):
+        response = api(lab[1]).post("/api/teams/lab/members/", {"username": "carol"}, format="json")
+        assert response.status_code == 201
+        assert Membership.objects.filter(team=lab[0], user__username="carol").exists()
+
+    @pytest.mark.parametrize("username", ["stranger", "root", "nobody-at-all"])
+    def test_strangers_operators_and_unknown_names_read_the_same(self, api, lab, username):
+        response = api(lab[1]).post("/api/teams/lab/members/", {"username": username}, format="json")
+        assert response.status_code == 400
+        assert response.json()["fields"] == {
+            "username": [f"No user {username!r} that you can add (managers add members of their own teams)."]
+        }
+        assert not Membership.objects.filter(team=lab[0], user__username=username).exists()
+
+    def test_operators_add_anyone(self, api, operator, lab):
+        response = api(operator).post("/api/teams/lab/members/", {"username": "stranger"}, format="json")
+        assert response.status_code == 201
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_deleting_a_team_and_a_member_at_once_never_errs(api, operator, make_user, make_team):
+    """The issue saw a 500 about 1 time in 25: the member removal found the team's group gone."""
+    alice = make_user("alice")
+    outcomes: list[tuple[int, int]] = []
+    for i in range(40):
+        make_team(f"t{i}", {alice: "member"})
+        barrier = threading.Barrier(2)
+        results: dict[str, int] = {}
+
+        def run(name: str, path: str, barrier=barrier, results=results) -> None:
+            try:
+                client = api(operator)
+                barrier.wait()
+                results[name] = client.delete(path).status_code
+            finally:
+                connection.close()
+
+        threads = [threading.Thread(target=run, args=("team", f"/api/teams/t{i}/")),
+                   threading.Thread(target=run, args=("member", f"/api/teams/t{i}/members/alice/"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        outcomes.append((results["team"], results["member"]))
+    assert {team for team, _ in outcomes} == {204}
+    assert {member for _, member in outcomes} <= {204, 404}
+    assert not Team.objects.exists() and not Membership.objects.exists()

@@ -12,7 +12,8 @@ from telemachus.services import team_create, team_member_set
 
 class Command(BaseCommand):
     help = (
-        "Seed a demo: team `demo`, a `sim` executor offering model `sim`, and an `admin` superuser "
+        "Seed a demo: team `demo`, a `sim` executor offering model `sim`, a `cpu-node` executor `cpu` "
+        "offering `cpu` (for task jobs and Django tasks), and an `admin` superuser "
         "(its password is printed once, when it is created). Safe to run again: it creates only what is missing."
     )
 
@@ -37,7 +38,14 @@ class Command(BaseCommand):
                     "meta": {"latency_ms": 300, "jitter_ms": 100, "output_tokens": 24},
                 },
             )
-        self.stdout.write(f"demo team: {team.slug}; sim executor: {'created' if created else 'present'}")
+            _, cpu_created = Executor.objects.get_or_create(
+                name="cpu",
+                defaults={"kind": "cpu-node", "capabilities": {"models": ["cpu"], "class": "cpu"}, "max_concurrency": 2},
+            )
+        self.stdout.write(
+            f"demo team: {team.slug}; sim executor: {'created' if created else 'present'}; "
+            f"cpu executor: {'created' if cpu_created else 'present'}"
+        )
         if password:
             self.stdout.write(self.style.WARNING(f"admin user created; password (shown once): {password}"))
         else:

@@ -3,6 +3,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from executors.models import Executor
 from quotas.models import QuotaPolicy
 from scheduler.models import Job, QueuePolicy
 from scheduler.services.claim import job_claim
@@ -29,13 +30,13 @@ def test_queue_shows_depth_caps_and_executors(api, operator, member_setup):
     assert snapshot["global"] == {"in_use": 0, "cap": 10}
     assert snapshot["teams"] == [
         {"team": "a", "queued": 3, "running": 0, "in_use": 0, "cap": 2, "weight": 3.0, "target_share": 0.75,
-         "actual_share": 0.0, "not_served": []},
+         "actual_share": 0.0, "not_served": [], "waits": []},
         {"team": "b", "queued": 1, "running": 0, "in_use": 0, "cap": None, "weight": 1.0, "target_share": 0.25,
-         "actual_share": 0.0, "not_served": []},
+         "actual_share": 0.0, "not_served": [], "waits": []},
     ]
     assert snapshot["executors"] == [
-        {"name": "shared", "kind": "sim", "team": None, "enabled": True, "health": "ok", "breaker": "closed",
-         "models": ["m"], "in_use": 0, "limit": 4}
+        {"id": member_setup[4].pk, "name": "shared", "kind": "sim", "team": None, "enabled": True, "health": "ok",
+         "breaker": "closed", "breaker_until": None, "models": ["m"], "in_use": 0, "limit": 4, "max_concurrency": 4}
     ]
 
 
@@ -58,7 +59,11 @@ def test_why_a_team_is_not_served_and_actual_shares(api, operator, member_setup,
     teams = {t["team"]: t for t in api(operator).get("/api/queue/").json()["teams"]}
 
     assert teams["a"]["not_served"] == ["at team cap"]
-    assert teams["b"]["not_served"] == ["over budget", "no executor offers the model"]
+    reset = (timezone.now() + timedelta(days=1)).strftime("%Y-%m-%d 00:00")
+    assert teams["b"]["not_served"] == [f"over budget: team b ai.tokens empty until {reset} UTC",
+                                        "executor llama is disabled"]
+    assert [w["code"] for w in teams["b"]["waits"]] == ["budget_empty", "executor_disabled"]
+    assert teams["b"]["waits"][0]["reset_at"].startswith(reset.replace(" ", "T"))
     assert 0.8 < teams["b"]["actual_share"] < 1.0 and 0 < teams["a"]["actual_share"] < 0.2
 
 
@@ -85,3 +90,67 @@ def test_members_see_only_their_teams(api, member_setup, make_executor):
     assert [t["team"] for t in snapshot["teams"]] == ["a"]
     assert [e["name"] for e in snapshot["executors"]] == ["shared"]
     assert [u["user"] for u in snapshot["users"]] == ["alice"]
+
+
+class TestEveryWaitReasonIsNamed:
+    """Given one reason at a time that keeps a team's next job from starting, the queue names it,
+    for the team and for the job on the dashboard."""
+
+    def reasons(self, api, operator, team="a"):
+        teams = {t["team"]: t for t in api(operator).get("/api/queue/").json()["teams"]}
+        return [w["code"] for w in teams[team]["waits"]]
+
+    def test_executor_full(self, api, operator, member_setup):
+        alice, _, _, _, executor = member_setup
+        executor.max_concurrency = 1
+        executor.save()
+        submit(alice, "a")
+        submit(alice, "a")
+        job_claim(worker="w", limit=5)
+        teams = {t["team"]: t for t in api(operator).get("/api/queue/").json()["teams"]}
+        assert teams["a"]["waits"] == [{"code": "executor_full", "text": "executor shared is full",
+                                        "executor": "shared", "model": "m", "limit": 1}]
+
+    def test_an_executor_rule_makes_it_full_too(self, api, operator, member_setup):
+        alice = member_setup[0]
+        QuotaPolicy.objects.create(scope="executor", subject="shared", dimension="ai.concurrency", limit=1)
+        submit(alice, "a")
+        submit(alice, "a")
+        job_claim(worker="w", limit=5)
+        assert self.reasons(api, operator) == ["executor_full"]
+
+    def test_breaker_open_and_down(self, api, operator, member_setup, make_executor):
+        alice, _, _, _, executor = member_setup
+        other = make_executor("second", models=["m"])
+        submit(alice, "a")
+        Executor.objects.filter(pk=executor.pk).update(breaker="open", breaker_until=timezone.now() + timedelta(minutes=1))
+        assert self.reasons(api, operator) == [], "the second executor can still take it"
+        Executor.objects.filter(pk=other.pk).update(health="down")
+        assert sorted(self.reasons(api, operator)) == ["executor_breaker_open", "executor_down"]
+        Executor.objects.filter(pk=executor.pk).update(breaker_until=timezone.now() - timedelta(seconds=1))
+        assert self.reasons(api, operator) == [], "the cooldown is over: a trial may go through"
+
+    def test_no_executor_offers_the_model(self, api, operator, member_setup):
+        alice, _, team_a, _, _ = member_setup
+        Job.objects.create(type="chat", user=alice, team=team_a, model="gone", requirements={"model": "gone"})
+        teams = {t["team"]: t for t in api(operator).get("/api/queue/").json()["teams"]}
+        assert teams["a"]["not_served"] == ["no executor offers the model"]
+
+    def test_budgets_of_user_and_everyone(self, api, operator, member_setup):
+        alice = member_setup[0]
+        submit(alice, "a")
+        QuotaPolicy.objects.create(scope="user", subject="alice", dimension="ai.requests", limit=0, window="hour")
+        QuotaPolicy.objects.create(scope="global", dimension="ai.tokens", limit=0, window="minute")
+        assert sorted(self.reasons(api, operator)) == ["budget_empty", "budget_empty"]
+        texts = {t["team"]: t for t in api(operator).get("/api/queue/").json()["teams"]}["a"]["not_served"]
+        assert any(t.startswith("over budget: user alice ai.requests empty until ") for t in texts)
+        assert any(t.startswith("over budget: global ai.tokens empty until ") for t in texts)
+
+    def test_depth_cap(self, api, operator, member_setup):
+        alice = member_setup[0]
+        QueuePolicy.objects.update_or_create(pk=1, defaults={"max_queue_depth": {"a": 2}})
+        submit(alice, "a")
+        submit(alice, "a")
+        teams = {t["team"]: t for t in api(operator).get("/api/queue/").json()["teams"]}
+        assert teams["a"]["waits"] == [{"code": "depth_cap", "cap": 2,
+                                        "text": "queue at its depth cap (2): new jobs are refused"}]

@@ -12,10 +12,10 @@ def create_version(apps, schema_editor):
 
 class Migration(migrations.Migration):
     """The configuration version, and triggers that bump it on every write to teams, memberships,
-    users' names and flags, group membership and permissions (global and per object)."""
+    users' names and flags, group membership and permissions (global and per object), feature switches."""
 
     dependencies = [
-        ('telemachus', '0002_alter_team_options'),
+        ('telemachus', '0003_audit_and_feature_switches'),
         ('auth', '0012_alter_user_first_name_max_length'),
         ('guardian', '0003_remove_groupobjectpermission_guardian_gr_content_ae6aec_idx_and_more'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
@@ -42,4 +42,5 @@ class Migration(migrations.Migration):
         watch_config("auth.Group", m2m="permissions"),
         watch_config("guardian.UserObjectPermission"),
         watch_config("guardian.GroupObjectPermission"),
+        watch_config("telemachus.FeatureSwitch"),
     ]

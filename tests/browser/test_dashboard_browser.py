@@ -1,0 +1,122 @@
+"""The dashboard in a real browser: Playwright drives Debian's chromium (/usr/bin/chromium, installed
+by .ci/run; never a downloaded browser) against daphne serving the real ASGI app.
+
+An operator signs in, changes a team's weight and an executor's capacity on the page, and the API
+and the audit log show the changes; a member's page has no controls and its socket refuses an
+action. A screenshot is kept as a CI artifact; any JavaScript console error fails the test.
+
+Everything the test needs from the database is set up before the browser starts; afterwards it
+only speaks HTTP, as a person and their scripts would (Playwright's sync API runs an event loop,
+where Django refuses ORM calls)."""
+
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+from django.contrib.auth import get_user_model
+from rest_framework.authtoken.models import Token
+
+from telemachus.services import team_create, team_member_set
+from tests.processes import ROOT, answers, free_port, wait_until
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACT = ROOT / "var" / "artifacts" / "dashboard.png"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.slow,
+    pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium "
+                       "(.ci/run installs it: apt-get install -y chromium)"),
+    pytest.mark.django_db(transaction=True),
+]
+sync_api = pytest.importorskip("playwright.sync_api", reason="needs the playwright package (the dev extra)")
+
+
+def api_get(base: str, token: str, path: str) -> dict:
+    request = urllib.request.Request(base + path, headers={"Authorization": f"Token {token}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture
+def server(processes, make_executor):
+    User = get_user_model()
+    User.objects.create_superuser("root", "root@example.com", "operator pass 1")
+    User.objects.create_user("alice", password="member pass 1")
+    team_member_set(team=team_create(slug="a", name="Team A"), username="alice", role="member")
+    team_create(slug="b", name="Team B")
+    executor = make_executor("shared", models=["m"])
+    token = Token.objects.create(user=User.objects.get(username="root")).key
+    port = free_port()
+    processes.spawn("daphne", "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "telemachus.asgi:application")
+    base = f"http://127.0.0.1:{port}"
+    wait_until(lambda: answers(base + "/healthz"), timeout=30, what="daphne to listen")
+    return base, token, executor.pk
+
+
+def sign_in(browser, base: str, username: str, password: str, errors: list[str]):
+    context = browser.new_context(viewport={"width": 1500, "height": 1100})
+    page = context.new_page()
+    page.on("console", lambda message: errors.append(f"{username}: {message.text}") if message.type == "error" else None)
+    page.on("pageerror", lambda error: errors.append(f"{username}: {error}"))
+    page.goto(base + "/dashboard/")
+    page.fill("#id_username", username)
+    page.fill("#id_password", password)
+    page.click("button[type=submit]")
+    sync_api.expect(page.locator("#status")).to_contain_text("live", timeout=15_000)
+    return page
+
+
+def test_operators_act_on_the_dashboard_and_members_only_watch(server):
+    base, token, executor_id = server
+    errors: list[str] = []
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=FLAGS)
+        try:
+            page = sign_in(browser, base, "root", "operator pass 1", errors)
+
+            page.get_by_label("weight of a", exact=True).fill("3")
+            page.get_by_label("save weight of a", exact=True).click()
+            sync_api.expect(page.locator("#notice")).to_have_text("weight of a: done")
+            wait_until(lambda: api_get(base, token, "/api/policy/")["team_weights"] == {"a": 3.0}, timeout=10,
+                       what="the weight in /api/policy/")
+
+            page.get_by_label("capacity of shared", exact=True).fill("9")
+            page.get_by_label("save capacity of shared", exact=True).click()
+            sync_api.expect(page.locator("#notice")).to_have_text("capacity of shared: done")
+            wait_until(lambda: api_get(base, token, f"/api/executors/{executor_id}/")["max_concurrency"] == 9,
+                       timeout=10, what="the capacity in /api/executors/")
+            # The page shows what the server now holds, pushed back to it.
+            sync_api.expect(page.locator("#executors")).to_contain_text("0 / 9")
+
+            audit = api_get(base, token, "/api/audit/?actor=root")["results"]
+            assert [(e["action"], e["source"], e["after"]) for e in audit] == [
+                ("executor.update", "dashboard", {"max_concurrency": 9}),
+                ("queue_policy.update", "dashboard", {"team_weights": {"a": 3.0}}),
+            ]
+            ARTIFACT.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(ARTIFACT), full_page=True)
+
+            member = sign_in(browser, base, "alice", "member pass 1", errors)
+            sync_api.expect(member.locator("#teams")).to_contain_text("a")
+            assert member.locator("input:not([type=hidden]), select, textarea").count() == 0
+            assert member.get_by_role("button").all_inner_texts() == ["sign out"]
+            reply = member.evaluate("""() => new Promise((resolve, reject) => {
+                const socket = new WebSocket(`ws://${location.host}/ws/dashboard/`);
+                socket.addEventListener("message", (message) => {
+                    const data = JSON.parse(message.data);
+                    if (data.reply !== undefined) { resolve(data); socket.close(); }
+                    else if (data.state) socket.send(JSON.stringify(
+                        {id: "x", action: "policy.update", changes: {team_weights: {a: 100}}}));
+                });
+                socket.addEventListener("error", () => reject(new Error("socket error")));
+            })""")
+            assert reply["ok"] is False and reply["error"]["error"] == "forbidden"
+            assert api_get(base, token, "/api/policy/")["team_weights"] == {"a": 3.0}
+        finally:
+            browser.close()
+    assert ARTIFACT.stat().st_size > 10_000
+    assert errors == []
