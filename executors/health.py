@@ -42,6 +42,12 @@ def breaker_record(*, reports: Sequence[DispatchReport]) -> list[JobEvent]:
     opens a closed breaker, and any fault reopens a half-open one (the trial failed)."""
     if not reports:
         return []
+    if all(r.ok or not r.executor_fault for r in reports):
+        # The usual case, every server answered and no breaker to reset: one statement, no lock.
+        answered = {r.executor_id for r in reports}
+        closed = Executor.objects.filter(pk__in=answered, breaker=Executor.Breaker.CLOSED, consecutive_failures=0)
+        if closed.update(last_seen=Now()) == len(answered):
+            return []
     threshold = settings.TELEMACHUS_BREAKER_THRESHOLD
     cooldown = timedelta(seconds=settings.TELEMACHUS_BREAKER_COOLDOWN_SECONDS)
     with transaction.atomic(durable=True):
@@ -87,9 +93,10 @@ def breaker_record(*, reports: Sequence[DispatchReport]) -> list[JobEvent]:
 
 def breaker_trial_started(*, executor: Executor, now: datetime) -> None:
     """open → half open, when the claim places the one trial request after the cooldown.
-    Runs inside the claim, after the claim lock (level 1) and before job rows (level 3)."""
+    Runs inside the claim, after the claim lock (level 1) and before job rows (level 3). Leaves
+    `executor` as it is: the claim's executors are shared configuration (the row's change bumps
+    the configuration version, so the next claim reads it again)."""
     if Executor.objects.filter(pk=executor.pk, breaker=Executor.Breaker.OPEN).update(breaker=Executor.Breaker.HALF_OPEN):
-        executor.breaker = Executor.Breaker.HALF_OPEN
         events_record([_event(executor, JobEvent.Type.BREAKER_HALF_OPEN, now)])
         changes_notify("breaker")
 

@@ -32,9 +32,10 @@ def executor_create(*, by: AbstractBaseUser | None = None, **fields: Any) -> Exe
 def executor_update(
     *, executor: Executor, by: AbstractBaseUser | None = None, action: str = "executor.update", **fields: Any
 ) -> Executor:
-    """Apply an operator's edit. The next claim reads the row afresh, so a change to `enabled`,
-    `max_concurrency` or `capabilities` takes effect without restarting workers. Audited with the
-    changed fields before and after (nothing is written when nothing changes)."""
+    """Apply an operator's edit. The write moves the configuration version (by trigger), so the
+    next claim and submit read the row again and a change to `enabled`, `max_concurrency` or
+    `capabilities` takes effect without restarting workers; on PostgreSQL it also wakes them.
+    Audited with the changed fields before and after (nothing is written when nothing changes)."""
     before = executor_audit_view(executor)
     for name, value in fields.items():
         setattr(executor, name, value)

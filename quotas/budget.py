@@ -23,7 +23,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db import connection
-from django.db.models import Q
+from django.db.models import Q, Subquery
 
 from quotas.models import QuotaPolicy, Usage
 from quotas.rules import Rule, quota_rules
@@ -107,29 +107,54 @@ class Budgets:
         self.accounts = accounts
         self.now = now
         self.pending = Deltas()
+        # Accounts that refused some job (`blocking`), so their window's end may let it start.
+        self.refused: dict[LedgerKey, Account] = {}
 
     @classmethod
     def load(cls, *, now: datetime, rules: list[Rule] | None = None) -> "Budgets":
         """One query for the ledger rows of the current windows (none when there are no budget
         rules); `rules` are loaded too unless given."""
-        rules = [r for r in (quota_rules() if rules is None else rules) if r.dimension in BUDGET_DIMENSIONS]
-        accounts = [Account(rule, *window_bounds(rule.window, now)) for rule in rules]
-        if accounts:
+        budgets = cls.of(now=now, rules=quota_rules() if rules is None else rules)
+        if budgets.accounts:
             wanted = Q()
-            for account in accounts:
+            for account in budgets.accounts:
                 wanted |= Q(scope=account.rule.scope, subject=account.rule.subject, window=account.rule.window,
                             window_start=account.start)
             rows = {
                 (u.scope, u.subject, u.window, u.window_start): u for u in Usage.objects.filter(wanted)
             }
-            for account in accounts:
+            for account in budgets.accounts:
                 row = rows.get(account.key)
                 if row is not None:
                     is_tokens = account.rule.dimension == Dimension.TOKENS
                     account.used = row.tokens if is_tokens else row.requests
                     account.reserved = row.reserved_tokens if is_tokens else row.reserved_requests
                     account.exhausted_at = row.exhausted_at
-        return cls(accounts, now)
+        return budgets
+
+    @classmethod
+    def of(cls, *, now: datetime, rules: Iterable[Rule]) -> "Budgets":
+        """The budget rules among `rules`, in their current windows, with nothing read yet."""
+        return cls([Account(r, *window_bounds(r.window, now)) for r in rules if r.dimension in BUDGET_DIMENSIONS], now)
+
+    def columns(self) -> dict[str, Subquery]:
+        """What each account has used and reserved, as columns (`budget_<i>_used`, `_reserved`) for
+        a statement the caller runs anyway: `fill` takes them back. Saves the ledger's round trip."""
+        columns = {}
+        for i, account in enumerate(self.accounts):
+            used, reserved = (("tokens", "reserved_tokens") if account.rule.dimension == Dimension.TOKENS
+                              else ("requests", "reserved_requests"))
+            scope, subject, window, start = account.key
+            row = Usage.objects.filter(scope=scope, subject=subject, window=window, window_start=start)
+            columns[f"budget_{i}_used"] = Subquery(row.values(used)[:1])
+            columns[f"budget_{i}_reserved"] = Subquery(row.values(reserved)[:1])
+        return columns
+
+    def fill(self, values: dict[str, int | None]) -> None:
+        """Take back the `columns` read with some statement."""
+        for i, account in enumerate(self.accounts):
+            account.used = values[f"budget_{i}_used"] or 0
+            account.reserved = values[f"budget_{i}_reserved"] or 0
 
     def applicable(self, *, team_id: int, user_id: int, executor_id: int | None = None) -> list[Account]:
         return [a for a in self.accounts if a.rule.applies(team_id=team_id, user_id=user_id, executor_id=executor_id)]
@@ -141,6 +166,7 @@ class Budgets:
             if executor_id is not None and account.rule.scope != QuotaPolicy.Scope.EXECUTOR:
                 continue
             if account.cost(tokens) > account.remaining:
+                self.refused[account.key] = account
                 return account
         return None
 
@@ -151,6 +177,12 @@ class Budgets:
 
     def global_exhausted(self) -> bool:
         return any(a.rule.scope == QuotaPolicy.Scope.GLOBAL and a.remaining <= 0 for a in self.accounts)
+
+    def next_reset(self) -> datetime | None:
+        """The earliest end of a window that refused a job or has run out: when it resets, work it
+        held back may start."""
+        ends = [a.end for a in self.accounts if a.remaining <= 0] + [a.end for a in self.refused.values()]
+        return min(ends, default=None)
 
     def reserve(self, *, team_id: int, user_id: int, executor_id: int, tokens: int) -> dict[str, Any] | None:
         """Count the estimate against every budget the job counts against, for the rest of this
@@ -183,11 +215,23 @@ class Budgets:
         return fresh
 
 
-def quota_check(*, team_id: int, user_id: int, tokens: int, now: datetime) -> None:
+def admission_budgets(*, subjects: Iterable[tuple[int, int]], now: datetime, rules: Iterable[Rule]) -> Budgets:
+    """The global, team and user budgets that count jobs of these (team id, user id) pairs, not
+    yet read (`Budgets.columns` reads them with a statement of the caller's)."""
+    subjects = list(subjects)
+    return Budgets.of(now=now, rules=[
+        rule for rule in rules
+        if rule.scope != QuotaPolicy.Scope.EXECUTOR
+        and any(rule.applies(team_id=team_id, user_id=user_id) for team_id, user_id in subjects)
+    ])
+
+
+def quota_check(*, team_id: int, user_id: int, tokens: int, now: datetime, budgets: Budgets | None = None) -> None:
     """Admission: refuse a job that the remaining budget of its team, its user or the whole
     installation cannot cover, with what ran out and when it resets. Executor budgets are
-    checked at placement, where the executor is known."""
-    budgets = Budgets.load(now=now)
+    checked at placement, where the executor is known. `budgets` (admission_budgets, read) spares
+    the reads: the caller read them with a statement of its own, or checks several jobs."""
+    budgets = budgets if budgets is not None else Budgets.load(now=now)
     account = budgets.blocking(team_id=team_id, user_id=user_id, tokens=tokens) if budgets.accounts else None
     if account is None:
         return
@@ -208,16 +252,21 @@ class Bill:
     tokens: int
 
 
-def quota_settle(*, reservations: Iterable[dict[str, Any] | None], bills: Iterable[Bill], now: datetime) -> None:
+def quota_settle(
+    *, reservations: Iterable[dict[str, Any] | None], bills: Iterable[Bill], now: datetime,
+    rules: Iterable[Rule] | None = None,
+) -> None:
     """Quota.record: release the reservations of ended attempts and bill each dispatch's actual
-    tokens and one request to the current window of every budget that counts it."""
+    tokens and one request to the current window of every budget that counts it. `rules` (all
+    quota rules, as cached) spares reading them."""
     deltas = Deltas()
     for reservation in reservations:
         _add_reservation(deltas, reservation, sign=-1)
     bills = list(bills)
     if bills:
-        rules = quota_rules(dimensions=BUDGET_DIMENSIONS)
-        budgets = Budgets([Account(r, *window_bounds(r.window, now)) for r in rules], now)
+        rules = [r for r in rules if r.dimension in BUDGET_DIMENSIONS] if rules is not None else \
+            quota_rules(dimensions=BUDGET_DIMENSIONS)
+        budgets = Budgets.of(now=now, rules=rules)
         for bill in bills:
             for account in budgets.applicable(team_id=bill.team_id, user_id=bill.user_id, executor_id=bill.executor_id):
                 if account.rule.dimension == Dimension.TOKENS:

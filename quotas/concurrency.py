@@ -7,7 +7,7 @@ worker's slots are counted until recovery deletes them, and never after."""
 from collections import Counter
 from dataclasses import dataclass, field
 
-from django.db.models import Count
+from django.db import connection
 
 from quotas.models import QuotaPolicy
 from quotas.rules import Rule, quota_rules
@@ -50,9 +50,14 @@ def concurrency_caps(rules: list[Rule] | None = None) -> ConcurrencyCaps:
 
 
 def slot_counts() -> SlotCounts:
-    """Slots held right now, per scope, from one grouped query over the Slot table."""
+    """Slots held right now, per scope, from one grouped query over the Slot table (plain SQL: it
+    runs in every claim, under the claim lock)."""
     counts = SlotCounts()
-    grouped = Slot.objects.order_by().values_list("executor_id", "team_id", "user_id").annotate(n=Count("id"))
+    qn = connection.ops.quote_name
+    columns = ", ".join(qn(c) for c in ("executor_id", "team_id", "user_id"))
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {columns}, COUNT(*) FROM {qn(Slot._meta.db_table)} GROUP BY {columns}")
+        grouped = cursor.fetchall()
     total = 0
     for executor_id, team_id, user_id, n in grouped:
         counts.executor[executor_id] += n

@@ -25,7 +25,8 @@ def quota_policy_create(*, by: AbstractBaseUser | None = None, **fields: Any) ->
 
 
 def quota_policy_update(*, policy: QuotaPolicy, by: AbstractBaseUser | None = None, **fields: Any) -> QuotaPolicy:
-    """The claim reads quota rows afresh each time, so a new limit applies to the next claim.
+    """The write moves the configuration version (by trigger), so the next claim and submit read
+    the rules again and a new limit applies at once; on PostgreSQL a raised cap wakes the workers.
     Audited with the changed fields before and after."""
     before = _view(policy)
     for name, value in fields.items():

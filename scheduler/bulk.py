@@ -33,3 +33,4 @@ def update_rows(model: type[Model], rows: Sequence[dict[str, Any]], *, key: str 
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         return cursor.rowcount
+

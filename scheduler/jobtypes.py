@@ -13,9 +13,9 @@ The submit checks what the serializer cannot: that named tools exist, fit their 
 the principal may invoke them (`job_input_check`).
 """
 
+from collections.abc import Callable
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ImproperlyConfigured
 
 from executors.contract import DispatchRequest
@@ -73,15 +73,16 @@ def job_output(job: Job, output: dict[str, Any]) -> dict[str, Any]:
     return {"text": text, "model": output.get("model"), **({"simulated": True} if output.get("simulated") else {})}
 
 
-def job_input_check(*, user: AbstractBaseUser, team: Team, type: str, input: dict[str, Any]) -> None:
+def job_input_check(*, type: str, input: dict[str, Any], team: Team, require: Callable[[str], None]) -> None:
     """At submit, after the job type's own permission: every tool a flow names exists and the
-    principal may invoke tools in the team; a tool job's tool exists and its arguments fit the
-    tool's schema. Raises ValidationFailed (400) naming the tool or the permission."""
+    principal may invoke tools in the team (`require(permission)` raises Forbidden when not: the
+    submit's cached grants answer it); a tool job's tool exists and its arguments fit the tool's
+    schema. Raises ValidationFailed (400) naming the tool or the permission."""
     if type == Job.Type.FLOW and input.get("tools"):
         for name in input["tools"]:
             _resolve(name, field="tools")
         try:
-            rbac.require(user, rbac.TOOLS, team=team)
+            require(rbac.TOOLS)
         except Forbidden:
             raise ValidationFailed({"input": {"tools": [
                 f"Calling tools needs {rbac.TOOLS} in team {team.slug!r}, which you do not have."

@@ -13,38 +13,77 @@
 Finish, cancel, release and recovery lock job rows only; breaker updates from their outcomes run
 in a transaction of their own afterwards (executors/health.py), never inside one holding jobs.
 
+Configuration writes (executors, teams, memberships, permissions, quota rules, the policy) also
+update the configuration version row (telemachus.ConfigVersion), by trigger, and hold it to commit,
+so configuration writes serialize on it. The claim's move of a breaker to half open is one: it
+takes the row after the claim lock and an executor row, and nothing else is locked after it that
+another configuration writer could hold.
+
 A transaction may skip a level but never take them out of order: two code paths that disagree on
 order are how deadlocks happen. On SQLite, `select_for_update` is a no-op and every transaction
 starts with BEGIN IMMEDIATE (see settings), which serializes writers for the whole database.
 """
 
+import copy
 from datetime import datetime
 
+from django.db import connection
 from django.db.models.functions import Now
 
+from scheduler.configuration import policy_record
 from scheduler.models import Job, QueuePolicy
-from scheduler.policy_bounds import policy_in_force
+from telemachus.config import config_at
+from telemachus.models import ConfigVersion
 
 
 def lock_claim(*, as_stored: bool = False) -> tuple[QueuePolicy, datetime]:
-    """Lock the claim lock, and read the policy and then the database clock.
-
-    The policy comes back as the scheduler may use it (scheduler/policy_bounds.py: an out-of-bounds
-    stored value is replaced, never trusted); `as_stored` returns the row as it is, for its editor.
+    """Lock the claim lock, then read the database clock, with what costs nothing more in the same
+    statement: the configuration version (`policy.config_version`, scheduler/configuration.py) and
+    when the next retry's backoff ends (`policy.next_retry`, job_retry_idx). The policy returned
+    is a copy of the record as of that version (the configuration cache), so it is the row as it
+    stands: any change to it moves the version, and a change cannot commit while the lock is held.
+    It comes back as the scheduler may use it (scheduler/policy_bounds.py: an out-of-bounds stored
+    value is replaced, never trusted); `as_stored` reads the row as it is, for its editor.
 
     Must run inside a transaction. The time is the database's, so leases do not depend on the
     worker hosts' clocks agreeing, and it is read once the lock is held: a statement's timestamp is
     taken when it starts, so one read with the locking SELECT would be early by the time spent
-    waiting for the lock (stamping starts, leases and events before the job could start)."""
-    query = QueuePolicy.objects.select_for_update()
-    policy = query.filter(pk=QueuePolicy.SINGLETON_ID).first()
-    if policy is None:
-        # The data migration creates the row; a flushed test database or a manual delete may not
-        # have it. Creating it concurrently is harmless: one insert wins, the other is ignored.
-        QueuePolicy.objects.bulk_create([QueuePolicy(pk=QueuePolicy.SINGLETON_ID)], ignore_conflicts=True)
-        policy = query.get(pk=QueuePolicy.SINGLETON_ID)
-    now = QueuePolicy.objects.filter(pk=policy.pk).annotate(db_now=Now()).values_list("db_now", flat=True).get()
-    return (policy if as_stored else policy_in_force(policy)), now
+    waiting for the lock (stamping starts, leases and events before the job could start). Plain
+    SQL: this runs first in every claim, under the lock every claim waits for."""
+    qn = connection.ops.quote_name
+    table = qn(QueuePolicy._meta.db_table)
+    lock = f"SELECT 1 FROM {table} WHERE {qn('id')} = %s" + (" FOR UPDATE" if connection.features.has_select_for_update else "")
+    with connection.cursor() as cursor:
+        cursor.execute(lock, [QueuePolicy.SINGLETON_ID])
+        if cursor.fetchone() is None:
+            # The data migration creates the row; a flushed test database or a manual delete may
+            # not have it. Creating it concurrently is harmless: one insert wins, the other is ignored.
+            QueuePolicy.objects.bulk_create([QueuePolicy(pk=QueuePolicy.SINGLETON_ID)], ignore_conflicts=True)
+            cursor.execute(lock, [QueuePolicy.SINGLETON_ID])
+        cursor.execute(_CLOCK_SQL[connection.vendor == "postgresql"])
+        now, version, next_retry = cursor.fetchone()
+    if connection.vendor != "postgresql":
+        now, next_retry = (connection.ops.convert_datetimefield_value(v, None, connection) for v in (now, next_retry))
+    if as_stored:
+        policy = QueuePolicy.objects.get(pk=QueuePolicy.SINGLETON_ID)
+    else:
+        policy = copy.copy(policy_record(config_at(version)))  # queue_policy(): bounds applied
+    policy.config_version, policy.next_retry = version, next_retry
+    return policy, now
+
+
+def _clock_sql(now: str) -> str:
+    qn = connection.ops.quote_name
+    job, version = qn(Job._meta.db_table), qn(ConfigVersion._meta.db_table)
+    return (
+        f"SELECT {now}, (SELECT {qn('version')} FROM {version} WHERE {qn('id')} = {ConfigVersion.SINGLETON_ID}), "
+        f"(SELECT MIN({qn('run_after')}) FROM {job} WHERE {qn('status')} = '{Job.Status.QUEUED.value}' "
+        f"AND {qn('run_after')} > {now})"
+    )
+
+
+# By vendor (PostgreSQL or not): the clock, the configuration version and the next retry.
+_CLOCK_SQL = {True: _clock_sql("STATEMENT_TIMESTAMP()"), False: _clock_sql("STRFTIME('%Y-%m-%d %H:%M:%f', 'NOW')")}
 
 
 def lock_job(job_id: int) -> Job | None:

@@ -106,6 +106,8 @@ class Job(models.Model):
             # The starvation guard also looks at each team's longest-waiting queued jobs.
             models.Index("team", "queued_at", "id", name="job_team_wait_idx", condition=Q(status="queued")),
             models.Index("team", "status", name="job_team_status_idx"),
+            # A claim that leaves work behind asks when the next retry's backoff ends.
+            models.Index("run_after", name="job_retry_idx", condition=Q(status="queued", run_after__isnull=False)),
             models.Index("user", "status", name="job_user_status_idx"),
         ]
         constraints = [

@@ -47,15 +47,22 @@ class Admission:
 
 
 class AdmissionState:
-    """What admission may ask about the queue, computed only when asked (each is one query)."""
+    """What admission may ask about the queue, computed only when asked (each is one query, once
+    per state: a bulk submit asks again for each of a team's jobs)."""
 
     def __init__(self, *, team: Team, now: datetime) -> None:
         self.team = team
         self.now = now
+        # Jobs of the team ahead of this one in the same submission, not yet written.
+        self.pending = 0
+        self._counted: dict[int, int] = {}
 
     def queued(self, *, at_most: int) -> int:
-        """The team's queue depth, counted no further than `at_most` (cheap on a deep queue)."""
-        return Job.objects.filter(team=self.team, status=Job.Status.QUEUED).order_by()[:at_most].count()
+        """The team's queue depth (with the submission's own jobs ahead of this one), counted no
+        further than `at_most` (cheap on a deep queue)."""
+        if at_most not in self._counted:
+            self._counted[at_most] = Job.objects.filter(team=self.team, status=Job.Status.QUEUED).order_by()[:at_most].count()
+        return min(self._counted[at_most] + self.pending, at_most)
 
     def drain_rate(self) -> float:
         """Jobs of the team that ended per second, over the last few minutes."""

@@ -1,9 +1,19 @@
 """Notifications through the database, sent inside the transaction that makes the change. On
 PostgreSQL a NOTIFY issued inside a transaction is delivered only when it commits, so nobody wakes
 for a change they cannot yet see; on SQLite there is no NOTIFY, and listeners watch the database
-file's `PRAGMA data_version` instead.
+file's `PRAGMA data_version`, which moves on every commit.
 
-Two channels: `telemachus` wakes workers (work queued, capacity freed, a job canceled);
+Two channels. `telemachus` wakes workers; what wakes a worker, and who sends it:
+  queued    work entered the queue (submit, requeue, recovery, release)
+  freed     slots were freed by someone who will not claim them (cancel, release, recovery, a
+            flow's step, a finish outside a worker or by a worker that is stopping); a worker's
+            own finishes wake only itself, since it has the local room to use what it freed
+  config    configuration changed (telemachus/config.py: sent by database triggers, whoever
+            writes): a cap raised, an executor added, enabled or back in health, a breaker closed
+  canceled:<job id>  stop that job's dispatch
+Time frees capacity too (a retry's backoff, a breaker's cooldown, a budget window): the claim tells
+the worker when the next of those is due (`ClaimBatch.wake_in`), so nobody needs to send anything.
+
 `telemachus_jobs` tells API processes that jobs they may be watching changed (waits, streams, the
 OpenAI-compatible endpoint: scheduler/gateway/feed.py) and, when there is no Redis, carries
 streamed output deltas (scheduler/broadcast.py)."""
@@ -12,11 +22,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from django.db import connection
+from django.db.models import Func, TextField, Value
 
-CHANNEL = "telemachus"
+from telemachus.config import CHANNEL, CONFIG_CHANGED
+
 QUEUED = "queued"
 FREED = "freed"
 CANCELED = "canceled"
+CONFIG = CONFIG_CHANGED
 
 JOBS_CHANNEL = "telemachus_jobs"
 # Payloads on JOBS_CHANNEL: "c:<job>:<event>,<job>:<event>,..." (jobs changed, with the latest
@@ -68,3 +81,12 @@ def listen_connection_params() -> dict[str, Any]:
     the same database as Django's."""
     return {k: v for k, v in connection.get_connection_params().items()
             if k not in {"cursor_factory", "context", "prepare_threshold"}}
+
+
+def notify_column(message: str) -> Func | Value:
+    """`notify_workers` as a column of a statement the caller runs anyway inside the transaction
+    that makes the change, which saves a round trip (a NOTIFY in a transaction that rolls back is
+    never delivered). A constant on SQLite."""
+    if connection.vendor == "postgresql":
+        return Func(Value(CHANNEL), Value(message), function="pg_notify", output_field=TextField())
+    return Value("", output_field=TextField())

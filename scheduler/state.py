@@ -15,12 +15,11 @@ from django.db.models import Sum
 from executors.contract import EMBEDDINGS_API
 from executors.models import Executor
 from quotas.budget import Budgets
-from quotas.concurrency import ConcurrencyCaps, SlotCounts, concurrency_caps, executor_limit, slot_counts
+from quotas.concurrency import ConcurrencyCaps, SlotCounts, executor_limit, slot_counts
 from quotas.models import QuotaPolicy
-from quotas.rules import quota_rules
+from scheduler.configuration import configuration
 from scheduler.models import Job, QueuePolicy, Slot
-from telemachus import rbac
-from telemachus.models import Team
+from telemachus.config import config_at, config_snapshot
 
 UNCAPPED = math.inf
 
@@ -81,30 +80,27 @@ class ClaimState:
         self.team_in_use = counts.team.copy()
         self.user_in_use = counts.user.copy()
         self.executors = executors
+        # When the breakers of executors now out of placement end their cooldown.
+        self.cooldown_ends: list[datetime] = []
         self.team_slugs: dict[int, str] = {}
         self._running_tokens: Counter | None = None
 
     @classmethod
     def load(cls, *, policy: QueuePolicy, now: datetime) -> "ClaimState":
-        """A few plain queries: executors, teams, quota rules (and users they name), live slots
-        grouped by scope, and the budget ledger when there are budget rules. Placeable executors
-        are enabled, not down, breaker not open; one past its breaker cooldown takes one trial at
-        a time. Call with the claim lock held, so slot counts can only fall and budgets only grow
+        """Live slots grouped by scope (one query) and the budget ledger when there are budget
+        rules (one more); executors, teams and quota rules come from the configuration of the
+        version the claim lock read (no query while it is unchanged). Placeable executors are
+        enabled, not down, breaker not open; one past its breaker cooldown takes one trial at a
+        time. Call with the claim lock held, so slot counts can only fall and budgets only grow
         while the state is in use."""
-        every = list(Executor.objects.all())
-        teams = dict(Team.objects.order_by().values_list("pk", "slug"))
-        rules = quota_rules(known={
-            QuotaPolicy.Scope.TEAM: {slug: pk for pk, slug in teams.items()},
-            QuotaPolicy.Scope.EXECUTOR: {e.name: e.pk for e in every},
-        })
-        caps = concurrency_caps(rules)
+        locked = hasattr(policy, "config_version")  # read by lock_claim
+        conf = configuration(config_at(policy.config_version) if locked else config_snapshot())
+        caps, owned_by = conf.caps, conf.executor_teams
         counts = slot_counts()
-        placeable = [
-            e for e in every
-            if e.enabled and e.health != Executor.Health.DOWN
-            and not (e.breaker == Executor.Breaker.OPEN and e.breaker_until and e.breaker_until > now)
-        ]
-        owned_by = rbac.executor_teams() if any(e.team_id for e in placeable) else {}
+        usable = [e for e in conf.executors if e.enabled and e.health != Executor.Health.DOWN]
+        cooling = {e.pk: e.breaker_until for e in usable
+                   if e.breaker == Executor.Breaker.OPEN and e.breaker_until and e.breaker_until > now}
+        placeable = [e for e in usable if e.pk not in cooling]
         executors = []
         for e in placeable:
             limit = executor_limit(name=e.name, max_concurrency=e.max_concurrency, caps=caps)
@@ -113,9 +109,10 @@ class ClaimState:
                 executor=e, limit=min(limit, 1) if trial else limit, in_use=counts.executor[e.pk], trial=trial,
                 teams=owned_by.get(e.pk, {e.team_id}) if e.team_id else None,
             ))
-        budgets = Budgets.load(now=now, rules=rules)
+        budgets = Budgets.load(now=now, rules=list(conf.rules))
         state = cls(now=now, policy=policy, caps=caps, counts=counts, executors=executors, budgets=budgets)
-        state.team_slugs.update(teams)
+        state.team_slugs.update({pk: team.slug for pk, team in conf.teams.items()})
+        state.cooldown_ends = list(cooling.values())
         return state
 
     def running_tokens(self) -> Counter:
@@ -146,6 +143,14 @@ class ClaimState:
     def user_free(self, user_id: int) -> float:
         cap = self.caps.user.get(user_id)
         return UNCAPPED if cap is None else cap - self.user_in_use[user_id]
+
+    def room_anywhere(self) -> bool:
+        """Some placeable executor has a free slot (else no job can be placed, whatever the order)."""
+        return any(view.free > 0 for view in self.executors)
+
+    def executor_full(self) -> bool:
+        """Some placeable executor has no free slot: work for its models may be waiting for one."""
+        return any(view.free <= 0 for view in self.executors)
 
     def capped_teams(self) -> set[int]:
         return {team_id for team_id in self.caps.team if self.team_free(team_id) <= 0}

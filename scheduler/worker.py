@@ -1,12 +1,18 @@
 """The scheduler worker: claims jobs, dispatches them to executors, heartbeats, finishes, recovers.
 
 One asyncio loop keeps up to `concurrency` dispatches in flight (model calls are network I/O, so
-hundreds are cheap). Every database call runs on one dedicated thread, in a short transaction,
-never while a model call is awaited in it: claim, run, finish are separate steps.
+hundreds are cheap). Database calls run in short transactions on dedicated threads, never while
+a model call is awaited: claim, run, finish are separate steps. On PostgreSQL, claims (and
+recovery and probes) take one thread and connection; the writes of the jobs this worker holds
+(finishes, heartbeats, releases) another, so a finish never waits behind a claim (finishes do not
+take the claim lock, so the two overlap in the database too). SQLite serializes writers, so there
+a second connection would only wait for the first: everything shares one thread.
 
   claim loop   claims as many jobs as there are free local slots, then waits to be woken: by
-               NOTIFY on PostgreSQL (work queued, capacity freed, a job canceled), by its own
-               finishes, or on SQLite by a watch on its data_version (another process committed).
+               NOTIFY on PostgreSQL (work queued, capacity freed, configuration changed, a job
+               canceled), by its own finishes, or on SQLite by a watch on its data_version
+               (another connection committed); and, when the claim said something waits on time
+               (a retry's backoff, a breaker's cooldown, a budget window), at that moment.
   dispatches   one task per job; the driver's dispatch() runs outside any transaction. A flow's
                claim is one round (scheduler/flows.py): model call, slot freed, tools in the
                tool threads, next round queued; a tool job runs in the tool threads; a governed
@@ -54,6 +60,8 @@ from scheduler.services.recover import jobs_recover
 
 log = logging.getLogger("telemachus.worker")
 SQLITE_WATCH_SECONDS = 0.01
+# Wake this much after a time-bound moment the claim named, so the database's clock has passed it.
+TIME_WAKE_MARGIN = 0.005
 T = TypeVar("T")
 
 
@@ -73,6 +81,9 @@ class InFlight:
 # the most jobs one claim can take, and a claim's fixed cost (lock, state, queue lookups) is
 # shared by the jobs it takes: 64 drains no-op jobs about twice as fast as 16 (bench/throughput.py).
 DEFAULT_CONCURRENCY = 64
+# The longest a waiting worker sleeps with nothing waking it. Notifications, its own finishes and
+# the claim's `wake_in` do the waking; this is a safety net for a bug in them, not how work flows.
+DEFAULT_IDLE_POLL = 2.0
 
 
 class Worker:
@@ -84,35 +95,48 @@ class Worker:
         burst: bool = False,
         poll_min: float = 0.05,
         poll_max: float = 1.0,
+        idle_poll: float = DEFAULT_IDLE_POLL,
         grace: float | None = None,
     ) -> None:
         self.name = name
         self.concurrency = concurrency
         self.burst = burst
         self.poll_min, self.poll_max = poll_min, poll_max
+        self.idle_poll = idle_poll
         self.lease_seconds = settings.TELEMACHUS_LEASE_SECONDS
         self.grace = grace
         self.inflight: dict[int, InFlight] = {}
         self.outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
         self.wake = asyncio.Event()
+        self.breaker_gate = asyncio.Lock()
         self.to_release: dict[int, uuid.UUID] = {}
         self.drivers = DriverPool()
         self.listening = False
+        self.watching = False  # SQLite: the data_version watch is running
         self.want_freed = True  # wake when capacity frees: work may be waiting for it
+        self.freed = 0  # capacity-freed wake-ups so far (own finishes, `freed` notifications)
         self.stopping = False
         self.forced = False
-        self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="telemachus-db", initializer=_persistent_connection)
+        self._claim_thread = _database_thread("telemachus-claim")
+        self._finish_thread = (
+            _database_thread("telemachus-finish") if connection.vendor == "postgresql" else self._claim_thread
+        )
         # Tools (a flow's calls between rounds, tool jobs) run here: never on the event loop, the
-        # database thread or a model slot.
+        # database threads or a model slot.
         self.tool_threads = ThreadPoolExecutor(max_workers=settings.TELEMACHUS_TOOL_THREADS,
                                                thread_name_prefix="telemachus-tool")
         self.processed = 0
         self.beat_at = time.monotonic()
 
-    # --- database calls, all on one thread -----------------------------------------------------
+    # --- database calls, on two threads ---------------------------------------------------------
 
     async def db(self, fn: Callable[..., T], /, **kwargs: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._db, partial(_db_call, fn, kwargs))
+        """Claims, recovery, probes."""
+        return await asyncio.get_running_loop().run_in_executor(self._claim_thread, partial(_db_call, fn, kwargs))
+
+    async def held_db(self, fn: Callable[..., T], /, **kwargs: Any) -> T:
+        """Writes about the jobs this worker holds: finishes, heartbeats, releases."""
+        return await asyncio.get_running_loop().run_in_executor(self._finish_thread, partial(_db_call, fn, kwargs))
 
     async def db_retrying(self, fn: Callable[..., T], /, **kwargs: Any) -> T:
         """A write that must not be lost, retried through outages (see `_retrying`)."""
@@ -147,8 +171,9 @@ class Worker:
             await asyncio.gather(*background, return_exceptions=True)
             for driver in self.drivers.all():
                 await driver.aclose()
-            await self.db(_close_connection)
-            self._db.shutdown(wait=True)
+            for thread in {self._claim_thread, self._finish_thread}:
+                await asyncio.get_running_loop().run_in_executor(thread, _close_connection)
+                thread.shutdown(wait=True)
             self.tool_threads.shutdown(wait=False, cancel_futures=True)
         log.info("worker %s stopped after %d jobs", self.name, self.processed)
 
@@ -192,11 +217,14 @@ class Worker:
         idle = self.poll_min
         while not self.stopping:
             free = self.concurrency - len(self.inflight)
+            wake_in = None
             if free > 0:
+                freed = self.freed
                 try:
-                    started = time.perf_counter()
-                    batch = await self.db(job_claim, worker=self.name, limit=free)
-                    CLAIM_SECONDS.observe(time.perf_counter() - started)
+                    async with self.breaker_gate:
+                        started = time.perf_counter()
+                        batch = await self.db(job_claim, worker=self.name, limit=free)
+                        CLAIM_SECONDS.observe(time.perf_counter() - started)
                 except DatabaseError as exc:
                     log.warning("claim failed (%s); retrying in %.1fs", exc, idle)
                     await self._sleep(idle)
@@ -209,22 +237,27 @@ class Worker:
                 for claim in batch.claims:
                     self._start(claim)
                 self.want_freed = batch.backlog
-                if len(batch.claims) == free:
+                # Took all it could, or capacity was freed while it claimed (a wake-up that came
+                # before it knew work was waiting, so nothing was set): claim again now.
+                if len(batch.claims) == free or (batch.backlog and self.freed != freed):
                     idle = self.poll_min
                     continue
                 if batch.claims:
                     idle = self.poll_min
+                wake_in = batch.wake_in
             else:
                 self.want_freed = True
             if self.burst and not self.inflight and self.outcomes.empty():
                 log.info("worker %s: queue drained (burst mode)", self.name)
                 return
-            await self._wait_for_wake(idle)
+            await self._wait_for_wake(idle, wake_in)
             idle = min(idle * 2, self.poll_max)
 
-    async def _wait_for_wake(self, idle: float) -> None:
-        # With LISTEN, notifications do the waking; the timer is a safety net for missed ones.
-        timeout = max(self.poll_max, 2.0) if self.listening else idle
+    async def _wait_for_wake(self, idle: float, wake_in: float | None) -> None:
+        # With LISTEN (or SQLite's watch), notifications do the waking; the timer is a safety net.
+        timeout = self.idle_poll if self.listening or self.watching else idle
+        if wake_in is not None:
+            timeout = min(timeout, wake_in + TIME_WAKE_MARGIN)
         try:
             await asyncio.wait_for(self.wake.wait(), timeout)
         except TimeoutError:
@@ -322,6 +355,7 @@ class Worker:
         self._capacity_freed()
 
     def _capacity_freed(self) -> None:
+        self.freed += 1
         if self.want_freed or self.stopping:
             self.wake.set()
 
@@ -332,48 +366,71 @@ class Worker:
             batch = [await self.outcomes.get()]
             while not self.outcomes.empty() and len(batch) < 256:
                 batch.append(self.outcomes.get_nowait())
-            report, breaker_events = await self._finish(batch)
-            refused, retrying = set(report.refused), set(report.retrying)
-            for outcome in batch:
-                self.inflight.pop(outcome.job_id, None)
-                self.processed += 1
-                if outcome.job_id in refused:
-                    log.warning("job %d: result refused (lease no longer held); dropped", outcome.job_id)
-                elif outcome.job_id in retrying:
-                    log.info("job %d failed, will retry: %s", outcome.job_id, outcome.error)
-                elif outcome.ok:
-                    log.info("job %d done (%s tokens)", outcome.job_id, outcome.tokens_used)
-                else:
-                    log.info("job %d failed: %s", outcome.job_id, outcome.error)
+            dispatches = [
+                DispatchReport(executor_id=f.claim.executor.pk, ok=outcome.ok, executor_fault=f.executor_fault)
+                for outcome in batch
+                if (f := self.inflight.get(outcome.job_id)) is not None and f.claim.executor is not None
+            ]
+            if any(d.executor_fault for d in dispatches):
+                # No claim of this worker runs between an executor's failure and its breaker
+                # hearing of it (the breaker may take the executor out of placement).
+                async with self.breaker_gate:
+                    report = await self._finish(batch)
+                    breaker_events = await self._breaker_record(dispatches)
+                self._finished(batch, report)
+            else:
+                # Claim again as soon as the results are in; the breaker only records that the
+                # executors answered.
+                report = await self._finish(batch)
+                self._finished(batch, report)
+                breaker_events = await self._breaker_record(dispatches)
             for event in breaker_events:
                 log.warning("executor %s: %s %s", event.meta.get("executor_name"), event.event, event.meta)
-            self._capacity_freed()
 
-    async def _finish(self, batch: list[Outcome]) -> tuple[FinishReport, list]:
+    def _finished(self, batch: list[Outcome], report: FinishReport) -> None:
+        """The batch's results are stored: its jobs leave this worker, which may claim again."""
+        refused, retrying = set(report.refused), set(report.retrying)
+        for outcome in batch:
+            self.inflight.pop(outcome.job_id, None)
+            self.processed += 1
+            if outcome.job_id in refused:
+                log.warning("job %d: result refused (lease no longer held); dropped", outcome.job_id)
+            elif outcome.job_id in retrying:
+                log.info("job %d failed, will retry: %s", outcome.job_id, outcome.error)
+            elif outcome.ok:
+                log.info("job %d done (%s tokens)", outcome.job_id, outcome.tokens_used)
+            else:
+                log.info("job %d failed: %s", outcome.job_id, outcome.error)
+        self._capacity_freed()
+
+    async def _finish(self, batch: list[Outcome]) -> FinishReport:
         """Write a batch of results. A result the database refuses (not an outage: bad data) is
         isolated by writing the batch one by one, and that job fails with the reason instead of
-        blocking every later result of this worker."""
-        dispatches = [
-            DispatchReport(executor_id=flight.claim.executor.pk, ok=outcome.ok, executor_fault=flight.executor_fault)
-            for outcome in batch
-            if (flight := self.inflight.get(outcome.job_id)) is not None and flight.claim.executor is not None
-        ]
+        blocking every later result of this worker. A worker's finishes wake only itself (it has
+        the room to claim what it freed), unless it is stopping."""
         try:
-            return await self._retrying(_finish_then_record, outcomes=batch, dispatches=dispatches)
+            return await self._retrying(jobs_finish, outcomes=batch, wake_others=self.stopping)
         except DatabaseError as exc:
             if len(batch) > 1:
                 reports = [await self._finish([outcome]) for outcome in batch]
-                return (
-                    FinishReport(accepted=[i for r, _ in reports for i in r.accepted],
-                                 refused=[i for r, _ in reports for i in r.refused],
-                                 retrying=[i for r, _ in reports for i in r.retrying]),
-                    [event for _, events in reports for event in events],
-                )
+                return FinishReport(accepted=[i for r in reports for i in r.accepted],
+                                    refused=[i for r in reports for i in r.refused],
+                                    retrying=[i for r in reports for i in r.retrying])
             (outcome,) = batch
             log.error("job %d: result could not be stored (%s); failing the job", outcome.job_id, exc)
             stored = Outcome(job_id=outcome.job_id, lease=outcome.lease, ok=False, tokens_used=outcome.tokens_used,
                              error=f"the result could not be stored: {exc}"[:2000])
-            return await self._retrying(_finish_then_record, outcomes=[stored], dispatches=[])
+            return await self._retrying(jobs_finish, outcomes=[stored], wake_others=self.stopping)
+
+    async def _breaker_record(self, dispatches: list[DispatchReport]) -> list:
+        """Feed the breakers, in a transaction of its own after the finish's (job rows and executor
+        rows are never locked together: scheduler/locks.py). A failed write is logged, never
+        retried with the finish (that would refuse the results the first attempt wrote)."""
+        try:
+            return await self.held_db(breaker_record, reports=dispatches)
+        except DatabaseError as exc:
+            log.warning("could not record dispatch outcomes for the breaker (%s)", exc)
+            return []
 
     async def _retrying(self, fn: Callable[..., T], /, **kwargs: Any) -> T:
         """Writes that must not be lost (results, releases) are retried until the database answers.
@@ -382,7 +439,7 @@ class Worker:
         delay = 0.1
         while True:
             try:
-                return await self.db(fn, **kwargs)
+                return await self.held_db(fn, **kwargs)
             except (OperationalError, InterfaceError) as exc:
                 log.warning("%s failed (%s); retrying in %.1fs", fn.__name__, exc, delay)
                 await asyncio.sleep(delay)
@@ -400,7 +457,7 @@ class Worker:
             if not held:
                 continue
             try:
-                alive = await self.db(leases_renew, held=held)
+                alive = await self.held_db(leases_renew, held=held)
             except DatabaseError as exc:
                 log.warning("heartbeat failed (%s)", exc)
                 deadline = time.monotonic() - self.lease_seconds
@@ -488,6 +545,7 @@ class Worker:
         watcher = sqlite3.connect(path, check_same_thread=False)
         try:
             seen = watcher.execute("PRAGMA data_version").fetchone()[0]
+            self.watching = True
             while True:
                 await asyncio.sleep(SQLITE_WATCH_SECONDS)
                 version = watcher.execute("PRAGMA data_version").fetchone()[0]
@@ -495,10 +553,11 @@ class Worker:
                     seen = version
                     self.wake.set()
         finally:
+            self.watching = False
             watcher.close()
 
     def _on_notify(self, payload: str) -> None:
-        if payload == signals.QUEUED:
+        if payload in (signals.QUEUED, signals.CONFIG):
             self.wake.set()
         elif payload == signals.FREED:
             self._capacity_freed()
@@ -508,22 +567,14 @@ class Worker:
                 self._abort(job_id, "canceled")
 
 
-def _finish_then_record(*, outcomes: list[Outcome], dispatches: list[DispatchReport]) -> tuple[FinishReport, list]:
-    """Write results, then feed the breaker, back to back on the database thread, so this worker
-    cannot claim for an executor between its failure and the breaker hearing of it. Two
-    transactions: job rows and executor rows are never locked together (scheduler/locks.py). A
-    failed breaker write is logged, never retried with the finish (that would refuse the results
-    the first attempt wrote)."""
-    report = jobs_finish(outcomes=outcomes)
-    try:
-        return report, breaker_record(reports=dispatches)
-    except DatabaseError as exc:
-        log.warning("could not record dispatch outcomes for the breaker (%s)", exc)
-        return report, []
+def _database_thread(name: str) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=_persistent_connection)
 
 
 def _persistent_connection() -> None:
-    """The worker's database thread keeps its connection (no per-call reconnect)."""
+    """A worker's database thread keeps its connection (no per-call reconnect), its own rather
+    than one from the pool the API processes share."""
+    connection.settings_dict["OPTIONS"].pop("pool", None)
     connection.settings_dict["CONN_MAX_AGE"] = None
 
 

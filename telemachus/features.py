@@ -5,7 +5,7 @@ A team's own switch wins over the global one; with neither, a feature is on. `fe
 the one check every entry point makes (job submit, the /v1/ endpoints), so a switched-off feature
 is refused the same way everywhere: 403 `feature_disabled`."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
@@ -19,19 +19,31 @@ FEATURES: tuple[str, ...] = tuple(FeatureSwitch.Feature.values)
 OPENAI = FeatureSwitch.Feature.OPENAI.value
 
 
-def feature_enabled(*, feature: str, team: Team | None) -> bool:
-    """Whether `feature` is on for `team` (None: the global switch). One query."""
-    switches = FeatureSwitch.objects.filter(feature=feature)
-    switches = switches.filter(Q(team__isnull=True) | Q(team=team)) if team is not None else switches.filter(team=None)
-    states = dict(switches.values_list("team_id", "enabled"))
+def feature_enabled(*, feature: str, team: Team | None, switches: Mapping[tuple[str, int | None], bool] | None = None
+                    ) -> bool:
+    """Whether `feature` is on for `team` (None: the global switch). One query, or none from
+    `switches` (all of them, (feature, team id or None) -> enabled: `feature_switches()`)."""
+    if switches is not None:
+        states = {team_id: enabled for (name, team_id), enabled in switches.items() if name == feature}
+    else:
+        rows = FeatureSwitch.objects.filter(feature=feature)
+        rows = rows.filter(Q(team__isnull=True) | Q(team=team)) if team is not None else rows.filter(team=None)
+        states = dict(rows.values_list("team_id", "enabled"))
     if team is not None and team.pk in states:
         return states[team.pk]
     return states.get(None, True)
 
 
-def feature_require(*, feature: str, team: Team | None) -> None:
+def feature_switches() -> dict[tuple[str, int | None], bool]:
+    """Every switch, for callers that keep them (the submit's configuration cache)."""
+    return {(feature, team_id): enabled for feature, team_id, enabled
+            in FeatureSwitch.objects.values_list("feature", "team_id", "enabled")}
+
+
+def feature_require(*, feature: str, team: Team | None,
+                    switches: Mapping[tuple[str, int | None], bool] | None = None) -> None:
     """Refuse (403 feature_disabled) when `feature` is switched off for `team` or for everyone."""
-    if not feature_enabled(feature=feature, team=team):
+    if not feature_enabled(feature=feature, team=team, switches=switches):
         where = f"team {team.slug!r}" if team is not None else "everyone"
         raise FeatureDisabled(f"{feature!r} is switched off for {where}.", feature=feature,
                               team=team.slug if team is not None else None)

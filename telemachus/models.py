@@ -46,6 +46,22 @@ class Membership(models.Model):
         return f"{self.user} in {self.team} ({self.role})"
 
 
+class ConfigVersion(models.Model):
+    """One row whose `version` moves whenever configuration changes. Database triggers bump it in the
+    transaction of every write to a configuration table (telemachus/config.py, and the migrations
+    that watch each table); no Python code writes it."""
+
+    SINGLETON_ID = 1
+
+    version = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [models.CheckConstraint(condition=models.Q(id=1), name="configversion_singleton")]
+
+    def __str__(self) -> str:
+        return f"configuration version {self.version}"
+
+
 class AuditEvent(models.Model):
     """Append-only log of what people changed: who (and through which surface), when, on what, and
     the fields' values before and after. It lives in the lowest app so every layer can write it in

@@ -13,9 +13,13 @@ services and the dashboard agree by construction.
 Objects a principal may not see are reported as not found, never as forbidden, so existence does
 not leak; a denial on a visible object is a 403 naming the missing permission."""
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
 from django.db.models import Q, QuerySet
+from guardian.core import ObjectPermissionChecker
 from guardian.models import GroupObjectPermission
 from guardian.shortcuts import get_objects_for_user
 
@@ -141,16 +145,67 @@ def require_cancel(user: Principal, job: Job) -> None:
                     permission="job:cancel")
 
 
-def executor_teams() -> dict[int, set[int]]:
+def executor_teams(*, executors: Iterable[Executor] | None = None) -> dict[int, set[int]]:
     """For each team-owned executor, the teams that may place jobs on it: its owner and every team
-    whose group holds `executors.use_executor` on it. One query."""
+    whose group holds `executors.use_executor` on it. Two queries, or one when the caller passes
+    the executors (none when none of them is team-owned)."""
+    if executors is None:
+        owners = list(Executor.objects.filter(team__isnull=False).values_list("pk", "team_id"))
+    else:
+        owners = [(e.pk, e.team_id) for e in executors if e.team_id is not None]
+    if not owners:
+        return {}
     granted = GroupObjectPermission.objects.filter(
         permission__codename="use_executor", permission__content_type__app_label="executors",
         group__team__isnull=False,
     ).values_list("object_pk", "group__team")
-    teams: dict[int, set[int]] = {}
-    for executor_id, owner in Executor.objects.filter(team__isnull=False).values_list("pk", "team_id"):
-        teams[executor_id] = {owner}
+    teams: dict[int, set[int]] = {executor_id: {owner} for executor_id, owner in owners}
     for object_pk, team_id in granted:
         teams.setdefault(int(object_pk), set()).add(team_id)
     return teams
+
+
+@dataclass(frozen=True)
+class Grants:
+    """What one user may do in which team, read at once for the submit's hot path (kept per
+    configuration version: scheduler/configuration.py). Decides as `is_operator`, `team_for_submit`,
+    `require` and `team_role` do, from the same rows."""
+
+    username: str
+    operator: bool
+    roles: dict[int, str]  # team id -> role, for the teams the user is in
+    permissions: dict[int, frozenset[str]]  # team id -> API permissions held there (globally or on the team)
+
+    def team_for_submit(self, team: Team | None, slug: str) -> Team:
+        if team is None or not (self.operator or team.pk in self.roles):
+            raise ValidationFailed({"team": [f"No team {slug!r} that you belong to."]})
+        return team
+
+    def require(self, permission: str, *, team: Team) -> None:
+        if self.operator or permission in self.permissions.get(team.pk, ()):
+            return
+        raise Forbidden(f"Requires {permission} in team {team.slug!r}.", permission=permission, team=team.slug)
+
+    def role(self, team: Team) -> str | None:
+        return self.roles.get(team.pk)
+
+
+def grants_load(user: AbstractBaseUser) -> Grants:
+    """The user's Grants: memberships (one query), global permissions (two, Django's), and
+    object permissions on the teams the user is in (two, guardian's)."""
+    roles = dict(Membership.objects.filter(user=user).values_list("team_id", "role"))
+    active = user.is_authenticated and user.is_active
+    global_perms = user.get_all_permissions() if active else set()
+    operator = bool(active and (user.is_superuser or MANAGE_PERMISSION in global_perms))
+    permissions: dict[int, frozenset[str]] = {}
+    if roles and active and not operator:
+        teams = list(Team.objects.filter(pk__in=roles))
+        checker = ObjectPermissionChecker(user)
+        checker.prefetch_perms(teams)
+        for team in teams:
+            held = set(checker.get_perms(team))
+            permissions[team.pk] = frozenset(
+                name for name, codename in PERMISSIONS.items()
+                if codename in held or f"telemachus.{codename}" in global_perms
+            )
+    return Grants(username=user.get_username(), operator=operator, roles=roles, permissions=permissions)

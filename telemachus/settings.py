@@ -141,6 +141,12 @@ def database_config(url: str | None) -> dict:
         }
     elif config["ENGINE"] == "django.db.backends.postgresql":
         config["CONN_HEALTH_CHECKS"] = True
+        # Under ASGI each request runs in a thread of its own, so thread-local persistent
+        # connections do not outlive it: a pool lets requests reuse connections instead of opening
+        # one each (workers keep two connections of their own and leave the pool out).
+        pool = env_int("DATABASE_POOL_SIZE", 20)
+        if pool and not config["CONN_MAX_AGE"]:
+            config["OPTIONS"] = {**config.get("OPTIONS", {}), "pool": {"min_size": 1, "max_size": pool, "timeout": 30}}
     return config
 
 

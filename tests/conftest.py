@@ -9,6 +9,7 @@ from rest_framework.test import APIClient
 
 from executors.models import Executor
 from telemachus import rbac
+from telemachus.config import config_cache_clear
 from telemachus.models import Team
 from telemachus.services import team_create, team_member_set
 from tests.processes import Processes
@@ -27,6 +28,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "postgres" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def fresh_configuration_cache():
+    """Each test starts with nothing cached: its database may repeat a configuration version that
+    an earlier test's (rolled back or flushed) database had, with other rows behind it."""
+    config_cache_clear()
+    yield
+    config_cache_clear()
 
 
 @pytest.fixture(autouse=True)

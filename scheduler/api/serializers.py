@@ -6,6 +6,7 @@ from executors.contract import CHAT_API, EMBEDDINGS_API
 from executors.tokens import embedding_inputs
 from scheduler.models import Job, JobEvent
 from scheduler.services.rounds import DEFAULT_MAX_ROUNDS, MAX_ROUNDS
+from scheduler.services.submit import MAX_BULK
 from telemachus.serializers import StrictSerializer
 
 MESSAGE_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -148,3 +149,13 @@ class JobEventOutput(serializers.ModelSerializer):
         model = JobEvent
         fields = ["id", "event", "at", "executor", "meta"]
         read_only_fields = fields
+
+
+class JobBulkSubmitInput(StrictSerializer):
+    """Up to MAX_BULK jobs, each as `POST /api/jobs/` takes it."""
+
+    jobs = JobSubmitInput(many=True, min_length=1, max_length=MAX_BULK)
+
+
+class JobBulkOutput(serializers.Serializer):
+    jobs = JobOutput(many=True, read_only=True)

@@ -7,14 +7,16 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from scheduler.api.serializers import JobEventOutput, JobListFilter, JobOutput, JobSubmitInput
+from scheduler.api.serializers import (
+    JobBulkOutput, JobBulkSubmitInput, JobEventOutput, JobListFilter, JobOutput, JobSubmitInput,
+)
 from scheduler.models import Job, JobEvent
 from scheduler.snapshot import queue_snapshot
 from scheduler.services.cancel import job_cancel
 from scheduler.services.requeue import job_requeue
-from scheduler.services.submit import job_submit
+from scheduler.services.submit import JobSpec, job_submit, jobs_submit
 from telemachus import rbac
-from telemachus.errors import NotFound
+from telemachus.errors import NotFound, ValidationFailed
 from telemachus.pagination import NewestFirstCursorPagination
 from telemachus.throttles import SubmitRateThrottle
 
@@ -61,6 +63,33 @@ class JobListCreateApi(ListAPIView):
         submission.is_valid(raise_exception=True)
         job = job_submit(user=request.user, **submission.validated_data)
         return Response(JobOutput(job).data, status=status.HTTP_201_CREATED)
+
+
+class JobBulkSubmitApi(APIView):
+    """POST submits up to 1,000 jobs at once, all or nothing: each is validated and admitted as
+    `POST /api/jobs/` would, the team's queue depth cap counts the whole batch, and nothing is
+    written unless every job is accepted. A refusal is the error single submit gives, with
+    `index`: the position of the first failing job in `jobs`."""
+
+    @extend_schema(request=JobBulkSubmitInput, responses={201: JobBulkOutput})
+    def post(self, request: Request) -> Response:
+        bulk = JobBulkSubmitInput(data=request.data)
+        if not bulk.is_valid():
+            raise _first_failing_job(bulk.errors)
+        jobs = jobs_submit(user=request.user, jobs=[JobSpec(**job) for job in bulk.validated_data["jobs"]])
+        return Response(JobBulkOutput({"jobs": jobs}).data, status=status.HTTP_201_CREATED)
+
+
+def _first_failing_job(errors: dict) -> ValidationFailed:
+    """The bulk body's errors as the API's validation error: the first invalid job's fields with
+    its `index`, or what is wrong with the body itself."""
+    items = errors.get("jobs")
+    if isinstance(items, dict) and items and all(isinstance(i, int) for i in items):  # {index: fields}
+        index = min(items)
+        failed = ValidationFailed(items[index], detail=f"Job {index} is invalid.")
+        failed.extra["index"] = index
+        return failed
+    return ValidationFailed(errors)
 
 
 class JobDetailApi(APIView):

@@ -2,15 +2,14 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
-from django.db import transaction
-from django.db.models import F
+from django.db import connection, transaction
 
 from executors.health import breaker_trial_started
 from executors.models import Executor
 from quotas.budget import Account
-from scheduler.bulk import update_rows
 from scheduler.locks import lock_claim
 from scheduler.models import Job, JobEvent, Slot
 from scheduler.policy import policy_for
@@ -39,9 +38,14 @@ class Claim:
 @dataclass(frozen=True)
 class ClaimBatch:
     claims: list[Claim]
-    # True when work may be waiting for capacity (a cap was reached or jobs were left behind), so
-    # the caller should try again when slots are freed; False when the queue had nothing placeable.
+    # True when work may be waiting for capacity (a cap at any scope was reached, an executor is
+    # full, or jobs were left behind), so the caller should try again when slots are freed; False
+    # when the queue had nothing that more capacity would let start.
     backlog: bool
+    # Seconds from the claim until something that waits on time may become claimable: a retry's
+    # backoff ends, a breaker's cooldown ends, a budget window resets. None when nothing does (or
+    # the claim took all it could, so the caller claims again at once anyway).
+    wake_in: float | None = None
 
 
 def lease_length() -> timedelta:
@@ -91,24 +95,16 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
                 state.take(job, view)
                 chosen.append((job, view))
                 taken.add(job.pk)
-            if not passed_over or len(chosen) == taken_before or len(chosen) >= limit or state.global_free() <= 0:
+            if (not passed_over or len(chosen) == taken_before or len(chosen) >= limit or state.global_free() <= 0
+                    or not state.room_anywhere()):
                 break
         backlog = (
             passed_over or len(chosen) >= limit or state.global_free() <= 0
-            or bool(state.capped_teams() or state.capped_users())
+            or bool(state.capped_teams() or state.capped_users()) or state.executor_full()
         )
+        wake_at = _next_eligible(state) if len(chosen) < limit else None
         for view in {view.pk: view for _, view in chosen if view.trial}.values():
             breaker_trial_started(executor=view.executor, now=now)
-        if chosen:
-            # Lock the chosen rows and read their payload, left out of the heads the policy read.
-            owned = dict(
-                Job.objects.select_for_update(skip_locked=True)
-                .filter(pk__in=sorted(job.pk for job, _ in chosen), status=Job.Status.QUEUED)
-                .values_list("pk", "input")
-            )
-            chosen = [(job, view) for job, view in chosen if job.pk in owned]
-            for job, _ in chosen:
-                job.input = owned[job.pk]
         claims = _start(chosen, worker=worker, state=state) if chosen else []
         tools = tool_jobs_start(worker=worker, limit=limit - len(claims), now=now, expires=now + lease_length())
         claims += [Claim(job=job, executor=None, slot_id=None, lease=job.lease) for job in tools]
@@ -118,7 +114,7 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
         _record_deferrals(list(deferred.values()), now=now)
         # Ledger rows last (lock level 4): the reservations of the jobs actually started, and one
         # `deferred` event for each budget found empty for the first time in its window.
-        state.budgets.hold([job.reservation for job, _ in chosen])
+        state.budgets.hold([claim.job.reservation for claim in claims])
         events_record(
             job_event(job=None, event=JobEvent.Type.DEFERRED, at=now, **account.describe())
             for account in state.budgets.note_exhausted()
@@ -126,10 +122,21 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
         # Fair share's entry penalty, last (lock level 5): a burst pays as it starts, before its
         # usage is known, so it cannot take more than its share in the meantime.
         charges: Counter = Counter()
-        for job, _ in chosen:
-            charges[job.team_id] += job.cost_estimate if record.cost == record.Cost.TOKENS else record.entry_penalty
+        for claim in claims:
+            charges[claim.job.team_id] += (
+                claim.job.cost_estimate if record.cost == record.Cost.TOKENS else record.entry_penalty
+            )
         team_shares_charge(charges=charges, now=now, half_life=record.half_life_seconds)
-        return ClaimBatch(claims=claims, backlog=backlog)
+        wake_in = max((wake_at - now).total_seconds(), 0.0) if wake_at is not None else None
+        return ClaimBatch(claims=claims, backlog=backlog, wake_in=wake_in)
+
+
+def _next_eligible(state: ClaimState) -> datetime | None:
+    """The next moment queued work that waits on time may become claimable: the earliest end of a
+    retry's backoff (read with the claim lock), of a breaker's cooldown, or of a budget window
+    that refused work or ran out. A worker sleeps until then instead of polling."""
+    moments = [*state.cooldown_ends, state.budgets.next_reset(), getattr(state.policy, "next_retry", None)]
+    return min(filter(None, moments), default=None)
 
 
 def _record_deferrals(deferred: list[tuple[Job, Account]], *, now: datetime) -> None:
@@ -148,21 +155,18 @@ def _record_deferrals(deferred: list[tuple[Job, Account]], *, now: datetime) -> 
 
 def _start(chosen: list[tuple[Job, ExecutorView]], *, worker: str, state: ClaimState) -> list[Claim]:
     """Mark the chosen jobs running under one lease token for this claim (the fencing token is the
-    pair job id + lease), with one UPDATE per executor rather than a CASE per row."""
+    pair job id + lease), then write their slots and events. A job that is no longer queued, or
+    that another transaction holds (a cancel at this very moment), is left out, not waited for."""
     now, expires, lease = state.now, state.now + lease_length(), uuid.uuid4()
-    by_executor: dict[int, list[int]] = {}
+    inputs = _mark_running(chosen, worker=worker, now=now, expires=expires, lease=lease)
+    chosen = [(job, view) for job, view in chosen if job.pk in inputs]
     for job, view in chosen:
-        by_executor.setdefault(view.pk, []).append(job.pk)
         job.status, job.executor, job.started_at, job.worker = Job.Status.RUNNING, view.executor, now, worker
         job.attempts += 1
         job.lease, job.lease_expires_at = lease, expires
-    for executor_id, job_ids in by_executor.items():
-        Job.objects.filter(pk__in=job_ids).update(
-            status=Job.Status.RUNNING, executor_id=executor_id, started_at=now, attempts=F("attempts") + 1,
-            worker=worker, lease=lease, lease_expires_at=expires,
-        )
-    reserved = [{"id": job.pk, "reservation": job.reservation} for job, _ in chosen if job.reservation]
-    update_rows(Job, reserved)
+        job.input = inputs[job.pk]
+    if not chosen:
+        return []
     slots = Slot.objects.bulk_create(
         [
             Slot(job=job, executor=view.executor, team_id=job.team_id, user_id=job.user_id, worker=worker, acquired_at=now)
@@ -178,3 +182,39 @@ def _start(chosen: list[tuple[Job, ExecutorView]], *, worker: str, state: ClaimS
         Claim(job=job, executor=view.executor, slot_id=slot.pk, lease=lease)
         for (job, view), slot in zip(chosen, slots, strict=True)
     ]
+
+
+def _mark_running(
+    chosen: list[tuple[Job, ExecutorView]], *, worker: str, now: datetime, expires: datetime, lease: uuid.UUID
+) -> dict[int, dict]:
+    """One statement for all the chosen rows: lock them (SKIP LOCKED on PostgreSQL; SQLite holds
+    the whole database), check they are still queued, mark them running on their executor with
+    their budget reservation, and read back their payload, left out of the heads the policy read.
+    Returns job id -> input for the rows it changed (lock level 3)."""
+    qn = connection.ops.quote_name
+    table, field = qn(Job._meta.db_table), Job._meta.get_field
+    postgres = connection.vendor == "postgresql"
+    row = "(%s::bigint, %s::bigint, %s::jsonb)" if postgres else "(%s, %s, %s)"
+    params: list[Any] = []
+    for job, view in chosen:
+        params += [job.pk, view.pk, field("reservation").get_db_prep_save(job.reservation, connection)]
+    fixed = {"status": Job.Status.RUNNING.value, "started_at": now, "worker": worker, "lease": lease,
+             "lease_expires_at": expires}
+    params += [field(name).get_db_prep_save(value, connection) for name, value in fixed.items()]
+    queued = f"{qn('status')} = '{Job.Status.QUEUED.value}'"
+    if postgres:
+        still_queued = (f"{table}.{qn('id')} IN (SELECT j.{qn('id')} FROM {table} j JOIN v ON j.{qn('id')} = v.job "
+                        f"WHERE j.{queued} FOR UPDATE OF j SKIP LOCKED)")
+    else:
+        still_queued = f"{table}.{queued}"
+    sql = (
+        f"WITH v(job, executor, reservation) AS (VALUES {', '.join([row] * len(chosen))}) "
+        f"UPDATE {table} SET {qn('executor_id')} = v.executor, {qn('reservation')} = v.reservation, "
+        + ", ".join(f"{qn(field(name).column)} = %s" for name in fixed)
+        + f", {qn('attempts')} = {table}.{qn('attempts')} + 1 "
+        f"FROM v WHERE {table}.{qn('id')} = v.job AND {still_queued} RETURNING {qn('id')}, {qn('input')}"
+    )
+    payload = field("input")
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return {pk: payload.from_db_value(value, None, connection) for pk, value in cursor.fetchall()}

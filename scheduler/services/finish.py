@@ -14,9 +14,10 @@ from quotas.budget import Bill, quota_settle
 from scheduler import signals
 from scheduler.bulk import update_rows
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
-from scheduler.selectors import queue_policy
+from scheduler.configuration import configuration, policy_record
 from scheduler.services.events import events_record, job_event
 from scheduler.services.shares import team_shares_charge
+from telemachus.config import config_at, version_annotation
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def retry_delay(*, attempt: int, retry_after: float | None) -> float:
     return max(delay, retry_after or 0.0)
 
 
-def jobs_finish(*, outcomes: Sequence[Outcome]) -> FinishReport:
+def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> FinishReport:
     """Write the results of finished dispatches: status done or failed, result, tokens, and the
     matching event; free their slots. Batched so a busy worker writes many results per commit.
 
@@ -63,25 +64,30 @@ def jobs_finish(*, outcomes: Sequence[Outcome]) -> FinishReport:
     clock. Anything else (lease expired, job recovered, canceled, or finished by someone else) is
     refused and recorded as a `finish_refused` event; the job is left as it is, so a job completes
     exactly once. Locks the job rows in ascending id (level 3). Durable: not inside another
-    transaction."""
+    transaction.
+
+    Freed slots wake the workers (`freed`), unless `wake_others` is False: a worker finishing its
+    own jobs claims again itself, with the local room the finished jobs left, so waking every
+    other worker would only have them race it for the same slots."""
     if not outcomes:
         return FinishReport(accepted=[], refused=[])
     by_job = {outcome.job_id: outcome for outcome in outcomes}
-    record = queue_policy()
-    max_attempts = record.max_attempts
     with transaction.atomic(durable=True):
         held = {
             row.pk: row
-            for row in Job.objects.select_for_update()
+            for row in Job.objects.select_for_update(of=("self",))
             .filter(pk__in=sorted(by_job))
-            .annotate(db_now=Now())
+            .annotate(db_now=Now(), config_version=version_annotation())
             .order_by("pk")
             .only("pk", "status", "lease", "lease_expires_at", "executor_id", "tokens_used", "worker", "attempts",
                   "team_id", "user_id", "reservation", "started_at", "cost_estimate")
         }
         if not held:
             return FinishReport(accepted=[], refused=sorted(by_job))
-        now = next(iter(held.values())).db_now
+        first = next(iter(held.values()))
+        now, snapshot = first.db_now, config_at(first.config_version)
+        record = policy_record(snapshot)
+        max_attempts = record.max_attempts
         finished, retrying, events, refused, bills, charges = [], [], [], [], [], Counter()
         for job_id, outcome in by_job.items():
             job = held.get(job_id)
@@ -134,11 +140,13 @@ def jobs_finish(*, outcomes: Sequence[Outcome]) -> FinishReport:
             Slot.objects.filter(job_id__in=ended).delete()
             update_rows(Job, finished)
             update_rows(Job, retrying)
-            signals.notify_workers(signals.FREED)
+            if wake_others:
+                signals.notify_workers(signals.FREED)
         events_record(events)
         # Ledger rows last (lock level 4).
         quota_settle(
-            reservations=[held[row["id"]].reservation for row in finished + retrying], bills=bills, now=now
+            reservations=[held[row["id"]].reservation for row in finished + retrying], bills=bills, now=now,
+            rules=configuration(snapshot).rules,
         )
         # What the attempts cost, for fair share (lock level 5, the last).
         team_shares_charge(charges=charges, now=now, half_life=record.half_life_seconds)

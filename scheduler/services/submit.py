@@ -1,3 +1,17 @@
+"""Admission: from a request to a queued job (or a refusal), at the speed of the API.
+
+The checks read only configuration (teams, memberships, permissions, executors, quota rules, the
+queue policy), kept per configuration version (scheduler/configuration.py). The version is
+confirmed by the statement that locks the team rows, so an unchanged configuration costs no
+round trip; if it moved since the process last read it, the submit reads it again and checks
+again. What must be live is read live: the budget ledger (only when a budget applies) and the
+queue depth. Round trips per submit, whatever the configuration: BEGIN; the team lock, which also
+confirms the version, reads the ledger rows and queues the workers' wake-up; the depth; the job
+insert; the event insert; COMMIT (tests/scheduler/services/test_submit.py pins it)."""
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -6,18 +20,36 @@ from django.db import transaction
 from django.utils import timezone
 
 from executors.contract import EMBEDDINGS_API
-from executors.selectors import executors_usable_by
-from quotas.budget import quota_check
+from quotas.budget import Budgets, admission_budgets, quota_check
 from scheduler import signals
+from scheduler.configuration import Configuration, configuration, grants, policy_record
 from scheduler.jobtypes import job_input_check
 from scheduler.models import Job, JobEvent, QueuePolicy
 from scheduler.policy import Admission, AdmissionState, policy_for
-from scheduler.selectors import queue_policy
 from scheduler.services.events import events_record, job_event
 from telemachus import rbac
-from telemachus.errors import TryLater, UnknownModel, ValidationFailed
+from telemachus.config import (
+    ConfigSnapshot, config_at, config_current, config_reload, config_snapshot, version_annotation,
+)
+from telemachus.errors import DomainError, TryLater, UnknownModel, ValidationFailed
 from telemachus.features import feature_require
-from telemachus.models import Membership, Team
+from telemachus.models import Team
+
+# The most jobs one bulk submit may carry.
+MAX_BULK = 1000
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job to submit, shape-checked (JobSubmitInput)."""
+
+    team: str
+    type: str
+    requirements: dict[str, Any]
+    input: dict[str, Any]
+    priority: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+    run_after: datetime | None = None
 
 
 def job_submit(
@@ -45,64 +77,161 @@ def job_submit(
     concurrent submits cannot overfill it. Wakes the workers on commit. With `run_after` (an aware
     datetime) the job waits in the queue, counted against the depth cap, and no claim takes it
     before then (the same not-before time a retry waits on)."""
-    team_obj = rbac.team_for_submit(user, team)
-    feature_require(feature=type, team=team_obj)
-    rbac.require(user, rbac.JOB_TYPE_PERMISSION[type], team=team_obj)
-    job_input_check(user=user, team=team_obj, type=type, input=input)
-    # A tool job runs in a worker's tool threads, on no executor: it names no model.
-    model = "" if type == Job.Type.TOOL else requirements["model"]
-    embeddings = requirements.get("api") == EMBEDDINGS_API
-    if model and not executors_usable_by(team=team_obj, model=model, embeddings=embeddings):
-        offers = f"embeddings of model {model!r}" if embeddings else f"model {model!r}"
-        raise UnknownModel(f"No enabled executor available to team {team_obj.slug!r} offers {offers}.", model=model)
-    now = timezone.now()
-    quota_check(team_id=team_obj.pk, user_id=user.pk, tokens=requirements.get("est_tokens", 0), now=now)
-    record = queue_policy()
-    allowed, source = priority_ceiling(record, user=user, team=team_obj)
-    clamped = priority > allowed
-    if clamped and record.priority_over_limit == QueuePolicy.OverLimit.REJECT:
-        raise ValidationFailed({"priority": [f"At most {allowed} for you in team {team_obj.slug!r} ({source})."]})
-    with transaction.atomic():
-        if Team.objects.select_for_update().filter(pk=team_obj.pk).first() is None:  # deleted meanwhile
-            raise ValidationFailed({"team": [f"No team {team!r} that you belong to."]})
-        job = Job(
-            type=type,
-            user=user,
-            team=team_obj,
-            priority=min(priority, allowed),
-            requirements=requirements,
-            model=model,
-            cost_estimate=requirements.get("est_tokens", 0),
-            input=input,
-            meta=meta or {},
-            submitted_at=now,
-            run_after=run_after,
-            # A job deferred to `run_after` enters the line, and starts ageing, when it may run.
-            ready_at=max(now, run_after) if run_after else now,
-            queued_at=max(now, run_after) if run_after else now,
-        )
-        admission = policy_for(record).admit(job, AdmissionState(team=team_obj, now=now))
-        if admission.decision == Admission.REJECT:
-            raise TryLater(admission.reason, retry_after=admission.retry_after or 60)
-        job.save()
-        deferred = {"run_after": run_after.isoformat()} if run_after is not None else {}
-        events = [job_event(job=job, event=JobEvent.Type.QUEUED, at=now, priority=job.priority, **deferred)]
-        if clamped:
-            events.append(job_event(job=job, event=JobEvent.Type.PRIORITY_CLAMPED, at=now, requested=priority,
-                                    allowed=allowed, reason=source))
-        events_record(events)
-        signals.notify_workers(signals.QUEUED)
+    spec = JobSpec(team=team, type=type, requirements=requirements, input=input, priority=priority, meta=meta or {},
+                   run_after=run_after)
+    (job,) = _submit(user=user, specs=[spec])
     return job
 
 
-def priority_ceiling(record: QueuePolicy, *, user: AbstractBaseUser, team: Team) -> tuple[int, str]:
+def jobs_submit(*, user: AbstractBaseUser, jobs: Sequence[JobSpec]) -> list[Job]:
+    """Submit up to MAX_BULK jobs at once, all or nothing: each is checked as `job_submit` checks
+    it, and the queue depth cap counts the whole batch (a team's queued jobs plus those of the
+    batch before each one). One transaction; team rows locked in ascending id. A refusal names
+    the failing job's position in `index` and nothing is written."""
+    if not 1 <= len(jobs) <= MAX_BULK:
+        raise ValidationFailed({"jobs": [f"Between 1 and {MAX_BULK} jobs."]})
+    return _submit(user=user, specs=jobs, indexed=True)
+
+
+class _StaleConfiguration(Exception):
+    def __init__(self, version: int | None) -> None:
+        self.version = version
+
+
+@dataclass
+class _Admitted:
+    """A job that passed the configuration checks, before the live ones."""
+
+    job: Job
+    requested: int
+    allowed: int
+    source: str
+
+
+def _submit(*, user: AbstractBaseUser, specs: Sequence[JobSpec], indexed: bool = False) -> list[Job]:
+    """Check against the configuration this process last read; confirm its version under the team
+    locks. A refusal from configuration that may be stale is checked again on a fresh read
+    before it is believed."""
+    snapshot, fresh = config_current()
+    while True:
+        try:
+            with transaction.atomic():
+                return _admit(user=user, specs=specs, snapshot=snapshot, indexed=indexed)
+        except _StaleConfiguration as stale:
+            # The same version with different rows can only be a rolled-back or flushed database.
+            same = (stale.version or 0) == snapshot.version
+            snapshot, fresh = (config_reload if same else config_at)(stale.version), True
+        except DomainError:
+            if fresh:
+                raise
+            snapshot, fresh = config_snapshot(), True
+
+
+def _admit(*, user: AbstractBaseUser, specs: Sequence[JobSpec], snapshot: ConfigSnapshot, indexed: bool) -> list[Job]:
+    conf, record, who = configuration(snapshot), policy_record(snapshot), grants(snapshot, user)
+    now = timezone.now()
+    admitted = [_check(conf, record, who, user, spec, now, index=i if indexed else None) for i, spec in enumerate(specs)]
+    teams = sorted({item.job.team_id for item in admitted})
+    budgets = admission_budgets(subjects={(item.job.team_id, item.job.user_id) for item in admitted}, now=now,
+                                rules=conf.rules)
+    # One statement: lock the teams' rows (counting their queues is then race-free), confirm the
+    # configuration version, read the budgets' ledger rows, and wake the workers on commit.
+    budget_columns = budgets.columns()
+    locked = list(Team.objects.select_for_update(of=("self",)).filter(pk__in=teams).order_by("pk")
+                  .annotate(config_version=version_annotation(), wake=signals.notify_column(signals.QUEUED),
+                            **budget_columns)
+                  .values("pk", "config_version", "wake", *budget_columns))
+    version = locked[0]["config_version"] if locked else None
+    if len(locked) != len(teams) or (version or 0) != snapshot.version:
+        raise _StaleConfiguration(version)
+    budgets.fill(locked[0])
+    _within_budgets(budgets, admitted, now, indexed=indexed)
+    _within_depth(record, admitted, now, indexed=indexed)
+    jobs = Job.objects.bulk_create([item.job for item in admitted])
+    events = []
+    for item in admitted:
+        deferred = {"run_after": item.job.run_after.isoformat()} if item.job.run_after is not None else {}
+        events.append(job_event(job=item.job, event=JobEvent.Type.QUEUED, at=now, priority=item.job.priority,
+                                **deferred))
+        if item.requested > item.allowed:
+            events.append(job_event(job=item.job, event=JobEvent.Type.PRIORITY_CLAMPED, at=now,
+                                    requested=item.requested, allowed=item.allowed, reason=item.source))
+    events_record(events)
+    return jobs
+
+
+def _check(conf: Configuration, record: QueuePolicy, who: rbac.Grants, user: AbstractBaseUser, spec: JobSpec,
+           now: datetime, *, index: int | None) -> _Admitted:
+    """The configuration checks of one job, in job_submit's order; the job, unsaved."""
+    try:
+        team = who.team_for_submit(conf.team(spec.team), spec.team)
+        feature_require(feature=spec.type, team=team, switches=conf.features)
+        who.require(rbac.JOB_TYPE_PERMISSION[spec.type], team=team)
+        job_input_check(type=spec.type, input=spec.input, team=team,
+                        require=lambda permission: who.require(permission, team=team))
+        # A tool job runs in a worker's tool threads, on no executor: it names no model.
+        model = "" if spec.type == Job.Type.TOOL else spec.requirements["model"]
+        embeddings = spec.requirements.get("api") == EMBEDDINGS_API
+        if model and not conf.executors_usable_by(team_id=team.pk, model=model, embeddings=embeddings):
+            offers = f"embeddings of model {model!r}" if embeddings else f"model {model!r}"
+            raise UnknownModel(f"No enabled executor available to team {team.slug!r} offers {offers}.", model=model)
+        allowed, source = priority_ceiling(record, who=who, team=team)
+        if spec.priority > allowed and record.priority_over_limit == QueuePolicy.OverLimit.REJECT:
+            raise ValidationFailed({"priority": [f"At most {allowed} for you in team {team.slug!r} ({source})."]})
+    except DomainError as exc:
+        raise _at(exc, index) from None
+    # A job deferred to `run_after` enters the line, and starts ageing, when it may run.
+    ready = max(now, spec.run_after) if spec.run_after else now
+    job = Job(
+        type=spec.type, user=user, team=team, priority=min(spec.priority, allowed), requirements=spec.requirements,
+        model=model, cost_estimate=spec.requirements.get("est_tokens", 0), input=spec.input, meta=spec.meta,
+        submitted_at=now, run_after=spec.run_after, ready_at=ready, queued_at=ready,
+    )
+    return _Admitted(job=job, requested=spec.priority, allowed=allowed, source=source)
+
+
+def _within_budgets(budgets: Budgets, admitted: list[_Admitted], now: datetime, *, indexed: bool) -> None:
+    """Quota.check for each job, against the ledger as read with the team lock."""
+    if not budgets.accounts:
+        return
+    for i, item in enumerate(admitted):
+        try:
+            quota_check(team_id=item.job.team_id, user_id=item.job.user_id, tokens=item.job.cost_estimate, now=now,
+                        budgets=budgets)
+        except DomainError as exc:
+            raise _at(exc, i if indexed else None) from None
+
+
+def _within_depth(record: QueuePolicy, admitted: list[_Admitted], now: datetime, *, indexed: bool) -> None:
+    """The policy's admission, with each team's queue counted once and the batch's own jobs ahead
+    of each one counted as queued."""
+    policy = policy_for(record)
+    states: dict[int, AdmissionState] = {}
+    ahead: Counter = Counter()
+    for i, item in enumerate(admitted):
+        team = item.job.team
+        state = states.setdefault(team.pk, AdmissionState(team=team, now=now))
+        state.pending = ahead[team.pk]
+        admission = policy.admit(item.job, state)
+        if admission.decision == Admission.REJECT:
+            raise _at(TryLater(admission.reason, retry_after=admission.retry_after or 60), i if indexed else None)
+        ahead[team.pk] += 1
+
+
+def _at(exc: DomainError, index: int | None) -> DomainError:
+    """The error, naming the failing job's position in a bulk submit."""
+    if index is not None:
+        exc.extra["index"] = index
+    return exc
+
+
+def priority_ceiling(record: QueuePolicy, *, who: rbac.Grants, team: Team) -> tuple[int, str]:
     """The highest priority this principal may use in this team, and which entry of the priority
     map says so: the most specific of user:<name>, team:<slug> and the role wins; operators and
     principals the map does not mention are not limited."""
-    if rbac.is_operator(user):
+    if who.operator:
         return Job.PRIORITY_MAX, "operator"
-    role = Membership.objects.filter(team=team, user=user).values_list("role", flat=True).first()
-    for key in (f"user:{user.get_username()}", f"team:{team.slug}", role):
+    for key in (f"user:{who.username}", f"team:{team.slug}", who.role(team)):
         if key in record.priority_map:
             return int(record.priority_map[key]), f"priority_map[{key!r}]"
     return Job.PRIORITY_MAX, "no limit"

@@ -8,39 +8,15 @@ from django.db import connection
 from django.db.models import Count
 
 from executors.models import Executor
-from quotas.concurrency import slot_counts
 from quotas.models import QuotaPolicy
 from scheduler.models import Job, JobEvent, Slot
 from scheduler.services.claim import job_claim
 from scheduler.services.submit import job_submit
 from telemachus.services import team_member_set
+from tests.concurrency.slots import SlotSampler
 from tests.processes import http_json, wait_until
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
-
-
-class SlotSampler(threading.Thread):
-    """Samples live slots per scope from the database, on its own connection, and keeps peaks."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.stop = threading.Event()
-        self.peak_total = 0
-        self.peak = {"executor": Counter(), "team": Counter(), "user": Counter()}
-        self.samples = 0
-
-    def run(self) -> None:
-        try:
-            while not self.stop.is_set():
-                counts = slot_counts()
-                self.samples += 1
-                self.peak_total = max(self.peak_total, counts.total)
-                for scope in self.peak:
-                    for key, n in getattr(counts, scope).items():
-                        self.peak[scope][key] = max(self.peak[scope][key], n)
-                self.stop.wait(0.005)
-        finally:
-            connection.close()
 
 
 def test_four_workers_never_exceed_any_cap(processes, make_user, make_team):

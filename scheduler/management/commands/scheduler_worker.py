@@ -4,7 +4,7 @@ import socket
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from scheduler.worker import DEFAULT_CONCURRENCY, Worker
+from scheduler.worker import DEFAULT_CONCURRENCY, DEFAULT_IDLE_POLL, Worker
 
 
 class Command(BaseCommand):
@@ -21,14 +21,24 @@ class Command(BaseCommand):
             "--burst", action="store_true", help="exit once nothing is claimable and nothing is in flight"
         )
         parser.add_argument(
+            "--idle-poll", type=float, default=DEFAULT_IDLE_POLL,
+            help=f"longest sleep with nothing waking the worker, seconds (default {DEFAULT_IDLE_POLL:g}): "
+                 "notifications, its own finishes and time-bound moments the claim names wake it",
+        )
+        parser.add_argument(
             "--grace", type=float, default=None,
             help="seconds to let in-flight work finish after SIGTERM before giving it back to the queue",
         )
 
-    def handle(self, *args, concurrency: int, name: str | None, burst: bool, grace: float | None, **options) -> None:
+    def handle(
+        self, *args, concurrency: int, name: str | None, burst: bool, idle_poll: float, grace: float | None, **options
+    ) -> None:
         if concurrency < 1:
             raise CommandError("--concurrency must be at least 1")
+        if idle_poll <= 0:
+            raise CommandError("--idle-poll must be positive")
         worker = Worker(
-            name=name or f"{socket.gethostname()}:{os.getpid()}", concurrency=concurrency, burst=burst, grace=grace
+            name=name or f"{socket.gethostname()}:{os.getpid()}", concurrency=concurrency, burst=burst,
+            idle_poll=idle_poll, grace=grace,
         )
         asyncio.run(worker.run())
