@@ -97,12 +97,15 @@ def _held(job_id: int, lease: uuid.UUID, *, rounds: int | None = None) -> Job:
     return job
 
 
-def _attempt_end(job: Job, *, now: datetime, record: QueuePolicy, tokens: int | None) -> None:
+def _attempt_end(job: Job, *, now: datetime, record: QueuePolicy, tokens: int | None, wake: bool = True) -> None:
     """Free the round's slot and settle its attempt: release the budget reservation, bill the
     tokens (None: nothing to bill, no model call was made) and charge fair share what the
-    attempt cost. Runs last in its transaction: ledger rows (level 4), then team shares (5)."""
+    attempt cost. Runs last in its transaction: ledger rows (level 4), then team shares (5).
+    `wake`: tell the workers a slot is free (not for a flow under `continue` going on to its
+    tools: its next round keeps its place, and the requeue wakes them)."""
     Slot.objects.filter(job=job).delete()
-    signals.notify_workers(signals.FREED)
+    if wake:
+        signals.notify_workers(signals.FREED)
     bills = [] if tokens is None else [
         Bill(team_id=job.team_id, user_id=job.user_id, executor_id=job.executor_id, tokens=tokens)
     ]
@@ -185,7 +188,11 @@ def round_finish(
             events.append(_end(job, status=Job.Status.DONE, now=now, result=result, tokens=tokens))
         if job.status != Job.Status.RUNNING:
             fields += ["status", "result", "error", "finished_at", "lease", "lease_expires_at"]
-        _attempt_end(job, now=now, record=record, tokens=tokens)
+        # Under `continue` the flow keeps its place while its tools run: a slot freed now is not
+        # advertised, so the flow's next round (queued when the tools are done) normally takes it
+        # rather than newer work of its team; a claim woken by something else may still use it.
+        goes_on = job.status == Job.Status.RUNNING and record.flow_rounds == QueuePolicy.FlowRounds.CONTINUE
+        _attempt_end(job, now=now, record=record, tokens=tokens, wake=not goes_on)
         job.save(update_fields=fields)
         events_record(events)
     return RoundEnd(status=job.status, tool_calls=calls if job.status == Job.Status.RUNNING else [])
