@@ -39,7 +39,9 @@ from telemachus.models import ConfigVersion
 def lock_claim(*, as_stored: bool = False) -> tuple[QueuePolicy, datetime]:
     """Lock the claim lock, then read the database clock, with what costs nothing more in the same
     statement: the configuration version (`policy.config_version`, scheduler/configuration.py) and
-    when the next retry's backoff ends (`policy.next_retry`, job_retry_idx). The policy returned
+    when the next retry's backoff ends (`policy.next_retry`, job_retry_idx) and whether any tool job
+    is queued (`policy.tools_queued`, job_tool_queue_idx: the claim skips looking for them when
+    none is, a lookup that cost about a sixth of a claim). The policy returned
     is a copy of the record as of that version (the configuration cache), so it is the row as it
     stands: any change to it moves the version, and a change cannot commit while the lock is held.
     It comes back as the scheduler may use it (scheduler/policy_bounds.py: an out-of-bounds stored
@@ -61,14 +63,14 @@ def lock_claim(*, as_stored: bool = False) -> tuple[QueuePolicy, datetime]:
             QueuePolicy.objects.bulk_create([QueuePolicy(pk=QueuePolicy.SINGLETON_ID)], ignore_conflicts=True)
             cursor.execute(lock, [QueuePolicy.SINGLETON_ID])
         cursor.execute(_CLOCK_SQL[connection.vendor == "postgresql"])
-        now, version, next_retry = cursor.fetchone()
+        now, version, next_retry, tools_queued = cursor.fetchone()
     if connection.vendor != "postgresql":
         now, next_retry = (connection.ops.convert_datetimefield_value(v, None, connection) for v in (now, next_retry))
     if as_stored:
         policy = QueuePolicy.objects.get(pk=QueuePolicy.SINGLETON_ID)
     else:
         policy = copy.copy(policy_record(config_at(version)))  # queue_policy(): bounds applied
-    policy.config_version, policy.next_retry = version, next_retry
+    policy.config_version, policy.next_retry, policy.tools_queued = version, next_retry, bool(tools_queued)
     return policy, now
 
 
@@ -78,7 +80,9 @@ def _clock_sql(now: str) -> str:
     return (
         f"SELECT {now}, (SELECT {qn('version')} FROM {version} WHERE {qn('id')} = {ConfigVersion.SINGLETON_ID}), "
         f"(SELECT MIN({qn('run_after')}) FROM {job} WHERE {qn('status')} = '{Job.Status.QUEUED.value}' "
-        f"AND {qn('run_after')} > {now})"
+        f"AND {qn('run_after')} > {now}), "
+        f"EXISTS (SELECT 1 FROM {job} WHERE {qn('status')} = '{Job.Status.QUEUED.value}' "
+        f"AND {qn('type')} = '{Job.Type.TOOL.value}')"
     )
 
 

@@ -106,7 +106,8 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
         for view in {view.pk: view for _, view in chosen if view.trial}.values():
             breaker_trial_started(executor=view.executor, now=now)
         claims = _start(chosen, worker=worker, state=state) if chosen else []
-        tools = tool_jobs_start(worker=worker, limit=limit - len(claims), now=now, expires=now + lease_length())
+        tools = (tool_jobs_start(worker=worker, limit=limit - len(claims), now=now, expires=now + lease_length())
+                 if record.tools_queued else [])
         claims += [Claim(job=job, executor=None, slot_id=None, lease=job.lease) for job in tools]
         backlog = backlog or len(claims) >= limit
         if claims:
