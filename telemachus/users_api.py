@@ -25,7 +25,7 @@ class UserInput(StrictSerializer):
 
 class UserOutput(serializers.Serializer):
     username = serializers.CharField(source="get_username")
-    email = serializers.EmailField()
+    email = serializers.CharField(help_text="Empty when none was given.")
     operator = serializers.SerializerMethodField()
     invited = serializers.SerializerMethodField()
     teams = serializers.SerializerMethodField()

@@ -4,6 +4,7 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import status
 from rest_framework.generics import ListAPIView
 from rest_framework.request import Request
+from rest_framework.settings import api_settings
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -86,7 +87,10 @@ def _first_failing_job(errors: dict) -> ValidationFailed:
     items = errors.get("jobs")
     if isinstance(items, dict) and items and all(isinstance(i, int) for i in items):  # {index: fields}
         index = min(items)
-        failed = ValidationFailed(items[index], detail=f"Job {index} is invalid.")
+        fields = items[index]
+        if not isinstance(fields, dict):  # the job is not an object at all
+            fields = {api_settings.NON_FIELD_ERRORS_KEY: fields}
+        failed = ValidationFailed(fields, detail=f"Job {index} is invalid.")
         failed.extra["index"] = index
         return failed
     return ValidationFailed(errors)

@@ -25,6 +25,13 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
+# One Server-Sent Event as a client parses it (OpenAPI 3.0 has no itemSchema: tools such as
+# schemathesis read a text/event-stream schema as the schema of each event).
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "event": {"type": "string"}, "data": {"type": "string", "description": "JSON, or OpenAI's `[DONE]`."},
+    "id": {"type": "string"}, "retry": {"type": "integer"}}}
+
+
 def _openai_errors(*statuses: int) -> dict[str, Any]:
     return {str(status): _json(OPENAI_ERROR, "An error in OpenAI's shape.") for status in statuses}
 
@@ -33,7 +40,7 @@ def _openai(operation_id: str, summary: str, description: str, *, post: bool, er
             stream: bool = False, parameters: tuple[dict, ...] = (TEAM_HEADER,)) -> dict[str, Any]:
     ok: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
     if stream:
-        ok["text/event-stream"] = {"schema": {"type": "string"}}
+        ok["text/event-stream"] = {"schema": SSE_EVENT}
     operation: dict[str, Any] = {
         "operationId": operation_id, "tags": ["openai"], "summary": summary, "description": description, "security": BEARER,
         "parameters": list(parameters),
@@ -66,7 +73,7 @@ def gateway_paths(result: dict[str, Any], generator: Any, request: Any, public: 
         "parameters": [JOB_ID, {"name": "Last-Event-ID", "in": "header", "required": False,
                                 "schema": {"type": "integer"}}],
         "responses": {"200": {"description": "An event stream.",
-                              "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                              "content": {"text/event-stream": {"schema": SSE_EVENT}}},
                       "401": _json(API_ERROR, "Not authenticated."), "404": _json(API_ERROR, "No such job.")},
     }}
     paths["/v1/chat/completions"] = _openai(

@@ -37,6 +37,17 @@ def test_an_invalid_job_names_its_index_and_nothing_is_written(api, member_setup
     assert not Job.objects.exists()
 
 
+@pytest.mark.parametrize("item", [None, 7, "chat", []])
+def test_a_job_that_is_not_an_object_names_its_index(api, member_setup, item):
+    # The error keeps its shape (`fields` an object) whatever the item is.
+    response = bulk(api(member_setup[0]), [chat_body("a"), item])
+    assert response.status_code == 400
+    body = response.json()
+    assert body["error"] == "validation_error" and body["index"] == 1
+    assert isinstance(body["fields"], dict) and body["fields"]["non_field_errors"]
+    assert not Job.objects.exists()
+
+
 @pytest.mark.parametrize(
     ("make", "status", "code"),
     [
