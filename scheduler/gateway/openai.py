@@ -28,10 +28,13 @@ from scheduler.gateway.asgi import Reply, Request
 from scheduler.gateway.auth import token_key, user_for_token
 from scheduler.gateway.database import db
 from scheduler.gateway.feed import Delta, JobFeed, Relay, Watch
+from scheduler.configuration import configuration
 from scheduler.models import Job, JobEvent
 from scheduler.services.cancel import job_cancel
 from scheduler.services.submit import job_submit
 from telemachus import errors, rbac
+from telemachus.config import config_current, config_snapshot
+from telemachus.features import OPENAI, feature_require
 from telemachus.models import Team
 
 log = logging.getLogger("telemachus.gateway")
@@ -86,15 +89,26 @@ class Caller:
     team: Team
 
 
-def caller_for(*, authorization: str | None, team: str | None) -> Caller:
-    """Authenticate the token and find the team the call acts for. This is the one point every
-    /v1/ call passes once its caller and team are known: a per-team check (say, a switch that
-    turns this endpoint off for a team) belongs here."""
+def caller_for(*, authorization: str | None, team: str | None, confirm: bool) -> Caller:
+    """Authenticate the token, find the team the call acts for and refuse the call (403
+    feature_disabled) if the `openai` switch is off for that team or for everyone: the one point
+    every /v1/ call passes once its caller and team are known. The switches are the cached ones;
+    with `confirm` False, those this process last used, unconfirmed (no query), for a submit,
+    which confirms its configuration and checks the switch again. A refusal is believed only
+    from a confirmed read."""
     key = token_key(authorization)
     user = user_for_token(key=key) if key else None
     if user is None:
         raise shapes.not_authenticated()
-    return Caller(user=user, team=team_of(user, team))
+    caller = Caller(user=user, team=team_of(user, team))
+    snapshot, fresh = (config_snapshot(), True) if confirm else config_current()
+    try:
+        feature_require(feature=OPENAI, team=caller.team, switches=configuration(snapshot).features)
+    except errors.FeatureDisabled:
+        if fresh:
+            raise
+        feature_require(feature=OPENAI, team=caller.team, switches=configuration(config_snapshot()).features)
+    return caller
 
 
 def team_of(user: rbac.Principal, slug: str | None) -> Team:
@@ -119,7 +133,7 @@ def team_of(user: rbac.Principal, slug: str | None) -> Team:
 def _submit(*, authorization: str | None, team: str | None, priority: str | None, body: bytes,
             embeddings: bool) -> tuple[Caller, Job, shapes.ModelCall]:
     """Authenticate, check the body, submit: one trip to the database threads."""
-    caller = caller_for(authorization=authorization, team=team)
+    caller = caller_for(authorization=authorization, team=team, confirm=False)
     data = shapes.parse_body(body)
     call = shapes.embeddings_call(data) if embeddings else shapes.chat_call(data)
     requirements = {"model": call.model, "est_tokens": call.est_tokens}
@@ -127,7 +141,7 @@ def _submit(*, authorization: str | None, team: str | None, priority: str | None
         requirements["api"] = EMBEDDINGS_API
     job = job_submit(
         user=caller.user, team=caller.team.slug, type=Job.Type.CHAT, requirements=requirements, input=call.input,
-        priority=_priority(priority), meta={"via": "openai"},
+        priority=_priority(priority), meta={"via": "openai"}, features=(OPENAI,),
     )
     return caller, job, call
 
@@ -337,5 +351,5 @@ async def model_detail(request: Request, reply: Reply, model: str) -> None:
 
 def _models(*, authorization: str | None, team: str | None) -> list[str]:
     """The models of the enabled executors the caller's team may use."""
-    caller = caller_for(authorization=authorization, team=team)
+    caller = caller_for(authorization=authorization, team=team, confirm=True)
     return sorted(models_usable_by([caller.team.pk])[caller.team.pk])

@@ -15,6 +15,8 @@ from openai import OpenAI
 from quotas.services import quota_policy_create
 from scheduler.models import Job, JobEvent, Slot
 from scheduler.services.policy import queue_policy_update
+from telemachus.features import feature_set
+from telemachus.models import Team
 from tests.processes import wait_until
 from tests.scheduler.gateway.conftest import WORKER_ENV, live_deltas, may_chat, token
 
@@ -203,6 +205,34 @@ class TestErrors:
         with pytest.raises(openai.PermissionDeniedError) as caught:
             sdk(stack, carol).chat.completions.create(model="m", messages=HELLO)
         assert "chat:use" in caught.value.message
+
+    @pytest.mark.parametrize("switched_off_for", ["everyone", "the team"])
+    def test_the_openai_switch_off_refuses_every_call(self, stack, alice, switched_off_for):
+        stack.executor(stack.simllm, models=["m", "e"], capabilities={"embeddings": True})
+        team = Team.objects.get(slug="a")
+        feature_set(feature="openai", team=None if switched_off_for == "everyone" else team, enabled=False, by=None)
+        client = sdk(stack, alice)
+        calls = {
+            "models": lambda: client.models.list(),
+            "model": lambda: client.models.retrieve("m"),
+            "chat": lambda: client.chat.completions.create(model="m", messages=HELLO),
+            "stream": lambda: client.chat.completions.create(model="m", messages=HELLO, stream=True),
+            "embeddings": lambda: client.embeddings.create(model="e", input="x"),
+            "bad body": lambda: client.chat.completions.create(model="m", messages=[]),
+        }
+        for name, call in calls.items():
+            with pytest.raises(openai.PermissionDeniedError) as caught:
+                call()
+            assert (caught.value.status_code, caught.value.code) == (403, "feature_disabled"), name
+            assert caught.value.body["type"] and "openai" in caught.value.body["message"], name
+        assert not Job.objects.exists()
+        # A team's own switch wins over the global one
+        feature_set(feature="openai", team=team, enabled=switched_off_for == "everyone", by=None)
+        if switched_off_for == "everyone":
+            assert client.chat.completions.create(model="m", messages=HELLO, max_tokens=2).choices
+        else:
+            with pytest.raises(openai.PermissionDeniedError):
+                client.models.list()
 
     def test_a_full_queue_is_try_later(self, stack, alice):
         stack.executor(stack.simllm)
