@@ -180,6 +180,25 @@ class TestErrors:
         assert response.json()["error"]["param"] == param and response.json()["error"]["type"] == "invalid_request_error"
         assert not Job.objects.exists()
 
+    @pytest.mark.parametrize("path", ["chat/completions", "embeddings"])
+    @pytest.mark.parametrize("raw, param", [
+        ('{"model": "m", "messages": ' + "[" * 1000 + "]" * 1000 + "}", None),
+        ('{"model": "m", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}", None),
+        ('{"model": "m", "messages": ' + "[" * 70 + "]" * 70 + "}", "messages.0.0"),
+        ('{"model": "m", "input": ["x"], "messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),
+        ('{"model": "m", "input": ["x"], "messages": [{"role": "user", "content": "a\\u0000b"}]}', "messages.0.content"),
+        ('{"model": "m", "input": ["x"], "messages": [{"role": "user", "content": "x", "\\udfff": 1}]}', "messages.0"),
+    ], ids=["deep", "deeper", "past-the-limit", "surrogate", "nul", "surrogate-key"])
+    def test_unstorable_bodies_are_400_not_500(self, stack, alice, path, raw, param):
+        stack.executor(stack.simllm, models=["m"], capabilities={"embeddings": True})
+        response = httpx.post(f"{stack.base}/v1/{path}", content=raw.encode(), headers={
+            "Authorization": f"Bearer {token(alice)}", "Content-Type": "application/json"})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error", error
+        assert error["param"] is None if param is None else error["param"].startswith(param), error
+        assert not Job.objects.exists()
+
     def test_not_json_and_unknown_paths(self, stack, alice):
         headers = {"Authorization": f"Bearer {token(alice)}"}
         garbled = httpx.post(f"{stack.base}/v1/chat/completions", content=b"{nope", headers=headers)
