@@ -189,10 +189,10 @@ def _ending(*, job_id: int) -> Ending | None:
                   upstream_status=status if isinstance(status, int) else None, timed_out=bool(meta.get("timed_out")))
 
 
-def _cancel(*, job_id: int, user: rbac.Principal) -> Ending | None:
-    """Cancel a job its caller no longer waits for; if it ended first, how it ended."""
+def _cancel(*, job_id: int, user: rbac.Principal, reason: str) -> Ending | None:
+    """Cancel a job its caller no longer waits for, saying why; if it ended first, how it ended."""
     try:
-        job_cancel(job_id=job_id, by=user)
+        job_cancel(job_id=job_id, by=user, reason=reason)
     except errors.Conflict:
         return _ending(job_id=job_id)
     return None
@@ -211,6 +211,18 @@ def _deadline() -> float:
 
 def _left(deadline: float) -> float:
     return deadline - asyncio.get_running_loop().time()
+
+
+LEFT = "client disconnected"
+
+
+def _waited_too_long() -> str:
+    return f"timed out after {settings.TELEMACHUS_GATEWAY_TIMEOUT_SECONDS:g} s"
+
+
+def _why(reply: Reply) -> str:
+    """Why a wait that ended without news gives up: its client left, or its time is up."""
+    return LEFT if reply.gone.done() else _waited_too_long()
 
 
 def _timeout() -> shapes.OpenAIError:
@@ -249,7 +261,7 @@ async def _model_call(request: Request, reply: Reply, *, embeddings: bool) -> No
             if ending is not None:
                 break
             if not await watch.wait(_left(deadline), unless=reply.gone):
-                ending = await db(_cancel, job_id=job.pk, user=caller.user)
+                ending = await db(_cancel, job_id=job.pk, user=caller.user, reason=_why(reply))
                 if reply.gone.done():
                     log.info("job %d: client left; canceled", job.pk)
                     return
@@ -288,7 +300,7 @@ async def _relay(reply: Reply, watch: Watch, caller: Caller, call: shapes.ModelC
         if text or ending is not None:
             break
         if not await watch.wait(_left(deadline), unless=reply.gone):
-            ending = await db(_cancel, job_id=job_id, user=caller.user)
+            ending = await db(_cancel, job_id=job_id, user=caller.user, reason=_why(reply))
             if reply.gone.done():
                 return
             if ending is None:
@@ -300,15 +312,16 @@ async def _relay(reply: Reply, watch: Watch, caller: Caller, call: shapes.ModelC
     await reply.write(chunk({"role": "assistant", "content": text}))
     while ending is None:
         if relay.broken:
-            await db(_cancel, job_id=job_id, user=caller.user)
+            await db(_cancel, job_id=job_id, user=caller.user, reason="stream interrupted: the model's stream broke "
+                     "off after part of the answer was relayed")
             return await reply.end(sse(INTERRUPTED.body()))
         if not await watch.wait(min(_left(deadline), KEEPALIVE_SECONDS), unless=reply.gone):
             if reply.gone.done():
-                await db(_cancel, job_id=job_id, user=caller.user)
+                await db(_cancel, job_id=job_id, user=caller.user, reason=LEFT)
                 log.info("job %d: client left its stream; canceled", job_id)
                 return
             if _left(deadline) <= 0:
-                ending = await db(_cancel, job_id=job_id, user=caller.user)
+                ending = await db(_cancel, job_id=job_id, user=caller.user, reason=_waited_too_long())
                 if ending is None:
                     return await reply.end(sse(_timeout().body()))
                 break

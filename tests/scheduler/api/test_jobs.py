@@ -262,7 +262,18 @@ class TestCancel:
         assert response.json()["finished_at"] is not None
         events = api(alice).get(f"/api/jobs/{job['id']}/events/").json()["results"]
         assert [e["event"] for e in events] == ["queued", "canceled"]
-        assert events[1]["meta"] == {"was": "queued", "by": "alice"}
+        assert events[1]["meta"] == {"was": "queued", "by": "alice", "reason": "canceled by alice"}
+        assert response.json()["error"] == "canceled by alice" and response.json()["tokens_used"] == 0
+
+    def test_cancel_running_job_bills_its_attempt(self, api, member_setup):
+        alice = member_setup[0]
+        job = submit(api(alice), chat_body("a", requirements={"model": "m", "est_tokens": 70})).json()
+        job_claim(worker="w", limit=1)
+        response = api(alice).post(f"/api/jobs/{job['id']}/cancel/")
+        assert (response.json()["status"], response.json()["tokens_used"]) == ("canceled", 70)
+        events = api(alice).get(f"/api/jobs/{job['id']}/events/").json()["results"]
+        assert events[-1]["meta"] == {"was": "running", "by": "alice", "reason": "canceled by alice", "tokens": 70,
+                                      "billed": "estimate"}
 
     def test_cancel_finished_job_is_409(self, api, member_setup):
         alice = member_setup[0]

@@ -12,6 +12,7 @@ import openai
 import pytest
 from openai import OpenAI
 
+from quotas.models import Usage
 from quotas.services import quota_policy_create
 from scheduler.models import Job, JobEvent, Slot
 from scheduler.services.policy import queue_policy_update
@@ -296,6 +297,7 @@ class TestErrors:
         assert caught.value.status_code == 504 and caught.value.code == "timeout"
         job = Job.objects.get(pk=int(caught.value.response.headers["x-telemachus-job"]))
         assert job.status == "canceled" and not Slot.objects.exists()
+        assert job.error == "timed out after 1.5 s" == JobEvent.objects.get(job=job, event="canceled").meta["reason"]
         wait_until(lambda: stack.stats(executor).get("disconnects") == 1, timeout=30,
                    what="the model server to see its request aborted")
 
@@ -303,6 +305,7 @@ class TestErrors:
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_disconnects_cancels_its_job_and_frees_the_slot(stack, alice, stream):
     executor = stack.executor(stack.slow)
+    quota_policy_create(scope="team", subject="a", dimension="ai.tokens", limit=100_000, window="day")
     body = json.dumps({"model": "m", "messages": HELLO, "stream": stream}).encode()
     host, port = stack.base.removeprefix("http://").split(":")
     # Given a call whose model takes 5 s, running at the model server
@@ -319,7 +322,14 @@ def test_a_client_that_disconnects_cancels_its_job_and_frees_the_slot(stack, ali
     # Then its job is canceled, its slot freed, and the model server's request aborted
     wait_until(lambda: Job.objects.get().status == "canceled", timeout=30, what="the job to be canceled")
     assert not Slot.objects.exists()
-    assert JobEvent.objects.get(job=job, event="canceled").meta["by"] == "alice"
+    canceled = JobEvent.objects.get(job=job, event="canceled")
+    assert canceled.meta["by"] == "alice"
+    # The reason says the client left, and the attempt the model server ran is billed its estimate
+    job.refresh_from_db()
+    assert job.error == "client disconnected" == canceled.meta["reason"]
+    assert job.tokens_used == job.cost_estimate == 6 + 256 == canceled.meta["tokens"]
+    ledger = Usage.objects.get(scope="team", subject="a")
+    assert (ledger.tokens, ledger.reserved_tokens) == (262, 0)
     wait_until(lambda: stack.stats(executor).get("disconnects") == 1, timeout=30,
                what="the model server to see its request aborted")
 
