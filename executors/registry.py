@@ -52,6 +52,15 @@ def driver_class(kind: str) -> type[ExecutorDriver]:
     return cls
 
 
+def kind_chats(kind: str) -> bool:
+    """Whether executors of this kind answer model calls (ExecutorDriver.chat); a kind with no
+    importable driver answers nothing."""
+    try:
+        return driver_class(kind).chat
+    except ImproperlyConfigured:
+        return False
+
+
 def driver_for(executor: Executor) -> ExecutorDriver:
     """A fresh driver for one-off use outside a worker (probes from the API, capability sync)."""
     return driver_class(executor.kind)(executor)

@@ -363,6 +363,6 @@ async def model_detail(request: Request, reply: Reply, model: str) -> None:
 
 
 def _models(*, authorization: str | None, team: str | None) -> list[str]:
-    """The models of the enabled executors the caller's team may use."""
+    """The models of the enabled executors the caller's team may use that answer model calls."""
     caller = caller_for(authorization=authorization, team=team, confirm=True)
-    return sorted(models_usable_by([caller.team.pk])[caller.team.pk])
+    return sorted(models_usable_by([caller.team.pk], chat=True)[caller.team.pk])

@@ -23,7 +23,7 @@ from executors.contract import EMBEDDINGS_API
 from quotas.budget import Budgets, admission_budgets, quota_check
 from scheduler import signals
 from scheduler.configuration import Configuration, configuration, grants, policy_record
-from scheduler.jobtypes import job_input_check
+from scheduler.jobtypes import MODEL_CALL_TYPES, job_input_check
 from scheduler.models import Job, JobEvent, QueuePolicy
 from scheduler.policy import Admission, AdmissionState, policy_for
 from scheduler.services.events import events_record, job_event
@@ -177,8 +177,10 @@ def _check(conf: Configuration, record: QueuePolicy, who: rbac.Grants, user: Abs
         # A tool job runs in a worker's tool threads, on no executor: it names no model.
         model = "" if spec.type == Job.Type.TOOL else spec.requirements["model"]
         embeddings = spec.requirements.get("api") == EMBEDDINGS_API
-        if model and not conf.executors_usable_by(team_id=team.pk, model=model, embeddings=embeddings):
+        chat = spec.type in MODEL_CALL_TYPES
+        if model and not conf.executors_usable_by(team_id=team.pk, model=model, embeddings=embeddings, chat=chat):
             offers = f"embeddings of model {model!r}" if embeddings else f"model {model!r}"
+            offers += " for model calls" if chat and not embeddings else ""
             raise UnknownModel(f"No enabled executor available to team {team.slug!r} offers {offers}.", model=model)
         allowed, source = priority_ceiling(record, who=who, team=team)
         if spec.priority > allowed and record.priority_over_limit == QueuePolicy.OverLimit.REJECT:

@@ -12,6 +12,7 @@ import openai
 import pytest
 from openai import OpenAI
 
+from executors.models import Executor
 from quotas.models import Usage
 from quotas.services import quota_policy_create
 from scheduler.models import Job, JobEvent, Slot
@@ -59,6 +60,22 @@ class TestModels:
         with pytest.raises(openai.NotFoundError) as caught:
             client.models.retrieve("bs-own")
         assert caught.value.code == "model_not_found"
+
+    def test_a_cpu_node_pseudo_model_is_not_a_chat_model(self, stack, alice):
+        stack.executor(stack.simllm)
+        Executor.objects.create(name="cpu", kind="cpu-node", capabilities={"models": ["cpu"], "class": "cpu"},
+                                max_concurrency=2)
+        client = sdk(stack, alice)
+        assert [model.id for model in client.models.list()] == ["m"]
+        with pytest.raises(openai.NotFoundError) as listed:
+            client.models.retrieve("cpu")
+        assert listed.value.code == "model_not_found"
+        for stream in (False, True):
+            with pytest.raises(openai.NotFoundError) as caught:
+                client.chat.completions.create(model="cpu", messages=HELLO, stream=stream)
+            assert (caught.value.code, caught.value.param) == ("model_not_found", "model")
+            assert "'cpu'" in caught.value.message
+        assert not Job.objects.exists()
 
     def test_the_team_header_picks_a_team_the_caller_is_in(self, stack, alice, make_team):
         make_team("c", {alice: "member"})
