@@ -15,7 +15,7 @@ from telemachus.audit import audit_record
 from telemachus.errors import Conflict, NotFound
 
 
-def job_cancel(*, job_id: int, by: AbstractBaseUser | None = None, reason: str = "") -> Job:
+def job_cancel(*, job_id: int, by: AbstractBaseUser | None = None, reason: str = "", bill: bool = True) -> Job:
     """End a queued or running job as `canceled`, free its slots and its budget reservation at once.
 
     Locks the job row (lock level 3). A running job's slots are deleted and its lease cleared in this
@@ -29,7 +29,8 @@ def job_cancel(*, job_id: int, by: AbstractBaseUser | None = None, reason: str =
     an aborted call is never reported back, so the attempt is billed its estimate (the tokens its
     budget reservation held: prompt + max_tokens as submitted, or the prompt's counted tokens when
     the job gave no estimate) and one request, added to `tokens_used`, and fair share is charged
-    the attempt's cost, as a finish would."""
+    the attempt's cost, as a finish would. `bill` False: the caller knows no model call was made
+    (a governed slot withdrawn before it was handed out)."""
     with transaction.atomic():
         job = lock_job(job_id)
         if job is None:
@@ -37,7 +38,7 @@ def job_cancel(*, job_id: int, by: AbstractBaseUser | None = None, reason: str =
         if job.is_terminal:
             raise Conflict(f"Job {job_id} is already {job.status}.", status=job.status)
         was, now, reservation = job.status, job.db_now, job.reservation
-        billed = was == Job.Status.RUNNING and job.executor_id is not None
+        billed = bill and was == Job.Status.RUNNING and job.executor_id is not None
         tokens = _attempt_estimate(job) if billed else 0
         who = by.get_username() if by is not None else None
         Slot.objects.filter(job=job).delete()
