@@ -368,9 +368,10 @@ def test_a_client_that_leaves_a_stream_midway_cancels_its_job(stack, alice):
     assert b"200 OK" in received and Job.objects.get().status == "running"
     # When the client hangs up
     client.close()
-    # Then the job is canceled and the model server's request aborted
+    # Then the job is canceled, saying why, and the model server's request aborted
     wait_until(lambda: Job.objects.get().status == "canceled", timeout=30, what="the job to be canceled")
     assert not Slot.objects.exists()
+    assert Job.objects.get().error == "client disconnected"
     wait_until(lambda: stack.stats(executor).get("disconnects") == 1, timeout=30,
                what="the model server to see its request aborted")
 
