@@ -53,12 +53,13 @@ def driver_class(kind: str) -> type[ExecutorDriver]:
 
 
 def kind_chats(kind: str) -> bool:
-    """Whether executors of this kind answer model calls (ExecutorDriver.chat); a kind with no
-    importable driver answers nothing."""
+    """Whether executors of this kind answer model calls (ExecutorDriver.chat). A kind whose driver
+    this process cannot import is taken at its word: the worker that dispatches to it fails the
+    job with the reason, which is more use than "unknown model"."""
     try:
         return driver_class(kind).chat
     except ImproperlyConfigured:
-        return False
+        return True
 
 
 def driver_for(executor: Executor) -> ExecutorDriver:
