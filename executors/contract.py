@@ -114,6 +114,10 @@ DeltaSink = Callable[[str], Awaitable[None]]
 
 class ExecutorDriver(ABC):
     kind: ClassVar[str]
+    # Whether it answers model calls (chat, translate, flow rounds, embeddings). The models a
+    # driver that does not (cpu-node: task jobs only) lists in `capabilities.models` name its
+    # task queues, not chat models: the OpenAI-compatible endpoint neither lists nor accepts them.
+    chat: ClassVar[bool] = True
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor

@@ -52,6 +52,16 @@ def driver_class(kind: str) -> type[ExecutorDriver]:
     return cls
 
 
+def kind_chats(kind: str) -> bool:
+    """Whether executors of this kind answer model calls (ExecutorDriver.chat). A kind whose driver
+    this process cannot import is taken at its word: the worker that dispatches to it fails the
+    job with the reason, which is more use than "unknown model"."""
+    try:
+        return driver_class(kind).chat
+    except ImproperlyConfigured:
+        return True
+
+
 def driver_for(executor: Executor) -> ExecutorDriver:
     """A fresh driver for one-off use outside a worker (probes from the API, capability sync)."""
     return driver_class(executor.kind)(executor)

@@ -30,14 +30,19 @@ def executors_usable_by(*, team: Team | int, model: str | None = None, embedding
     ]
 
 
-def models_usable_by(team_ids: Iterable[int]) -> dict[int, set[str]]:
+def models_usable_by(team_ids: Iterable[int], *, chat: bool = False) -> dict[int, set[str]]:
     """For each team, the models of the enabled executors it may use (as executors_usable_by),
-    for any number of teams in two queries."""
+    for any number of teams in two queries; with `chat`, only of executors that answer model
+    calls (not a cpu-node's task queues)."""
+    from executors.registry import kind_chats  # the registry imports the contract, which imports this
+
     usable: dict[int, set[str]] = {team_id: set() for team_id in team_ids}
     if not usable:
         return usable
     allowed = executor_teams()
     for executor in Executor.objects.filter(enabled=True):
+        if chat and not kind_chats(executor.kind):
+            continue
         for team_id, models in usable.items():
             if executor.team_id is None or team_id in allowed.get(executor.pk, ()):
                 models.update(executor.offered_models)

@@ -10,6 +10,7 @@ Values are shared: treat them as read-only."""
 from dataclasses import dataclass, field
 
 from executors.models import Executor
+from executors.registry import kind_chats
 from quotas.concurrency import ConcurrencyCaps, concurrency_caps
 from quotas.models import QuotaPolicy
 from quotas.rules import Rule, quota_rules
@@ -41,13 +42,15 @@ class Configuration:
         team_id = self.team_ids.get(slug)
         return self.teams[team_id] if team_id is not None else None
 
-    def executors_usable_by(self, *, team_id: int, model: str, embeddings: bool = False) -> list[Executor]:
+    def executors_usable_by(self, *, team_id: int, model: str, embeddings: bool = False,
+                            chat: bool = False) -> list[Executor]:
         """As executors.selectors.executors_usable_by: enabled, shared or serving the team, offering
-        the model (and embeddings, when asked)."""
+        the model (and embeddings, or answering model calls at all, when asked)."""
         return [
             e for e in self.executors
             if e.enabled and (e.team_id is None or team_id in self.executor_teams.get(e.pk, ()))
             and model in e.offered_models and (not embeddings or e.capabilities.get("embeddings"))
+            and (not chat or kind_chats(e.kind))
         ]
 
 

@@ -205,6 +205,6 @@ class governed_slot:
     def _withdraw(self) -> None:
         """Leave the queue (a timeout, or the caller interrupted): cancel the job unless it ended."""
         try:
-            job_cancel(job_id=self.job_id)
+            job_cancel(job_id=self.job_id, reason="withdrawn before its slot was used", bill=False)
         except Conflict:
             pass

@@ -29,6 +29,9 @@ TRANSLATE_SYSTEM = (
     "You are a translator. Translate the user's message{source} into {target}. "
     "Reply with the translation only: no notes, no quotes, no explanation."
 )
+# The job types that call a model, on an executor whose driver answers model calls
+# (ExecutorDriver.chat); a cpu-node's models name task queues and take none of them.
+MODEL_CALL_TYPES = frozenset({Job.Type.CHAT, Job.Type.TRANSLATE, Job.Type.FLOW})
 # Input keys that steer the scheduler, never sent to a model server.
 FLOW_ONLY = ("messages", "tools", "max_rounds", "return_tool_errors", "stream")
 TRANSLATE_ONLY = ("text", "target_lang", "source_lang", "messages", "stream")

@@ -14,10 +14,12 @@ from django.db.models import Sum
 
 from executors.contract import EMBEDDINGS_API
 from executors.models import Executor
+from executors.registry import kind_chats
 from quotas.budget import Budgets
 from quotas.concurrency import ConcurrencyCaps, SlotCounts, executor_limit, slot_counts
 from quotas.models import QuotaPolicy
 from scheduler.configuration import configuration
+from scheduler.jobtypes import MODEL_CALL_TYPES
 from scheduler.models import Job, QueuePolicy, Slot
 from telemachus.config import config_at, config_snapshot
 
@@ -52,10 +54,13 @@ class ExecutorView:
         return self.teams is None or team_id in self.teams
 
     def matches(self, job: Job) -> bool:
-        """Offers the model (and serves embeddings, for an embeddings step) and satisfies the
-        optional `class` and `memory_mb` requirements."""
+        """Offers the model (and serves embeddings, for an embeddings step; answers model calls at
+        all, for a job that makes one) and satisfies the optional `class` and `memory_mb`
+        requirements."""
         capabilities = self.executor.capabilities
         if job.model not in (capabilities.get("models") or ()):
+            return False
+        if job.type in MODEL_CALL_TYPES and not kind_chats(self.executor.kind):
             return False
         if job.requirements.get("api") == EMBEDDINGS_API and not capabilities.get("embeddings"):
             return False

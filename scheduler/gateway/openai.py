@@ -28,10 +28,13 @@ from scheduler.gateway.asgi import Reply, Request
 from scheduler.gateway.auth import token_key, user_for_token
 from scheduler.gateway.database import db
 from scheduler.gateway.feed import Delta, JobFeed, Relay, Watch
+from scheduler.configuration import configuration
 from scheduler.models import Job, JobEvent
 from scheduler.services.cancel import job_cancel
 from scheduler.services.submit import job_submit
 from telemachus import errors, rbac
+from telemachus.config import config_current, config_snapshot
+from telemachus.features import OPENAI, feature_require
 from telemachus.models import Team
 
 log = logging.getLogger("telemachus.gateway")
@@ -86,15 +89,26 @@ class Caller:
     team: Team
 
 
-def caller_for(*, authorization: str | None, team: str | None) -> Caller:
-    """Authenticate the token and find the team the call acts for. This is the one point every
-    /v1/ call passes once its caller and team are known: a per-team check (say, a switch that
-    turns this endpoint off for a team) belongs here."""
+def caller_for(*, authorization: str | None, team: str | None, confirm: bool) -> Caller:
+    """Authenticate the token, find the team the call acts for and refuse the call (403
+    feature_disabled) if the `openai` switch is off for that team or for everyone: the one point
+    every /v1/ call passes once its caller and team are known. The switches are the cached ones;
+    with `confirm` False, those this process last used, unconfirmed (no query), for a submit,
+    which confirms its configuration and checks the switch again. A refusal is believed only
+    from a confirmed read."""
     key = token_key(authorization)
     user = user_for_token(key=key) if key else None
     if user is None:
         raise shapes.not_authenticated()
-    return Caller(user=user, team=team_of(user, team))
+    caller = Caller(user=user, team=team_of(user, team))
+    snapshot, fresh = (config_snapshot(), True) if confirm else config_current()
+    try:
+        feature_require(feature=OPENAI, team=caller.team, switches=configuration(snapshot).features)
+    except errors.FeatureDisabled:
+        if fresh:
+            raise
+        feature_require(feature=OPENAI, team=caller.team, switches=configuration(config_snapshot()).features)
+    return caller
 
 
 def team_of(user: rbac.Principal, slug: str | None) -> Team:
@@ -119,7 +133,7 @@ def team_of(user: rbac.Principal, slug: str | None) -> Team:
 def _submit(*, authorization: str | None, team: str | None, priority: str | None, body: bytes,
             embeddings: bool) -> tuple[Caller, Job, shapes.ModelCall]:
     """Authenticate, check the body, submit: one trip to the database threads."""
-    caller = caller_for(authorization=authorization, team=team)
+    caller = caller_for(authorization=authorization, team=team, confirm=False)
     data = shapes.parse_body(body)
     call = shapes.embeddings_call(data) if embeddings else shapes.chat_call(data)
     requirements = {"model": call.model, "est_tokens": call.est_tokens}
@@ -127,7 +141,7 @@ def _submit(*, authorization: str | None, team: str | None, priority: str | None
         requirements["api"] = EMBEDDINGS_API
     job = job_submit(
         user=caller.user, team=caller.team.slug, type=Job.Type.CHAT, requirements=requirements, input=call.input,
-        priority=_priority(priority), meta={"via": "openai"},
+        priority=_priority(priority), meta={"via": "openai"}, features=(OPENAI,),
     )
     return caller, job, call
 
@@ -175,10 +189,10 @@ def _ending(*, job_id: int) -> Ending | None:
                   upstream_status=status if isinstance(status, int) else None, timed_out=bool(meta.get("timed_out")))
 
 
-def _cancel(*, job_id: int, user: rbac.Principal) -> Ending | None:
-    """Cancel a job its caller no longer waits for; if it ended first, how it ended."""
+def _cancel(*, job_id: int, user: rbac.Principal, reason: str) -> Ending | None:
+    """Cancel a job its caller no longer waits for, saying why; if it ended first, how it ended."""
     try:
-        job_cancel(job_id=job_id, by=user)
+        job_cancel(job_id=job_id, by=user, reason=reason)
     except errors.Conflict:
         return _ending(job_id=job_id)
     return None
@@ -197,6 +211,18 @@ def _deadline() -> float:
 
 def _left(deadline: float) -> float:
     return deadline - asyncio.get_running_loop().time()
+
+
+LEFT = "client disconnected"
+
+
+def _waited_too_long() -> str:
+    return f"timed out after {settings.TELEMACHUS_GATEWAY_TIMEOUT_SECONDS:g} s"
+
+
+def _why(reply: Reply) -> str:
+    """Why a wait that ended without news gives up: its client left, or its time is up."""
+    return LEFT if reply.gone.done() else _waited_too_long()
 
 
 def _timeout() -> shapes.OpenAIError:
@@ -235,7 +261,7 @@ async def _model_call(request: Request, reply: Reply, *, embeddings: bool) -> No
             if ending is not None:
                 break
             if not await watch.wait(_left(deadline), unless=reply.gone):
-                ending = await db(_cancel, job_id=job.pk, user=caller.user)
+                ending = await db(_cancel, job_id=job.pk, user=caller.user, reason=_why(reply))
                 if reply.gone.done():
                     log.info("job %d: client left; canceled", job.pk)
                     return
@@ -274,7 +300,7 @@ async def _relay(reply: Reply, watch: Watch, caller: Caller, call: shapes.ModelC
         if text or ending is not None:
             break
         if not await watch.wait(_left(deadline), unless=reply.gone):
-            ending = await db(_cancel, job_id=job_id, user=caller.user)
+            ending = await db(_cancel, job_id=job_id, user=caller.user, reason=_why(reply))
             if reply.gone.done():
                 return
             if ending is None:
@@ -286,15 +312,16 @@ async def _relay(reply: Reply, watch: Watch, caller: Caller, call: shapes.ModelC
     await reply.write(chunk({"role": "assistant", "content": text}))
     while ending is None:
         if relay.broken:
-            await db(_cancel, job_id=job_id, user=caller.user)
+            await db(_cancel, job_id=job_id, user=caller.user, reason="stream interrupted: the model's stream broke "
+                     "off after part of the answer was relayed")
             return await reply.end(sse(INTERRUPTED.body()))
         if not await watch.wait(min(_left(deadline), KEEPALIVE_SECONDS), unless=reply.gone):
             if reply.gone.done():
-                await db(_cancel, job_id=job_id, user=caller.user)
+                await db(_cancel, job_id=job_id, user=caller.user, reason=LEFT)
                 log.info("job %d: client left its stream; canceled", job_id)
                 return
             if _left(deadline) <= 0:
-                ending = await db(_cancel, job_id=job_id, user=caller.user)
+                ending = await db(_cancel, job_id=job_id, user=caller.user, reason=_waited_too_long())
                 if ending is None:
                     return await reply.end(sse(_timeout().body()))
                 break
@@ -336,6 +363,6 @@ async def model_detail(request: Request, reply: Reply, model: str) -> None:
 
 
 def _models(*, authorization: str | None, team: str | None) -> list[str]:
-    """The models of the enabled executors the caller's team may use."""
-    caller = caller_for(authorization=authorization, team=team)
-    return sorted(models_usable_by([caller.team.pk])[caller.team.pk])
+    """The models of the enabled executors the caller's team may use that answer model calls."""
+    caller = caller_for(authorization=authorization, team=team, confirm=True)
+    return sorted(models_usable_by([caller.team.pk], chat=True)[caller.team.pk])

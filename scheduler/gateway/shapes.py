@@ -15,6 +15,7 @@ from executors.drivers.openai import EMBEDDING_OPTIONS, PASSTHROUGH_OPTIONS, str
 from executors.tokens import count_prompt_tokens, embedding_inputs
 from scheduler.models import Job
 from telemachus import errors
+from telemachus.parsers import MAX_DEPTH, json_problem
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # Bounds that keep a request's numbers storable and its budget estimate meaningful.
@@ -90,26 +91,20 @@ def _flat(messages: Any) -> list[Any]:
 
 
 def parse_body(raw: bytes) -> Any:
-    """The body as JSON that the database can store: no NaN or Infinity (Python's json accepts
-    them), no NUL character (PostgreSQL's jsonb refuses it)."""
+    """The body as JSON that the database can store, refused as the REST API's parser refuses it
+    (telemachus/parsers.py): no NaN or Infinity (Python's json accepts them), nothing nested deeper
+    than MAX_DEPTH, no NUL character or unpaired surrogate in any key or string."""
     try:
         data = strict_json(raw)
+    except RecursionError:
+        raise bad_request(f"The body is nested deeper than {MAX_DEPTH} levels.") from None
     except ValueError:
         raise bad_request("The body is not valid JSON.") from None
-    if _has_nul(data):
-        raise bad_request("The body holds a NUL character (\\u0000), which cannot be stored.")
+    problem = json_problem(data)
+    if problem is not None:
+        path, message = problem
+        raise bad_request(f"{path}: {message}" if path else message, path or None)
     return data
-
-
-def _has_nul(value: Any) -> bool:
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, list):
-        return any(_has_nul(item) for item in value)
-    if isinstance(value, dict):
-        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
-    return False
-
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,36 @@
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
-from quotas.budget import quota_settle
+from executors.tokens import count_prompt_tokens
+from quotas.budget import Bill, quota_settle
 from scheduler import signals
+from scheduler.configuration import policy_record
 from scheduler.locks import lock_job
 from scheduler.models import Job, JobEvent, Slot
 from scheduler.services.events import event_record
+from scheduler.services.finish import attempt_cost
+from scheduler.services.shares import team_shares_charge
+from telemachus.config import config_snapshot
 from telemachus.audit import audit_record
 from telemachus.errors import Conflict, NotFound
 
 
-def job_cancel(*, job_id: int, by: AbstractBaseUser | None = None) -> Job:
+def job_cancel(*, job_id: int, by: AbstractBaseUser | None = None, reason: str = "", bill: bool = True) -> Job:
     """End a queued or running job as `canceled`, free its slots and its budget reservation at once.
 
     Locks the job row (lock level 3). A running job's slots are deleted and its lease cleared in this
     transaction, so the capacity is free for the next claim immediately and the holder's next
     heartbeat, step or finish is refused; on PostgreSQL the holder is also told at commit, so it
     aborts its dispatch without waiting for a heartbeat. A finished job is a 409 conflict. A cancel
-    by a person (`by`) is also audited (`job.cancel`)."""
+    by a person (`by`) is also audited (`job.cancel`). `reason` says why, in the job's `error` and
+    its `canceled` event (default: canceled by whoever canceled it).
+
+    A running attempt on an executor has already had the model work: the model server's usage of
+    an aborted call is never reported back, so the attempt is billed its estimate (the tokens its
+    budget reservation held: prompt + max_tokens as submitted, or the prompt's counted tokens when
+    the job gave no estimate) and one request, added to `tokens_used`, and fair share is charged
+    the attempt's cost, as a finish would. `bill` False: the caller knows no model call was made
+    (a governed slot withdrawn before it was handed out)."""
     with transaction.atomic():
         job = lock_job(job_id)
         if job is None:
@@ -25,16 +38,22 @@ def job_cancel(*, job_id: int, by: AbstractBaseUser | None = None) -> Job:
         if job.is_terminal:
             raise Conflict(f"Job {job_id} is already {job.status}.", status=job.status)
         was, now, reservation = job.status, job.db_now, job.reservation
+        billed = bill and was == Job.Status.RUNNING and job.executor_id is not None
+        tokens = _attempt_estimate(job) if billed else 0
+        who = by.get_username() if by is not None else None
         Slot.objects.filter(job=job).delete()
         job.status = Job.Status.CANCELED
         job.finished_at = now
         job.lease = None
         job.lease_expires_at = None
         job.reservation = None
-        job.save(update_fields=["status", "finished_at", "lease", "lease_expires_at", "reservation"])
+        job.error = reason or (f"canceled by {who}" if who else "canceled")
+        job.tokens_used = (job.tokens_used or 0) + tokens
+        job.save(update_fields=["status", "finished_at", "lease", "lease_expires_at", "reservation", "error",
+                                "tokens_used"])
         event_record(
-            job=job, event=JobEvent.Type.CANCELED, at=now, was=was,
-            by=by.get_username() if by is not None else None,
+            job=job, event=JobEvent.Type.CANCELED, at=now, was=was, by=who, reason=job.error,
+            **({"tokens": tokens, "billed": "estimate"} if billed else {}),
         )
         if by is not None:
             audit_record(by=by, action="job.cancel", object_type="job", object_id=job.pk, object_repr=str(job),
@@ -42,5 +61,22 @@ def job_cancel(*, job_id: int, by: AbstractBaseUser | None = None) -> Job:
         if was == Job.Status.RUNNING:
             signals.notify_workers(f"{signals.CANCELED}:{job.pk}")
             signals.notify_workers(signals.FREED)
-        quota_settle(reservations=[reservation], bills=[], now=now)
+        bills = [Bill(team_id=job.team_id, user_id=job.user_id, executor_id=job.executor_id, tokens=tokens)] \
+            if billed else []
+        quota_settle(reservations=[reservation], bills=bills, now=now)
+        if billed and job.started_at is not None:
+            record = policy_record(config_snapshot())
+            cost = attempt_cost(record, started_at=job.started_at, now=now, tokens=tokens, estimate=job.cost_estimate)
+            team_shares_charge(charges={job.team_id: cost}, now=now, half_life=record.half_life_seconds)
     return job
+
+
+def _attempt_estimate(job: Job) -> int:
+    """What a canceled attempt is billed: its reservation's tokens, else the job's estimate, else
+    the prompt's counted tokens."""
+    if job.reservation and job.reservation.get("tokens"):
+        return int(job.reservation["tokens"])
+    if job.cost_estimate:
+        return job.cost_estimate
+    messages = (job.input or {}).get("messages")
+    return count_prompt_tokens([m for m in messages if isinstance(m, dict)]) if isinstance(messages, list) else 0

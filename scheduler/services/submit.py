@@ -23,7 +23,7 @@ from executors.contract import EMBEDDINGS_API
 from quotas.budget import Budgets, admission_budgets, quota_check
 from scheduler import signals
 from scheduler.configuration import Configuration, configuration, grants, policy_record
-from scheduler.jobtypes import job_input_check
+from scheduler.jobtypes import MODEL_CALL_TYPES, job_input_check
 from scheduler.models import Job, JobEvent, QueuePolicy
 from scheduler.policy import Admission, AdmissionState, policy_for
 from scheduler.services.events import events_record, job_event
@@ -50,6 +50,9 @@ class JobSpec:
     priority: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
     run_after: datetime | None = None
+    # Switches the entry point needs on besides the job's kind (the /v1/ endpoints: `openai`),
+    # checked first with the same cached switches, so a switch turned off is refused at once.
+    features: tuple[str, ...] = ()
 
 
 def job_submit(
@@ -62,6 +65,7 @@ def job_submit(
     priority: int = 0,
     meta: dict[str, Any] | None = None,
     run_after: datetime | None = None,
+    features: tuple[str, ...] = (),
 ) -> Job:
     """Admit a job and persist it `queued` with its `queued` event, in one transaction.
 
@@ -78,7 +82,7 @@ def job_submit(
     datetime) the job waits in the queue, counted against the depth cap, and no claim takes it
     before then (the same not-before time a retry waits on)."""
     spec = JobSpec(team=team, type=type, requirements=requirements, input=input, priority=priority, meta=meta or {},
-                   run_after=run_after)
+                   run_after=run_after, features=features)
     (job,) = _submit(user=user, specs=[spec])
     return job
 
@@ -165,15 +169,18 @@ def _check(conf: Configuration, record: QueuePolicy, who: rbac.Grants, user: Abs
     """The configuration checks of one job, in job_submit's order; the job, unsaved."""
     try:
         team = who.team_for_submit(conf.team(spec.team), spec.team)
-        feature_require(feature=spec.type, team=team, switches=conf.features)
+        for feature in (*spec.features, spec.type):
+            feature_require(feature=feature, team=team, switches=conf.features)
         who.require(rbac.JOB_TYPE_PERMISSION[spec.type], team=team)
         job_input_check(type=spec.type, input=spec.input, team=team,
                         require=lambda permission: who.require(permission, team=team))
         # A tool job runs in a worker's tool threads, on no executor: it names no model.
         model = "" if spec.type == Job.Type.TOOL else spec.requirements["model"]
         embeddings = spec.requirements.get("api") == EMBEDDINGS_API
-        if model and not conf.executors_usable_by(team_id=team.pk, model=model, embeddings=embeddings):
+        chat = spec.type in MODEL_CALL_TYPES
+        if model and not conf.executors_usable_by(team_id=team.pk, model=model, embeddings=embeddings, chat=chat):
             offers = f"embeddings of model {model!r}" if embeddings else f"model {model!r}"
+            offers += " for model calls" if chat and not embeddings else ""
             raise UnknownModel(f"No enabled executor available to team {team.slug!r} offers {offers}.", model=model)
         allowed, source = priority_ceiling(record, who=who, team=team)
         if spec.priority > allowed and record.priority_over_limit == QueuePolicy.OverLimit.REJECT:

@@ -133,12 +133,29 @@ class TestClaimGate:
         (event,) = JobEvent.objects.filter(job=big, event="deferred")
         assert event.meta["estimate"] == 40 and event.meta["used"] == 120
 
-    def test_cancel_releases_the_reservation(self, member_setup):
+    def test_cancel_releases_the_reservation_and_bills_a_running_attempt_its_estimate(self, member_setup):
         budget("team", "a", "ai.tokens", 300)
+        budget("team", "a", "ai.requests", 10)
+        queued = submit(member_setup[0], est=40)
+        job_cancel(job_id=queued.pk)
+        assert not Usage.objects.filter(tokens__gt=0).exists(), "a queued job used nothing"
+        assert Job.objects.get(pk=queued.pk).tokens_used == 0
         submit(member_setup[0])
         (claim,) = job_claim(worker="w", limit=1).claims
+        assert ledger().reserved_tokens == 100
         job_cancel(job_id=claim.job.pk)
-        assert (ledger().reserved_tokens, ledger().tokens) == (0, 0)
+        # The model server may have answered already; an aborted call reports no usage
+        assert (ledger().reserved_tokens, ledger().tokens, ledger().requests) == (0, 100, 1)
+        job = Job.objects.get(pk=claim.job.pk)
+        assert (job.status, job.tokens_used) == ("canceled", 100)
+        assert JobEvent.objects.get(job=job, event="canceled").meta["tokens"] == 100
+
+    def test_a_canceled_attempt_without_an_estimate_bills_its_prompt(self, member_setup):
+        budget("team", "a", "ai.tokens", 300)
+        submit(member_setup[0], est=0)
+        (claim,) = job_claim(worker="w", limit=1).claims
+        job_cancel(job_id=claim.job.pk)
+        assert ledger().tokens == 5 == Job.objects.get(pk=claim.job.pk).tokens_used, "4 for the role, 1 word"
 
     def test_window_reset_lets_deferred_jobs_run(self, member_setup):
         alice = member_setup[0]

@@ -222,9 +222,10 @@ class TestRefused:
 
 
 class TestGetResult:
-    def test_ids_that_are_not_task_results(self, alice):
+    def test_ids_that_are_not_task_results(self, alice, make_executor):
         backend = task_backends["default"]
-        chat = job_submit(user=alice, team="a", type="chat", requirements={"model": "cpu"},
+        make_executor("model-server", models=["m"])  # a cpu-node's `cpu` takes no chat
+        chat = job_submit(user=alice, team="a", type="chat", requirements={"model": "m"},
                           input={"messages": [{"role": "user", "content": "hi"}]})
         registered = job_submit(user=alice, team="a", type="task", requirements={"model": "cpu"},
                                 input={"callable": "telemachus.add", "args": [1], "kwargs": {}})

@@ -84,6 +84,24 @@ class TestSubmit:
         response = submit(api(member_setup[0]), chat_body("a", model="private"))
         assert response.status_code == 400 and response.json()["error"] == "unknown_model"
 
+    @pytest.mark.parametrize("body", [
+        chat_body("a", model="cpu"),
+        {"type": "translate", "team": "a", "requirements": {"model": "cpu"}, "input": {"text": "hi", "target_lang": "fr"}},
+    ], ids=["chat", "translate"])
+    def test_a_cpu_node_pseudo_model_takes_no_model_call(self, api, member_setup, make_executor, body):
+        make_executor("cpu", models=["cpu"], kind="cpu-node")
+        response = submit(api(member_setup[0]), body)
+        assert response.status_code == 400 and response.json()["error"] == "unknown_model"
+        assert response.json()["model"] == "cpu" and "'cpu'" in response.json()["detail"]
+        task = {"type": "task", "team": "a", "requirements": {"model": "cpu"}, "input": {"callable": "telemachus.add", "args": [1, 2]}}
+        assert submit(api(member_setup[0]), task).status_code == 201, "its task jobs are still welcome"
+
+    def test_a_chat_job_is_never_placed_on_a_cpu_node(self, api, member_setup, make_executor):
+        cpu = make_executor("cpu", models=["m"], kind="cpu-node", max_concurrency=8)
+        assert submit(api(member_setup[0]), chat_body("a")).status_code == 201
+        (claim,) = job_claim(worker="w", limit=1).claims
+        assert claim.executor.pk == member_setup[4].pk != cpu.pk
+
     def test_team_owned_executor_serves_its_team(self, api, member_setup, make_executor):
         _, bob, _, team_b, _ = member_setup
         make_executor("b-only", models=["private"], team=team_b)
@@ -262,7 +280,18 @@ class TestCancel:
         assert response.json()["finished_at"] is not None
         events = api(alice).get(f"/api/jobs/{job['id']}/events/").json()["results"]
         assert [e["event"] for e in events] == ["queued", "canceled"]
-        assert events[1]["meta"] == {"was": "queued", "by": "alice"}
+        assert events[1]["meta"] == {"was": "queued", "by": "alice", "reason": "canceled by alice"}
+        assert response.json()["error"] == "canceled by alice" and response.json()["tokens_used"] == 0
+
+    def test_cancel_running_job_bills_its_attempt(self, api, member_setup):
+        alice = member_setup[0]
+        job = submit(api(alice), chat_body("a", requirements={"model": "m", "est_tokens": 70})).json()
+        job_claim(worker="w", limit=1)
+        response = api(alice).post(f"/api/jobs/{job['id']}/cancel/")
+        assert (response.json()["status"], response.json()["tokens_used"]) == ("canceled", 70)
+        events = api(alice).get(f"/api/jobs/{job['id']}/events/").json()["results"]
+        assert events[-1]["meta"] == {"was": "running", "by": "alice", "reason": "canceled by alice", "tokens": 70,
+                                      "billed": "estimate"}
 
     def test_cancel_finished_job_is_409(self, api, member_setup):
         alice = member_setup[0]

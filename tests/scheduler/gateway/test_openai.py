@@ -12,9 +12,13 @@ import openai
 import pytest
 from openai import OpenAI
 
+from executors.models import Executor
+from quotas.models import Usage
 from quotas.services import quota_policy_create
 from scheduler.models import Job, JobEvent, Slot
 from scheduler.services.policy import queue_policy_update
+from telemachus.features import feature_set
+from telemachus.models import Team
 from tests.processes import wait_until
 from tests.scheduler.gateway.conftest import WORKER_ENV, live_deltas, may_chat, token
 
@@ -56,6 +60,22 @@ class TestModels:
         with pytest.raises(openai.NotFoundError) as caught:
             client.models.retrieve("bs-own")
         assert caught.value.code == "model_not_found"
+
+    def test_a_cpu_node_pseudo_model_is_not_a_chat_model(self, stack, alice):
+        stack.executor(stack.simllm)
+        Executor.objects.create(name="cpu", kind="cpu-node", capabilities={"models": ["cpu"], "class": "cpu"},
+                                max_concurrency=2)
+        client = sdk(stack, alice)
+        assert [model.id for model in client.models.list()] == ["m"]
+        with pytest.raises(openai.NotFoundError) as listed:
+            client.models.retrieve("cpu")
+        assert listed.value.code == "model_not_found"
+        for stream in (False, True):
+            with pytest.raises(openai.NotFoundError) as caught:
+                client.chat.completions.create(model="cpu", messages=HELLO, stream=stream)
+            assert (caught.value.code, caught.value.param) == ("model_not_found", "model")
+            assert "'cpu'" in caught.value.message
+        assert not Job.objects.exists()
 
     def test_the_team_header_picks_a_team_the_caller_is_in(self, stack, alice, make_team):
         make_team("c", {alice: "member"})
@@ -178,6 +198,25 @@ class TestErrors:
         assert response.json()["error"]["param"] == param and response.json()["error"]["type"] == "invalid_request_error"
         assert not Job.objects.exists()
 
+    @pytest.mark.parametrize("path", ["chat/completions", "embeddings"])
+    @pytest.mark.parametrize("raw, param", [
+        ('{"model": "m", "messages": ' + "[" * 1000 + "]" * 1000 + "}", None),
+        ('{"model": "m", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}", None),
+        ('{"model": "m", "messages": ' + "[" * 70 + "]" * 70 + "}", "messages.0.0"),
+        ('{"model": "m", "input": ["x"], "messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),
+        ('{"model": "m", "input": ["x"], "messages": [{"role": "user", "content": "a\\u0000b"}]}', "messages.0.content"),
+        ('{"model": "m", "input": ["x"], "messages": [{"role": "user", "content": "x", "\\udfff": 1}]}', "messages.0"),
+    ], ids=["deep", "deeper", "past-the-limit", "surrogate", "nul", "surrogate-key"])
+    def test_unstorable_bodies_are_400_not_500(self, stack, alice, path, raw, param):
+        stack.executor(stack.simllm, models=["m"], capabilities={"embeddings": True})
+        response = httpx.post(f"{stack.base}/v1/{path}", content=raw.encode(), headers={
+            "Authorization": f"Bearer {token(alice)}", "Content-Type": "application/json"})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error", error
+        assert error["param"] is None if param is None else error["param"].startswith(param), error
+        assert not Job.objects.exists()
+
     def test_not_json_and_unknown_paths(self, stack, alice):
         headers = {"Authorization": f"Bearer {token(alice)}"}
         garbled = httpx.post(f"{stack.base}/v1/chat/completions", content=b"{nope", headers=headers)
@@ -203,6 +242,34 @@ class TestErrors:
         with pytest.raises(openai.PermissionDeniedError) as caught:
             sdk(stack, carol).chat.completions.create(model="m", messages=HELLO)
         assert "chat:use" in caught.value.message
+
+    @pytest.mark.parametrize("switched_off_for", ["everyone", "the team"])
+    def test_the_openai_switch_off_refuses_every_call(self, stack, alice, switched_off_for):
+        stack.executor(stack.simllm, models=["m", "e"], capabilities={"embeddings": True})
+        team = Team.objects.get(slug="a")
+        feature_set(feature="openai", team=None if switched_off_for == "everyone" else team, enabled=False, by=None)
+        client = sdk(stack, alice)
+        calls = {
+            "models": lambda: client.models.list(),
+            "model": lambda: client.models.retrieve("m"),
+            "chat": lambda: client.chat.completions.create(model="m", messages=HELLO),
+            "stream": lambda: client.chat.completions.create(model="m", messages=HELLO, stream=True),
+            "embeddings": lambda: client.embeddings.create(model="e", input="x"),
+            "bad body": lambda: client.chat.completions.create(model="m", messages=[]),
+        }
+        for name, call in calls.items():
+            with pytest.raises(openai.PermissionDeniedError) as caught:
+                call()
+            assert (caught.value.status_code, caught.value.code) == (403, "feature_disabled"), name
+            assert caught.value.body["type"] and "openai" in caught.value.body["message"], name
+        assert not Job.objects.exists()
+        # A team's own switch wins over the global one
+        feature_set(feature="openai", team=team, enabled=switched_off_for == "everyone", by=None)
+        if switched_off_for == "everyone":
+            assert client.chat.completions.create(model="m", messages=HELLO, max_tokens=2).choices
+        else:
+            with pytest.raises(openai.PermissionDeniedError):
+                client.models.list()
 
     def test_a_full_queue_is_try_later(self, stack, alice):
         stack.executor(stack.simllm)
@@ -247,6 +314,7 @@ class TestErrors:
         assert caught.value.status_code == 504 and caught.value.code == "timeout"
         job = Job.objects.get(pk=int(caught.value.response.headers["x-telemachus-job"]))
         assert job.status == "canceled" and not Slot.objects.exists()
+        assert job.error == "timed out after 1.5 s" == JobEvent.objects.get(job=job, event="canceled").meta["reason"]
         wait_until(lambda: stack.stats(executor).get("disconnects") == 1, timeout=30,
                    what="the model server to see its request aborted")
 
@@ -254,6 +322,7 @@ class TestErrors:
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_disconnects_cancels_its_job_and_frees_the_slot(stack, alice, stream):
     executor = stack.executor(stack.slow)
+    quota_policy_create(scope="team", subject="a", dimension="ai.tokens", limit=100_000, window="day")
     body = json.dumps({"model": "m", "messages": HELLO, "stream": stream}).encode()
     host, port = stack.base.removeprefix("http://").split(":")
     # Given a call whose model takes 5 s, running at the model server
@@ -270,7 +339,14 @@ def test_a_client_that_disconnects_cancels_its_job_and_frees_the_slot(stack, ali
     # Then its job is canceled, its slot freed, and the model server's request aborted
     wait_until(lambda: Job.objects.get().status == "canceled", timeout=30, what="the job to be canceled")
     assert not Slot.objects.exists()
-    assert JobEvent.objects.get(job=job, event="canceled").meta["by"] == "alice"
+    canceled = JobEvent.objects.get(job=job, event="canceled")
+    assert canceled.meta["by"] == "alice"
+    # The reason says the client left, and the attempt the model server ran is billed its estimate
+    job.refresh_from_db()
+    assert job.error == "client disconnected" == canceled.meta["reason"]
+    assert job.tokens_used == job.cost_estimate == 6 + 256 == canceled.meta["tokens"]
+    ledger = Usage.objects.get(scope="team", subject="a")
+    assert (ledger.tokens, ledger.reserved_tokens) == (262, 0)
     wait_until(lambda: stack.stats(executor).get("disconnects") == 1, timeout=30,
                what="the model server to see its request aborted")
 
@@ -292,9 +368,10 @@ def test_a_client_that_leaves_a_stream_midway_cancels_its_job(stack, alice):
     assert b"200 OK" in received and Job.objects.get().status == "running"
     # When the client hangs up
     client.close()
-    # Then the job is canceled and the model server's request aborted
+    # Then the job is canceled, saying why, and the model server's request aborted
     wait_until(lambda: Job.objects.get().status == "canceled", timeout=30, what="the job to be canceled")
     assert not Slot.objects.exists()
+    assert Job.objects.get().error == "client disconnected"
     wait_until(lambda: stack.stats(executor).get("disconnects") == 1, timeout=30,
                what="the model server to see its request aborted")
 
