@@ -32,6 +32,7 @@ test: $(VENV)/.installed-dev
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) var .pytest_cache

@@ -20,12 +20,14 @@ from django.urls import reverse
 from django.utils import timezone
 
 from executors.models import Executor
+from executors.selectors import executor_serves, executor_teams
 from quotas.budget import Budgets
-from quotas.concurrency import ConcurrencyCaps, SlotCounts, concurrency_caps, executor_limit, slot_counts
+from quotas.concurrency import ConcurrencyCaps, SlotCounts, concurrency_caps, executor_limit
 from quotas.models import QuotaPolicy
 from quotas.rules import quota_rules
 from scheduler.models import Job, QueuePolicy
-from scheduler.selectors import queue_policy
+from scheduler.rbac import visible_jobs
+from scheduler.selectors import queue_policy, slot_counts
 from scheduler.services.policy import EDITABLE
 from telemachus import rbac
 from telemachus.features import feature_states
@@ -81,14 +83,14 @@ class Cluster:
         return cls(
             now=now, record=queue_policy(), caps=concurrency_caps(rules), slots=slot_counts(),
             budgets=Budgets.load(now=now, rules=rules), executors=list(Executor.objects.select_related("team")),
-            executor_teams=rbac.executor_teams(),
+            executor_teams=executor_teams(),
         )
 
     def limit(self, executor: Executor) -> int:
         return executor_limit(name=executor.name, max_concurrency=executor.max_concurrency, caps=self.caps)
 
     def usable_by(self, executor: Executor, team_id: int) -> bool:
-        return executor.team_id is None or team_id in self.executor_teams.get(executor.pk, {executor.team_id})
+        return executor_serves(executor, team_id, self.executor_teams)
 
 
 def wait_reasons(cluster: Cluster, *, team_id: int, model: str, user_id: int) -> list[dict[str, Any]]:
@@ -249,7 +251,7 @@ def dashboard_state(*, user: rbac.Principal) -> dict[str, Any]:
     with consistent_read():
         cluster = Cluster.load(now=timezone.now())
         queue = _queue_snapshot(user=user, cluster=cluster)
-        visible = rbac.visible_jobs(user)
+        visible = visible_jobs(user)
         jobs = list(visible.select_related("team", "user", "executor").defer("input", "result", "conversation").order_by("-id")[:RECENT_JOBS])
         total = visible.count() if len(jobs) == RECENT_JOBS else len(jobs)
         operator = rbac.is_operator(user)

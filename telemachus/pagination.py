@@ -69,3 +69,7 @@ class NewestFirstCursorPagination(CursorPagination):
             if parameter["name"] == self.page_size_query_param:
                 parameter["schema"] = {"type": "integer", "minimum": 1, "maximum": self.max_page_size}
         return parameters
+
+
+class OldestFirstCursorPagination(NewestFirstCursorPagination):
+    ordering = "id"

@@ -8,23 +8,20 @@ services and the dashboard agree by construction.
   a governed slot `flows:run` (a flow that names tools also needs `tools:invoke`). They are Django permissions on Team, granted with django-guardian on a team (to the
   team's group, so every member has it, or to single users) or globally.
 * A job can also be shown to a user with guardian's `scheduler.view_job` on it; a team-owned
-  executor serves other teams whose group holds `executors.use_executor` on it.
+  executor serves other teams whose group holds `executors.use_executor` on it. Those two rules
+  read the apps' own tables, so they live with them, built on this module: scheduler/rbac.py
+  (jobs) and executors/selectors.py (executors).
 
 Objects a principal may not see are reported as not found, never as forbidden, so existence does
 not leak; a denial on a visible object is a 403 naming the missing permission."""
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
-from django.db.models import Q, QuerySet
+from django.db.models import QuerySet
 from guardian.core import ObjectPermissionChecker
-from guardian.models import GroupObjectPermission
-from guardian.shortcuts import get_objects_for_user
 
-from executors.models import Executor
-from scheduler.models import Job
 from telemachus.errors import Forbidden, ValidationFailed
 from telemachus.models import Membership, Team
 
@@ -32,10 +29,6 @@ MANAGE_PERMISSION = "scheduler.manage"
 CHAT, TOOLS, FLOWS = "chat:use", "tools:invoke", "flows:run"
 # The API's permission names and the Django permissions (on Team) behind them.
 PERMISSIONS = {CHAT: "use_chat", TOOLS: "invoke_tools", FLOWS: "run_flows"}
-JOB_TYPE_PERMISSION = {
-    Job.Type.CHAT: CHAT, Job.Type.TRANSLATE: CHAT, Job.Type.TOOL: TOOLS, Job.Type.FLOW: FLOWS, Job.Type.TASK: FLOWS,
-    Job.Type.GOVERNED: FLOWS,
-}
 
 Principal = AbstractBaseUser | AnonymousUser
 
@@ -113,56 +106,6 @@ def member_candidate(user: Principal, username: str) -> AbstractBaseUser:
         reason = "" if is_operator(user) else " that you can add (managers add members of their own teams)"
         raise ValidationFailed({"username": [f"No user {username!r}{reason}."]})
     return candidate
-
-
-def visible_jobs(user: Principal) -> QuerySet[Job]:
-    """Lists and detail views filter through this, so a list can never show a job its detail
-    would hide: own jobs in a team one is still in, every job of a team one manages, and jobs
-    shared through guardian's `scheduler.view_job`."""
-    if is_operator(user):
-        return Job.objects.all()
-    if not user.is_authenticated or not user.is_active:
-        return Job.objects.none()
-    memberships = Membership.objects.filter(user=user)
-    shared = get_objects_for_user(
-        user, "scheduler.view_job", klass=Job, accept_global_perms=False, with_superuser=False
-    ).values("pk")
-    return Job.objects.filter(
-        Q(team__in=memberships.filter(role=Membership.Role.MANAGER).values("team"))
-        | Q(user=user, team__in=memberships.values("team"))
-        | Q(pk__in=shared)
-    )
-
-
-def require_cancel(user: Principal, job: Job) -> None:
-    """Cancel a job one can see: its owner, a manager of its team, an operator, or a holder of
-    guardian's `scheduler.change_job` on it."""
-    if is_operator(user) or job.user_id == user.pk or team_role(user, job.team) == Membership.Role.MANAGER:
-        return
-    if user.has_perm("scheduler.change_job", job):
-        return
-    raise Forbidden("Only the job's owner, a manager of its team or an operator may cancel it.",
-                    permission="job:cancel")
-
-
-def executor_teams(*, executors: Iterable[Executor] | None = None) -> dict[int, set[int]]:
-    """For each team-owned executor, the teams that may place jobs on it: its owner and every team
-    whose group holds `executors.use_executor` on it. Two queries, or one when the caller passes
-    the executors (none when none of them is team-owned)."""
-    if executors is None:
-        owners = list(Executor.objects.filter(team__isnull=False).values_list("pk", "team_id"))
-    else:
-        owners = [(e.pk, e.team_id) for e in executors if e.team_id is not None]
-    if not owners:
-        return {}
-    granted = GroupObjectPermission.objects.filter(
-        permission__codename="use_executor", permission__content_type__app_label="executors",
-        group__team__isnull=False,
-    ).values_list("object_pk", "group__team")
-    teams: dict[int, set[int]] = {executor_id: {owner} for executor_id, owner in owners}
-    for object_pk, team_id in granted:
-        teams.setdefault(int(object_pk), set()).add(team_id)
-    return teams
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from scheduler.configuration import Configuration, configuration, grants, policy
 from scheduler.jobtypes import job_input_check
 from scheduler.models import Job, JobEvent, QueuePolicy
 from scheduler.policy import Admission, AdmissionState, policy_for
+from scheduler.rbac import JOB_TYPE_PERMISSION
 from scheduler.services.events import events_record, job_event
 from telemachus import rbac
 from telemachus.config import (
@@ -166,7 +167,7 @@ def _check(conf: Configuration, record: QueuePolicy, who: rbac.Grants, user: Abs
     try:
         team = who.team_for_submit(conf.team(spec.team), spec.team)
         feature_require(feature=spec.type, team=team, switches=conf.features)
-        who.require(rbac.JOB_TYPE_PERMISSION[spec.type], team=team)
+        who.require(JOB_TYPE_PERMISSION[spec.type], team=team)
         job_input_check(type=spec.type, input=spec.input, team=team,
                         require=lambda permission: who.require(permission, team=team))
         # A tool job runs in a worker's tool threads, on no executor: it names no model.
