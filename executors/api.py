@@ -86,13 +86,13 @@ class ExecutorInput(StrictSerializer):
                 {"transport": ["A remote-model executor needs transport.api_key_env (the variable holding its API key)."]}
             )
         name = attrs.get("name")
-        if name and Executor.objects.filter(name=name).exclude(pk=getattr(self.instance, "pk", None)).exists():
+        if name and Executor.objects.filter(name=name).exclude(pk=getattr(self.instance, "pk", None)).exists():  # type: ignore[misc]
             raise serializers.ValidationError({"name": [f"An executor named {name!r} already exists."]})
         return attrs
 
 
 class ExecutorOutput(serializers.ModelSerializer):
-    team = serializers.SlugRelatedField(slug_field="slug", read_only=True, allow_null=True)
+    team = serializers.SlugRelatedField(slug_field="slug", read_only=True, allow_null=True)  # type: ignore[var-annotated]
 
     class Meta:
         model = Executor

@@ -25,9 +25,9 @@ class ConcurrencyCaps:
 @dataclass(frozen=True)
 class SlotCounts:
     total: int = 0
-    executor: Counter = field(default_factory=Counter)  # by executor id
-    team: Counter = field(default_factory=Counter)
-    user: Counter = field(default_factory=Counter)
+    executor: Counter[int] = field(default_factory=Counter)  # by executor id
+    team: Counter[int] = field(default_factory=Counter)
+    user: Counter[int] = field(default_factory=Counter)
 
 
 def concurrency_caps(rules: list[Rule] | None = None) -> ConcurrencyCaps:

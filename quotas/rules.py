@@ -12,7 +12,7 @@ from quotas.models import QuotaPolicy
 from telemachus.models import Team
 
 Scope, Dimension = QuotaPolicy.Scope, QuotaPolicy.Dimension
-SUBJECT_HINTS = {Scope.EXECUTOR: "executor name", Scope.TEAM: "team slug", Scope.USER: "username"}
+SUBJECT_HINTS: dict[str, str] = {Scope.EXECUTOR: "executor name", Scope.TEAM: "team slug", Scope.USER: "username"}
 
 # For each scope with subjects: its rows, and the field that names one. The executor scope's rows
 # belong to a layer above this one, which registers them (executors/apps.py).
@@ -51,7 +51,9 @@ def quota_rule_errors(
         errors["window"] = [f"{dimension} needs a window: {', '.join(QuotaPolicy.Window.values)}."]
     if not errors:
         clash = QuotaPolicy.objects.filter(scope=scope, subject=subject, dimension=dimension, window=window)
-        if clash.exclude(pk=exclude_pk).exists():
+        if exclude_pk is not None:
+            clash = clash.exclude(pk=exclude_pk)
+        if clash.exists():
             errors["non_field_errors"] = ["A rule for this scope, subject, dimension and window exists."]
     return errors
 

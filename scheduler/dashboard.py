@@ -43,7 +43,7 @@ def _policy_update(user: rbac.Principal, payload: dict[str, Any]) -> None:
 
 
 def _executor_update(user: rbac.Principal, payload: dict[str, Any]) -> None:
-    executor = Executor.objects.select_related("team").filter(pk=payload.get("executor")).first()
+    executor = Executor.objects.select_related("team").filter(pk=payload.get("executor")).first()  # type: ignore[misc]
     if executor is None:
         raise NotFound(f"Executor {payload.get('executor')!r} not found.")
     changes = payload.get("changes")

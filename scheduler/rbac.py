@@ -9,7 +9,7 @@ from telemachus.errors import Forbidden
 from telemachus.models import Membership
 from telemachus.rbac import CHAT, FLOWS, TOOLS, Principal, is_operator, team_role
 
-JOB_TYPE_PERMISSION = {
+JOB_TYPE_PERMISSION: dict[str, str] = {
     Job.Type.CHAT: CHAT, Job.Type.TRANSLATE: CHAT, Job.Type.TOOL: TOOLS, Job.Type.FLOW: FLOWS, Job.Type.TASK: FLOWS,
     Job.Type.GOVERNED: FLOWS,
 }

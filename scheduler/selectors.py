@@ -41,7 +41,7 @@ def queued_heads(
     status is a literal, so both backends can use the partial indexes, and each lookup asks for at
     least two rows: at LIMIT 1 PostgreSQL may walk the primary key instead of the team's index."""
     qn = connection.ops.quote_name
-    columns = ", ".join(qn(f.column) for f in Job._meta.concrete_fields if f.name not in PAYLOAD_FIELDS)
+    columns = ", ".join(qn(f.column) for f in Job._meta.concrete_fields if f.name not in PAYLOAD_FIELDS)  # type: ignore[arg-type]
     lookups: list[tuple[str, list]] = []
     for team_id, (models, n) in wanted.items():
         if not models or n <= 0:

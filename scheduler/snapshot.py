@@ -35,7 +35,7 @@ from telemachus.models import Team
 
 RECENT_JOBS = 50
 POLICY_CHOICES = {
-    field.name: [value for value, _ in field.choices]
+    field.name: [value for value, _ in field.choices]  # type: ignore[union-attr]
     for field in QueuePolicy._meta.get_fields() if field.name in EDITABLE and getattr(field, "choices", None)
 }
 
@@ -115,7 +115,7 @@ def wait_reasons(cluster: Cluster, *, team_id: int, model: str, user_id: int) ->
             add("budget_empty", f"over budget: {who} {account.rule.dimension} empty until {account.end:%Y-%m-%d %H:%M} UTC",
                 scope=account.rule.scope, dimension=account.rule.dimension, reset_at=account.end.isoformat())
     offering = [e for e in cluster.executors if model in e.offered_models and cluster.usable_by(e, team_id)]
-    blocked = []
+    blocked: list[tuple[str, str, Executor, dict[str, Any]]] = []
     for executor in offering:
         if not executor.enabled:
             blocked.append(("executor_disabled", f"executor {executor.name} is disabled", executor, {}))
@@ -131,8 +131,8 @@ def wait_reasons(cluster: Cluster, *, team_id: int, model: str, user_id: int) ->
     if not offering:
         add("no_executor", "no executor offers the model", model=model)
     elif len(blocked) == len(offering):  # every executor that could take it is out of reach
-        for code, text, executor, extra in blocked:
-            add(code, text, executor=executor.name, model=model, **extra)
+        for code, text, blocker, extra in blocked:
+            add(code, text, executor=blocker.name, model=model, **extra)
     return reasons
 
 
@@ -200,7 +200,7 @@ def _queue_snapshot(*, user: rbac.Principal, cluster: Cluster) -> dict[str, Any]
 
     executors = [e for e in cluster.executors if operator or e.team_id is None or e.team_id in {t.pk for t in teams}]
     user_ids = set(caps.user) | set(slots.user) if operator else {user.pk}
-    usernames = dict(get_user_model().objects.filter(pk__in=user_ids).values_list("pk", "username"))
+    usernames = dict(get_user_model().objects.filter(pk__in=user_ids).values_list("pk", "username"))  # type: ignore[misc]
     team_rows = []
     for team in teams:
         reasons = waits(team)
@@ -222,7 +222,7 @@ def _queue_snapshot(*, user: rbac.Principal, cluster: Cluster) -> dict[str, Any]
         "teams": team_rows,
         "users": [
             {"user": usernames[uid], "in_use": slots.user[uid], "cap": caps.user.get(uid)}
-            for uid in sorted(usernames, key=usernames.get)
+            for uid in sorted(usernames, key=usernames.get)  # type: ignore[arg-type]
         ],
         "executors": [
             {

@@ -18,7 +18,7 @@ not leak; a denial on a visible object is a 403 naming the missing permission.""
 from dataclasses import dataclass
 
 from django.contrib.auth import get_user_model
-from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
+from django.contrib.auth.models import AnonymousUser, User
 from django.db.models import QuerySet
 from guardian.core import ObjectPermissionChecker
 
@@ -30,11 +30,19 @@ CHAT, TOOLS, FLOWS = "chat:use", "tools:invoke", "flows:run"
 # The API's permission names and the Django permissions (on Team) behind them.
 PERMISSIONS = {CHAT: "use_chat", TOOLS: "invoke_tools", FLOWS: "run_flows"}
 
-Principal = AbstractBaseUser | AnonymousUser
+Principal = User | AnonymousUser
 
 
 def is_operator(user: Principal) -> bool:
     return bool(user.is_authenticated and user.is_active and (user.is_superuser or user.has_perm(MANAGE_PERMISSION)))
+
+
+def signed_in(user: Principal) -> User:
+    """The user, once a check that refuses anonymous callers has passed (a team role or a
+    permission): for the rows that record who acted."""
+    if not isinstance(user, User):
+        raise Forbidden("Requires a signed-in user.", permission="authenticated")
+    return user
 
 
 def require_operator(user: Principal) -> None:
@@ -91,7 +99,7 @@ def require_team_manager(user: Principal, team: Team) -> None:
     raise Forbidden(f"Requires the manager role in team {team.slug!r}.", permission="team:manage", team=team.slug)
 
 
-def member_candidate(user: Principal, username: str) -> AbstractBaseUser:
+def member_candidate(user: Principal, username: str) -> User:
     """The user that `user` (an operator or a team manager) may add to a team or give a role, by
     name. Operators may name anyone. A manager may name only people they already share a team
     with, and never an operator: otherwise a manager could pull anyone into their team, an
@@ -99,7 +107,7 @@ def member_candidate(user: Principal, username: str) -> AbstractBaseUser:
     candidates = get_user_model().objects.filter(username=username)
     if not is_operator(user):
         candidates = candidates.filter(
-            is_active=True, memberships__team__in=Membership.objects.filter(user=user).values("team")
+            is_active=True, memberships__team__in=Membership.objects.filter(user=signed_in(user)).values("team")
         )
     candidate = candidates.first()
     if candidate is None or (not is_operator(user) and is_operator(candidate)):
@@ -133,7 +141,7 @@ class Grants:
         return self.roles.get(team.pk)
 
 
-def grants_load(user: AbstractBaseUser) -> Grants:
+def grants_load(user: User) -> Grants:
     """The user's Grants: memberships (one query), global permissions (two, Django's), and
     object permissions on the teams the user is in (two, guardian's)."""
     roles = dict(Membership.objects.filter(user=user).values_list("team_id", "role"))
@@ -144,7 +152,7 @@ def grants_load(user: AbstractBaseUser) -> Grants:
     if roles and active and not operator:
         teams = list(Team.objects.filter(pk__in=roles))
         checker = ObjectPermissionChecker(user)
-        checker.prefetch_perms(teams)
+        checker.prefetch_perms(teams)  # type: ignore[arg-type]  # a list of objects works as a queryset does
         for team in teams:
             held = set(checker.get_perms(team))
             permissions[team.pk] = frozenset(

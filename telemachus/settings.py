@@ -147,7 +147,7 @@ def database_config(url: str | None) -> dict:
         pool = env_int("DATABASE_POOL_SIZE", 20)
         if pool and not config["CONN_MAX_AGE"]:
             config["OPTIONS"] = {**config.get("OPTIONS", {}), "pool": {"min_size": 1, "max_size": pool, "timeout": 30}}
-    return config
+    return config  # type: ignore[return-value]
 
 
 DATABASES = {"default": database_config(os.environ.get("DATABASE_URL"))}

@@ -45,9 +45,9 @@ urlpatterns = [
     path("metrics", pages.metrics, name="metrics"),
     path("healthz", healthz, name="healthz"),
     path("readyz", readyz, name="readyz"),
-    path("login/", attempts_limited(auth_views.LoginView.as_view(template_name="scheduler/login.html")), name="login"),
+    path("login/", attempts_limited(auth_views.LoginView.as_view(template_name="scheduler/login.html")), name="login"),  # type: ignore[arg-type]
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/login/", attempts_limited(admin.site.login)),
     path("admin/", admin.site.urls),
-    path("api/", include(api)),
+    path("api/", include(api)),  # type: ignore[arg-type]
 ]

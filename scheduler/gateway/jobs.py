@@ -157,4 +157,4 @@ def _snapshot(*, user: rbac.Principal, job_id: int, after: int) -> tuple[dict[st
     if data is None:
         return None
     events = JobEvent.objects.filter(job_id=job_id, pk__gt=after).select_related("executor").order_by("pk")
-    return data, JobEventOutput(events, many=True).data
+    return data, JobEventOutput(events, many=True).data  # type: ignore[return-value]

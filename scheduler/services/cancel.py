@@ -1,4 +1,3 @@
-from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
 from quotas.budget import quota_settle
@@ -6,11 +5,11 @@ from scheduler import signals
 from scheduler.locks import lock_job
 from scheduler.models import Job, JobEvent, Slot
 from scheduler.services.events import event_record
-from telemachus.audit import audit_record
+from telemachus.audit import Actor, audit_record
 from telemachus.errors import Conflict, NotFound
 
 
-def job_cancel(*, job_id: int, by: AbstractBaseUser | None = None) -> Job:
+def job_cancel(*, job_id: int, by: Actor = None) -> Job:
     """End a queued or running job as `canceled`, free its slots and its budget reservation at once.
 
     Locks the job row (lock level 3). A running job's slots are deleted and its lease cleared in this
