@@ -112,7 +112,10 @@ WSGI_APPLICATION = None
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [BASE_DIR / "templates"],
+        # The project's templates (dashboard, sign-in, admin overrides): templates/ at the top of
+        # the tree, reached through the package's link to it, which an installed package carries
+        # as a directory of files (package-data in pyproject.toml).
+        "DIRS": [Path(__file__).resolve().parent / "templates"],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
