@@ -1,5 +1,6 @@
-"""Who may see and do what. Every authorization decision in the project is made here, so views,
-services and the dashboard agree by construction.
+"""Who may see and do what. Every authorization decision in the project is made here (or, for
+jobs and executors, in the two modules named below, built on this one), so views, services and
+the dashboard agree by construction.
 
 * Operators (superusers, or holders of `scheduler.manage`) may do everything.
 * In a team, a `member` submits jobs with the permissions the team grants it and sees and cancels
