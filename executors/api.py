@@ -12,12 +12,10 @@ from rest_framework.views import APIView
 from executors.models import Executor
 from executors.registry import known_kinds
 from executors.services import executor_create, executor_delete, executor_sync, executor_update
-from scheduler.api.serializers import JobEventOutput, StrictSerializer
-from scheduler.api.views import OldestFirstCursorPagination
-from scheduler.models import JobEvent
 from telemachus import rbac
 from telemachus.errors import NotFound
 from telemachus.models import Team
+from telemachus.serializers import StrictSerializer
 
 HTTP_KINDS = ("local-model", "remote-model")
 SECRET_KEY_NAMES = re.compile(r"key|token|secret|password|passwd|auth|bearer|credential", re.IGNORECASE)
@@ -88,13 +86,13 @@ class ExecutorInput(StrictSerializer):
                 {"transport": ["A remote-model executor needs transport.api_key_env (the variable holding its API key)."]}
             )
         name = attrs.get("name")
-        if name and Executor.objects.filter(name=name).exclude(pk=getattr(self.instance, "pk", None)).exists():
+        if name and Executor.objects.filter(name=name).exclude(pk=getattr(self.instance, "pk", None)).exists():  # type: ignore[misc]
             raise serializers.ValidationError({"name": [f"An executor named {name!r} already exists."]})
         return attrs
 
 
 class ExecutorOutput(serializers.ModelSerializer):
-    team = serializers.SlugRelatedField(slug_field="slug", read_only=True, allow_null=True)
+    team = serializers.SlugRelatedField(slug_field="slug", read_only=True, allow_null=True)  # type: ignore[var-annotated]
 
     class Meta:
         model = Executor
@@ -153,14 +151,3 @@ class ExecutorSyncApi(APIView):
     @extend_schema(request=None, responses=ExecutorOutput)
     def post(self, request: Request, executor_id: int) -> Response:
         return Response(ExecutorOutput(executor_sync(executor=managed_executor(request, executor_id), by=request.user)).data)
-
-
-class ExecutorEventListApi(ListAPIView):
-    """Breaker transitions and health changes of one executor, oldest first."""
-
-    serializer_class = JobEventOutput
-    pagination_class = OldestFirstCursorPagination
-
-    def get_queryset(self) -> QuerySet[JobEvent]:
-        executor = managed_executor(self.request, self.kwargs["executor_id"])
-        return JobEvent.objects.filter(executor=executor, job__isnull=True).select_related("executor")

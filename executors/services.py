@@ -1,14 +1,13 @@
 from typing import Any
 
 from asgiref.sync import async_to_sync
-from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.db.models import ProtectedError
 
 from executors.contract import DispatchError
 from executors.models import Executor
 from executors.registry import driver_for
-from telemachus.audit import audit_record, changed_fields
+from telemachus.audit import Actor, audit_record, changed_fields
 from telemachus.errors import Conflict, ExecutorUnreachable
 
 # What the audit log keeps of an executor (the runtime state, health and breaker, is not an edit).
@@ -20,7 +19,7 @@ def executor_audit_view(executor: Executor) -> dict[str, Any]:
             for name in AUDITED}
 
 
-def executor_create(*, by: AbstractBaseUser | None = None, **fields: Any) -> Executor:
+def executor_create(*, by: Actor = None, **fields: Any) -> Executor:
     """Register an executor; audited (`executor.create`)."""
     with transaction.atomic():
         executor = Executor.objects.create(**fields)
@@ -30,7 +29,7 @@ def executor_create(*, by: AbstractBaseUser | None = None, **fields: Any) -> Exe
 
 
 def executor_update(
-    *, executor: Executor, by: AbstractBaseUser | None = None, action: str = "executor.update", **fields: Any
+    *, executor: Executor, by: Actor = None, action: str = "executor.update", **fields: Any
 ) -> Executor:
     """Apply an operator's edit. The write moves the configuration version (by trigger), so the
     next claim and submit read the row again and a change to `enabled`, `max_concurrency` or
@@ -49,7 +48,7 @@ def executor_update(
     return executor
 
 
-def executor_delete(*, executor: Executor, by: AbstractBaseUser | None = None) -> None:
+def executor_delete(*, executor: Executor, by: Actor = None) -> None:
     """An executor that holds live slots cannot go: disable it, let its work drain, then delete."""
     pk, before = executor.pk, executor_audit_view(executor)
     try:
@@ -61,7 +60,7 @@ def executor_delete(*, executor: Executor, by: AbstractBaseUser | None = None) -
         raise Conflict(f"Executor {executor.name!r} is running jobs; disable it and retry when they finish.") from None
 
 
-def executor_sync(*, executor: Executor, by: AbstractBaseUser | None = None) -> Executor:
+def executor_sync(*, executor: Executor, by: Actor = None) -> Executor:
     """Read the models the executor serves (GET {endpoint}/models for model servers) into
     `capabilities.models`. Other capabilities are kept. A kind that does not report its models is
     a conflict; an executor that does not answer is a 502. Audited (`executor.sync`)."""

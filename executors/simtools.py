@@ -63,7 +63,7 @@ def said_arguments(schema: Any, messages: list[dict[str, Any]]) -> dict[str, Any
     said = next((str(m.get("content") or "") for m in reversed(messages) if m.get("role") == "user"), "")
     kinds = {"string": said, "integer": len(said.split()), "number": len(said.split()), "boolean": True}
     properties = (schema if isinstance(schema, dict) else {}).get("properties") or {}
-    return {name: kinds.get((spec or {}).get("type") if isinstance(spec, dict) else None, said)
+    return {name: kinds.get((spec or {}).get("type") if isinstance(spec, dict) else None, said)  # type: ignore[arg-type]
             for name, spec in properties.items()}
 
 

@@ -1,8 +1,10 @@
 from contextvars import ContextVar
+from typing import Any
 
 from django import forms
 from django.contrib import admin
-from django.http import HttpRequest
+from django.db.models import QuerySet
+from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 
 from quotas.budget import Account, Budgets
@@ -15,13 +17,13 @@ from telemachus.admin import ReadOnlyAdmin
 _accounts: ContextVar[dict[int, Account]] = ContextVar("quota_accounts")
 
 
-class QuotaPolicyForm(forms.ModelForm):
+class QuotaPolicyForm(forms.ModelForm[QuotaPolicy]):
     class Meta:
         model = QuotaPolicy
         fields = ["scope", "subject", "dimension", "limit", "window"]
 
-    def clean(self) -> dict:
-        data = super().clean()
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
         if all(name in data for name in ("scope", "dimension")):
             errors = quota_rule_errors(
                 scope=data["scope"], subject=data.get("subject", ""), dimension=data["dimension"],
@@ -33,7 +35,7 @@ class QuotaPolicyForm(forms.ModelForm):
 
 
 @admin.register(QuotaPolicy)
-class QuotaPolicyAdmin(admin.ModelAdmin):
+class QuotaPolicyAdmin(admin.ModelAdmin[QuotaPolicy]):
     """Budget rules show their usage in the current window beside the limit. Saves and deletes go
     through the quota services, so they are audited like API edits."""
 
@@ -42,7 +44,7 @@ class QuotaPolicyAdmin(admin.ModelAdmin):
     list_filter = ["dimension", "scope", "window"]
     search_fields = ["subject"]
 
-    def save_model(self, request: HttpRequest, obj: QuotaPolicy, form, change: bool) -> None:
+    def save_model(self, request: HttpRequest, obj: QuotaPolicy, form: Any, change: bool) -> None:
         fields = {name: form.cleaned_data[name] for name in form.Meta.fields}
         if change:
             stored = QuotaPolicy.objects.get(pk=obj.pk)
@@ -53,11 +55,11 @@ class QuotaPolicyAdmin(admin.ModelAdmin):
     def delete_model(self, request: HttpRequest, obj: QuotaPolicy) -> None:
         quota_policy_delete(policy=obj, by=request.user)
 
-    def delete_queryset(self, request: HttpRequest, queryset) -> None:
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[QuotaPolicy]) -> None:
         for policy in queryset:
             quota_policy_delete(policy=policy, by=request.user)
 
-    def changelist_view(self, request: HttpRequest, extra_context=None):
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
         # Read the ledger once per page, not once per row; a context variable, because the admin
         # instance is shared by concurrent requests.
         token = _accounts.set({a.rule.pk: a for a in Budgets.load(now=timezone.now()).accounts})

@@ -41,7 +41,7 @@ class QuotaPolicyInput(StrictSerializer):
         return stored
 
 
-class QuotaPolicyOutput(serializers.ModelSerializer):
+class QuotaPolicyOutput(serializers.ModelSerializer[QuotaPolicy]):
     subject = serializers.SerializerMethodField()
     window = serializers.SerializerMethodField()
 
@@ -65,7 +65,7 @@ def managed_policy(request: Request, policy_id: int) -> QuotaPolicy:
     return policy
 
 
-class QuotaPolicyListCreateApi(ListAPIView):
+class QuotaPolicyListCreateApi(ListAPIView[QuotaPolicy]):
     serializer_class = QuotaPolicyOutput
 
     def get_queryset(self) -> QuerySet[QuotaPolicy]:
@@ -106,7 +106,7 @@ class QuotaPolicyDetailApi(APIView):
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
-class UsageFilter(serializers.Serializer):
+class UsageFilter(serializers.Serializer[Any]):
     team = serializers.SlugField(required=False)
     user = serializers.CharField(required=False)
 

@@ -2,16 +2,14 @@
 
 Caps come from `QuotaPolicy(dimension=ai.concurrency)` (and an executor's own max_concurrency);
 in-use counts come from live Slot rows, never from counters, so they cannot drift: a crashed
-worker's slots are counted until recovery deletes them, and never after."""
+worker's slots are counted until recovery deletes them, and never after (the scheduler, which owns
+the slots, counts them: scheduler.selectors.slot_counts)."""
 
 from collections import Counter
 from dataclasses import dataclass, field
 
-from django.db import connection
-
 from quotas.models import QuotaPolicy
 from quotas.rules import Rule, quota_rules
-from scheduler.models import Slot
 
 
 @dataclass(frozen=True)
@@ -27,9 +25,9 @@ class ConcurrencyCaps:
 @dataclass(frozen=True)
 class SlotCounts:
     total: int = 0
-    executor: Counter = field(default_factory=Counter)  # by executor id
-    team: Counter = field(default_factory=Counter)
-    user: Counter = field(default_factory=Counter)
+    executor: Counter[int] = field(default_factory=Counter)  # by executor id
+    team: Counter[int] = field(default_factory=Counter)
+    user: Counter[int] = field(default_factory=Counter)
 
 
 def concurrency_caps(rules: list[Rule] | None = None) -> ConcurrencyCaps:
@@ -47,24 +45,6 @@ def concurrency_caps(rules: list[Rule] | None = None) -> ConcurrencyCaps:
         elif rule.scope == QuotaPolicy.Scope.USER and rule.subject_id is not None:
             user[rule.subject_id] = rule.limit
     return ConcurrencyCaps(global_cap=global_cap, executor=executor, team=team, user=user)
-
-
-def slot_counts() -> SlotCounts:
-    """Slots held right now, per scope, from one grouped query over the Slot table (plain SQL: it
-    runs in every claim, under the claim lock)."""
-    counts = SlotCounts()
-    qn = connection.ops.quote_name
-    columns = ", ".join(qn(c) for c in ("executor_id", "team_id", "user_id"))
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {columns}, COUNT(*) FROM {qn(Slot._meta.db_table)} GROUP BY {columns}")
-        grouped = cursor.fetchall()
-    total = 0
-    for executor_id, team_id, user_id, n in grouped:
-        counts.executor[executor_id] += n
-        counts.team[team_id] += n
-        counts.user[user_id] += n
-        total += n
-    return SlotCounts(total=total, executor=counts.executor, team=counts.team, user=counts.user)
 
 
 def executor_limit(*, name: str, max_concurrency: int, caps: ConcurrencyCaps) -> int:

@@ -1,26 +1,37 @@
 """Quota rules: what makes one well-formed (shared by the API serializer and the admin form), and
 all of them loaded at once for the claim and admission."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from django.contrib.auth import get_user_model
+from django.db.models import QuerySet
 
-from executors.models import Executor
 from quotas.models import QuotaPolicy
 from telemachus.models import Team
 
 Scope, Dimension = QuotaPolicy.Scope, QuotaPolicy.Dimension
-SUBJECT_HINTS = {Scope.EXECUTOR: "executor name", Scope.TEAM: "team slug", Scope.USER: "username"}
+SUBJECT_HINTS: dict[str, str] = {Scope.EXECUTOR: "executor name", Scope.TEAM: "team slug", Scope.USER: "username"}
+
+# For each scope with subjects: its rows, and the field that names one. The executor scope's rows
+# belong to a layer above this one, which registers them (executors/apps.py).
+SubjectSource = tuple[Callable[[], QuerySet[Any]], str]
+_subjects: dict[str, SubjectSource] = {
+    Scope.TEAM: (Team.objects.all, "slug"),
+    Scope.USER: (lambda: get_user_model().objects.all(), "username"),
+}
+
+
+def subject_source_register(scope: str, rows: Callable[[], QuerySet[Any]], field: str) -> None:
+    _subjects[scope] = (rows, field)
 
 
 def subject_exists(scope: str, subject: str) -> bool:
-    if scope == Scope.EXECUTOR:
-        return Executor.objects.filter(name=subject).exists()
-    if scope == Scope.TEAM:
-        return Team.objects.filter(slug=subject).exists()
-    if scope == Scope.USER:
-        return get_user_model().objects.filter(username=subject).exists()
-    return False
+    if scope not in _subjects:
+        return False
+    rows, field = _subjects[scope]
+    return rows().filter(**{field: subject}).exists()
 
 
 def quota_rule_errors(
@@ -40,7 +51,9 @@ def quota_rule_errors(
         errors["window"] = [f"{dimension} needs a window: {', '.join(QuotaPolicy.Window.values)}."]
     if not errors:
         clash = QuotaPolicy.objects.filter(scope=scope, subject=subject, dimension=dimension, window=window)
-        if clash.exclude(pk=exclude_pk).exists():
+        if exclude_pk is not None:
+            clash = clash.exclude(pk=exclude_pk)
+        if clash.exists():
             errors["non_field_errors"] = ["A rule for this scope, subject, dimension and window exists."]
     return errors
 
@@ -79,16 +92,11 @@ def quota_rules(
     if dimensions is not None:
         rules = rules.filter(dimension__in=dimensions)
     rows = list(rules.values_list("pk", "scope", "subject", "dimension", "limit", "window"))
-    by_scope = {
-        Scope.TEAM: (Team.objects, "slug"),
-        Scope.USER: (get_user_model().objects, "username"),
-        Scope.EXECUTOR: (Executor.objects, "name"),
-    }
     ids: dict[str, dict[str, int]] = dict(known or {})
-    for scope, (objects, field) in by_scope.items():
+    for scope, (subjects, field) in _subjects.items():
         names = {row[2] for row in rows if row[1] == scope}
         if names and scope not in ids:
-            ids[scope] = dict(objects.filter(**{f"{field}__in": names}).values_list(field, "pk"))
+            ids[scope] = dict(subjects().filter(**{f"{field}__in": names}).values_list(field, "pk"))
     return [
         Rule(pk, scope, subject, dimension, limit, window, ids.get(scope, {}).get(subject))
         for pk, scope, subject, dimension, limit, window in rows

@@ -19,10 +19,12 @@ def usage_report(*, user: rbac.Principal, team: str | None = None, username: str
     `team` and `username` narrow the answer; naming a team or user one cannot see is a 404."""
     operator = rbac.is_operator(user)
     teams = set(rbac.visible_teams(user).values_list("slug", flat=True))
-    managed = Membership.objects.filter(user=user, role=Membership.Role.MANAGER).values("team") if not operator else None
-    users = {user.get_username()} if not operator else None
-    if managed is not None:
-        users |= set(Membership.objects.filter(team__in=managed).values_list("user__username", flat=True))
+    users: set[str] | None = None  # None: every user (an operator)
+    if not operator and user.is_authenticated:
+        managed = Membership.objects.filter(user=user, role=Membership.Role.MANAGER).values("team")
+        users = {user.get_username(), *Membership.objects.filter(team__in=managed).values_list("user__username", flat=True)}
+    elif not operator:
+        users = set()
     if team is not None and team not in teams:
         raise NotFound(f"Team {team!r} not found.")
     if username is not None and not (operator and get_user_model().objects.filter(username=username).exists()) and (
@@ -36,7 +38,7 @@ def usage_report(*, user: rbac.Principal, team: str | None = None, username: str
         if scope == Scope.TEAM:
             return subject in teams and team in (None, subject) and username is None
         if scope == Scope.USER:
-            return (operator or subject in users) and username in (None, subject) and team is None
+            return (users is None or subject in users) and username in (None, subject) and team is None
         return operator and team is None and username is None
 
     now = timezone.now()

@@ -1,10 +1,9 @@
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
 from quotas.models import QuotaPolicy
-from telemachus.audit import audit_record, changed_fields
+from telemachus.audit import Actor, audit_record, changed_fields
 
 AUDITED = ("scope", "subject", "dimension", "limit", "window")
 
@@ -15,7 +14,7 @@ def _view(policy: QuotaPolicy) -> dict[str, Any]:
     return {**view, "subject": view["subject"] or None, "window": view["window"] or None}
 
 
-def quota_policy_create(*, by: AbstractBaseUser | None = None, **fields: Any) -> QuotaPolicy:
+def quota_policy_create(*, by: Actor = None, **fields: Any) -> QuotaPolicy:
     """A new rule; the next claim and submit apply it. Audited (`quota_policy.create`)."""
     with transaction.atomic():
         policy = QuotaPolicy.objects.create(**fields)
@@ -24,7 +23,7 @@ def quota_policy_create(*, by: AbstractBaseUser | None = None, **fields: Any) ->
     return policy
 
 
-def quota_policy_update(*, policy: QuotaPolicy, by: AbstractBaseUser | None = None, **fields: Any) -> QuotaPolicy:
+def quota_policy_update(*, policy: QuotaPolicy, by: Actor = None, **fields: Any) -> QuotaPolicy:
     """The write moves the configuration version (by trigger), so the next claim and submit read
     the rules again and a new limit applies at once; on PostgreSQL a raised cap wakes the workers.
     Audited with the changed fields before and after."""
@@ -41,7 +40,7 @@ def quota_policy_update(*, policy: QuotaPolicy, by: AbstractBaseUser | None = No
     return policy
 
 
-def quota_policy_delete(*, policy: QuotaPolicy, by: AbstractBaseUser | None = None) -> None:
+def quota_policy_delete(*, policy: QuotaPolicy, by: Actor = None) -> None:
     pk, before, label = policy.pk, _view(policy), str(policy)
     with transaction.atomic():
         policy.delete()

@@ -16,7 +16,7 @@ from telemachus.errors import DomainError
 class JobEventInline(admin.TabularInline):
     model = JobEvent
     fields = ["at", "event", "executor", "meta"]
-    readonly_fields = fields
+    readonly_fields = fields  # type: ignore[assignment]
     extra = 0
     can_delete = False
 
@@ -93,9 +93,9 @@ class QueuePolicyForm(forms.ModelForm):
     def clean(self) -> dict:
         cleaned = super().clean()
         for name in self.changed_data:
-            if name in cleaned and (problem := field_problem(name, cleaned[name])) is not None:
+            if name in cleaned and (problem := field_problem(name, cleaned[name])) is not None:  # type: ignore[index, operator]
                 self.add_error(name, f"This value {problem}.")
-        return cleaned
+        return cleaned  # type: ignore[return-value]
 
 
 @admin.register(QueuePolicy)

@@ -3,3 +3,12 @@ from django.apps import AppConfig
 
 class SchedulerConfig(AppConfig):
     name = "scheduler"
+
+    def ready(self) -> None:
+        """Install what the lower layers report through: they never import the scheduler."""
+        from executors import health, selectors
+        from scheduler.selectors import executor_load
+        from scheduler.services.events import executor_events_record
+
+        health.events_recorder_install(executor_events_record)
+        selectors.load_counter_install(executor_load)

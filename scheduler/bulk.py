@@ -19,7 +19,7 @@ def update_rows(model: type[Model], rows: Sequence[dict[str, Any]], *, key: str 
     fields = [model._meta.get_field(name) for name in names]
     qn = connection.ops.quote_name
     table = qn(model._meta.db_table)
-    columns = [qn(field.column) for field in fields]
+    columns = [qn(field.column) for field in fields]  # type: ignore[arg-type, union-attr]
     if connection.vendor == "postgresql":
         placeholder = "(" + ", ".join(f"%s::{field.db_type(connection)}" for field in fields) + ")"
     else:
@@ -29,7 +29,7 @@ def update_rows(model: type[Model], rows: Sequence[dict[str, Any]], *, key: str 
         f"UPDATE {table} SET {', '.join(f'{c} = v.{c}' for c in columns[1:])} "
         f"FROM v WHERE {table}.{columns[0]} = v.{columns[0]}"
     )
-    params = [field.get_db_prep_save(row[field.name], connection) for row in rows for field in fields]
+    params = [field.get_db_prep_save(row[field.name], connection) for row in rows for field in fields]  # type: ignore[union-attr]
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         return cursor.rowcount

@@ -10,7 +10,7 @@ Values are shared: treat them as read-only."""
 from dataclasses import dataclass, field
 
 from executors.models import Executor
-from executors.registry import kind_chats
+from executors.selectors import executor_teams, usable_executors
 from quotas.concurrency import ConcurrencyCaps, concurrency_caps
 from quotas.models import QuotaPolicy
 from quotas.rules import Rule, quota_rules
@@ -44,14 +44,11 @@ class Configuration:
 
     def executors_usable_by(self, *, team_id: int, model: str, embeddings: bool = False,
                             chat: bool = False) -> list[Executor]:
-        """As executors.selectors.executors_usable_by: enabled, shared or serving the team, offering
-        the model (and embeddings, or answering model calls at all, when asked)."""
-        return [
-            e for e in self.executors
-            if e.enabled and (e.team_id is None or team_id in self.executor_teams.get(e.pk, ()))
-            and model in e.offered_models and (not embeddings or e.capabilities.get("embeddings"))
-            and (not chat or kind_chats(e.kind))
-        ]
+        """As executors.selectors.executors_usable_by, from the cached configuration (with `chat`,
+        only executors that answer model calls)."""
+        return usable_executors(
+            self.executors, team_id=team_id, teams=self.executor_teams, model=model, embeddings=embeddings, chat=chat
+        )
 
 
 def configuration(snapshot: ConfigSnapshot) -> Configuration:
@@ -87,6 +84,6 @@ def _load(version: int) -> Configuration:
     }))
     return Configuration(
         version=version, executors=executors, teams=teams, team_ids=team_ids, rules=rules,
-        caps=concurrency_caps(list(rules)), executor_teams=rbac.executor_teams(executors=executors),
+        caps=concurrency_caps(list(rules)), executor_teams=executor_teams(executors=executors),
         features=feature_switches(),
     )

@@ -107,13 +107,13 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
                 await self.send(text_data=json.dumps({"at": timezone.now().isoformat()}))
             timeout = heartbeat if deadline is None else max(min(heartbeat, deadline - time.time()), 0.05)
             try:
-                await asyncio.wait_for(self.wake.wait(), timeout)
+                await asyncio.wait_for(self.wake.wait(), timeout)  # type: ignore[union-attr]
                 await asyncio.sleep(COALESCE_SECONDS)
                 reread = True
             except TimeoutError:
-                reread = (not self.feed.live or time.monotonic() - read_at >= REREAD_SECONDS
+                reread = (not self.feed.live or time.monotonic() - read_at >= REREAD_SECONDS  # type: ignore[union-attr]
                           or (deadline is not None and time.time() >= deadline))
-            self.wake.clear()
+            self.wake.clear()  # type: ignore[union-attr]
 
     @classmethod
     async def decode_json(cls, text_data: str) -> Any:

@@ -10,6 +10,7 @@ from executors.api import ExecutorInput
 from executors.models import Executor
 from executors.services import executor_update
 from scheduler.api.policy import PolicyInput
+from scheduler.rbac import require_cancel, visible_jobs
 from scheduler.services.cancel import job_cancel
 from scheduler.services.policy import queue_policy_update
 from scheduler.services.requeue import job_requeue
@@ -42,7 +43,7 @@ def _policy_update(user: rbac.Principal, payload: dict[str, Any]) -> None:
 
 
 def _executor_update(user: rbac.Principal, payload: dict[str, Any]) -> None:
-    executor = Executor.objects.select_related("team").filter(pk=payload.get("executor")).first()
+    executor = Executor.objects.select_related("team").filter(pk=payload.get("executor")).first()  # type: ignore[misc]
     if executor is None:
         raise NotFound(f"Executor {payload.get('executor')!r} not found.")
     changes = payload.get("changes")
@@ -53,10 +54,10 @@ def _executor_update(user: rbac.Principal, payload: dict[str, Any]) -> None:
 
 def _job_cancel(user: rbac.Principal, payload: dict[str, Any]) -> None:
     job_id = _job_id(payload)
-    job = rbac.visible_jobs(user).filter(pk=job_id).select_related("team").first()
+    job = visible_jobs(user).filter(pk=job_id).select_related("team").first()
     if job is None:
         raise NotFound(f"Job {job_id} not found.")
-    rbac.require_cancel(user, job)
+    require_cancel(user, job)
     job_cancel(job_id=job_id, by=user)
 
 

@@ -38,7 +38,7 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import DatabaseError, connection
 
 from executors.models import Executor
@@ -91,7 +91,7 @@ class governed_slot:
     a function, as it is used). See the module docstring."""
 
     def __init__(
-        self, *, user: AbstractBaseUser, team: str, model: str, est_tokens: int = 0, priority: int = 0,
+        self, *, user: User, team: str, model: str, est_tokens: int = 0, priority: int = 0,
         timeout: float | None = None, requirements: dict[str, Any] | None = None,
     ) -> None:
         self.user, self.team, self.priority, self.timeout = user, team, priority, timeout
@@ -152,13 +152,13 @@ class governed_slot:
     def _granted(self) -> GovernedSlot | None:
         """The slot, once a claim has taken the job; None while it waits. Raises Conflict when the
         job ended before it was granted (canceled, failed)."""
-        row = Job.objects.filter(pk=self.job_id).values("status", "lease", "model", "executor_id").first()
+        row = Job.objects.filter(pk=self.job_id).values("status", "lease", "model", "executor_id").first()  # type: ignore[misc]
         if row is None or row["status"] in Job.TERMINAL:
             raise Conflict(f"Job {self.job_id} ended ({row and row['status']}) before a slot was granted.")
         if row["status"] != Job.Status.RUNNING:
             return None
         executor = Executor.objects.get(pk=row["executor_id"])
-        return GovernedSlot(job_id=self.job_id, lease=row["lease"], executor=executor.name, kind=executor.kind,
+        return GovernedSlot(job_id=self.job_id, lease=row["lease"], executor=executor.name, kind=executor.kind,  # type: ignore[arg-type]
                             endpoint=executor.endpoint, model=row["model"], transport=dict(executor.transport or {}))
 
     def _hold(self, slot: GovernedSlot) -> GovernedSlot:
@@ -204,6 +204,8 @@ class governed_slot:
 
     def _withdraw(self) -> None:
         """Leave the queue (a timeout, or the caller interrupted): cancel the job unless it ended."""
+        if self.job_id is None:  # interrupted before its job was submitted
+            return
         try:
             job_cancel(job_id=self.job_id, reason="withdrawn before its slot was used", bill=False)
         except Conflict:

@@ -26,6 +26,7 @@ starts with BEGIN IMMEDIATE (see settings), which serializes writers for the who
 
 import copy
 from datetime import datetime
+from typing import TYPE_CHECKING, TypedDict
 
 from django.db import connection
 from django.db.models.functions import Now
@@ -34,6 +35,18 @@ from scheduler.configuration import policy_record
 from scheduler.models import Job, QueuePolicy
 from telemachus.config import config_at
 from telemachus.models import ConfigVersion
+
+
+class Clocked(TypedDict):
+    """What `lock_job` annotates a job with: the database clock, read with the lock."""
+
+    db_now: datetime
+
+
+if TYPE_CHECKING:
+    from django_stubs_ext import WithAnnotations
+
+    ClockedJob = WithAnnotations[Job, Clocked]
 
 
 def lock_claim(*, as_stored: bool = False) -> tuple[QueuePolicy, datetime]:
@@ -65,7 +78,9 @@ def lock_claim(*, as_stored: bool = False) -> tuple[QueuePolicy, datetime]:
         cursor.execute(_CLOCK_SQL[connection.vendor == "postgresql"])
         now, version, next_retry, tools_queued = cursor.fetchone()
     if connection.vendor != "postgresql":
-        now, next_retry = (connection.ops.convert_datetimefield_value(v, None, connection) for v in (now, next_retry))
+        # SQLite's operations convert its text timestamps; the base class has no such method.
+        now, next_retry = (connection.ops.convert_datetimefield_value(v, None, connection)  # type: ignore[attr-defined]
+                           for v in (now, next_retry))
     if as_stored:
         policy = QueuePolicy.objects.get(pk=QueuePolicy.SINGLETON_ID)
     else:
@@ -90,6 +105,6 @@ def _clock_sql(now: str) -> str:
 _CLOCK_SQL = {True: _clock_sql("STATEMENT_TIMESTAMP()"), False: _clock_sql("STRFTIME('%Y-%m-%d %H:%M:%f', 'NOW')")}
 
 
-def lock_job(job_id: int) -> Job | None:
+def lock_job(job_id: int) -> "ClockedJob | None":
     """Lock one job row (level 3); None when it does not exist. Must run inside a transaction."""
     return Job.objects.select_for_update().annotate(db_now=Now()).filter(pk=job_id).first()

@@ -150,7 +150,7 @@ class DatabaseCollector:
         family = HistogramMetricFamily("telemachus_job_wait_seconds", "Time jobs waited in the queue before starting.",
                                        labels=["team"])
         for row in rows:
-            cumulative = [(str(float(bound)), row[f"le{i}"]) for i, bound in enumerate(WAIT_BUCKETS)]
+            cumulative = [(str(float(bound)), row[f"le{i}"]) for i, bound in enumerate(WAIT_BUCKETS)]  # type: ignore[literal-required]
             cumulative.append(("+Inf", row["n"]))
             total = row["total"]
             family.add_metric([teams.get(row["team_id"], str(row["team_id"]))], cumulative,
@@ -162,7 +162,7 @@ class _ThisProcess:
     """This process's own metrics (the default registry), when not in multiprocess mode."""
 
     def collect(self) -> Iterator[Metric]:
-        return REGISTRY.collect()
+        return iter(REGISTRY.collect())
 
 
 def metrics_exposition(accept: str = "") -> tuple[bytes, str]:

@@ -227,6 +227,11 @@ class QueuePolicy(models.Model):
     every transaction that creates slots locks it first (see scheduler/locks.py), so an edit applies
     to the next claim. Edits go through scheduler/services/policy.py, which audits them."""
 
+    # Not columns: read with the claim lock and set on the copy lock_claim returns (scheduler/locks.py).
+    config_version: int
+    next_retry: datetime | None
+    tools_queued: bool
+
     class Placement(models.TextChoices):
         LEAST_LOADED = "least-loaded"
         PACK = "pack"

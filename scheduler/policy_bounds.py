@@ -106,7 +106,7 @@ def policy_in_force(record: QueuePolicy) -> QueuePolicy:
         if name not in problems:
             _last_good[name] = getattr(record, name)
             continue
-        fallback = _last_good[name] if name in _last_good else QueuePolicy._meta.get_field(name).get_default()
+        fallback = _last_good[name] if name in _last_good else QueuePolicy._meta.get_field(name).get_default()  # type: ignore[union-attr]
         setattr(safe, name, fallback)
         key = (name, repr(getattr(record, name))[:200])
         if key not in _reported:

@@ -4,7 +4,9 @@ from datetime import datetime
 
 from django.db import connection
 
-from scheduler.models import Job, QueuePolicy
+from executors.models import Executor
+from quotas.concurrency import SlotCounts
+from scheduler.models import Job, QueuePolicy, Slot
 from scheduler.policy_bounds import policy_in_force
 
 # SQLite allows at most 500 terms in a compound SELECT.
@@ -39,7 +41,7 @@ def queued_heads(
     status is a literal, so both backends can use the partial indexes, and each lookup asks for at
     least two rows: at LIMIT 1 PostgreSQL may walk the primary key instead of the team's index."""
     qn = connection.ops.quote_name
-    columns = ", ".join(qn(f.column) for f in Job._meta.concrete_fields if f.name not in PAYLOAD_FIELDS)
+    columns = ", ".join(qn(f.column) for f in Job._meta.concrete_fields if f.name not in PAYLOAD_FIELDS)  # type: ignore[arg-type]
     lookups: list[tuple[str, list]] = []
     for team_id, (models, n) in wanted.items():
         if not models or n <= 0:
@@ -75,3 +77,30 @@ def queued_heads(
                 seen.add(job.pk)
                 heads.setdefault(job.team_id, []).append(job)
     return heads
+
+
+def slot_counts() -> SlotCounts:
+    """Slots held right now, per scope, from one grouped query over the Slot table (plain SQL: it
+    runs in every claim, under the claim lock)."""
+    counts = SlotCounts()
+    qn = connection.ops.quote_name
+    columns = ", ".join(qn(c) for c in ("executor_id", "team_id", "user_id"))
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {columns}, COUNT(*) FROM {qn(Slot._meta.db_table)} GROUP BY {columns}")
+        grouped = cursor.fetchall()
+    total = 0
+    for executor_id, team_id, user_id, n in grouped:
+        counts.executor[executor_id] += n
+        counts.team[team_id] += n
+        counts.user[user_id] += n
+        total += n
+    return SlotCounts(total=total, executor=counts.executor, team=counts.team, user=counts.user)
+
+
+def executor_load(executor: Executor) -> tuple[int, int]:
+    """Slots held on the executor and jobs queued for its models: the executors app's load counter
+    (executors/selectors.py), for drivers' `capacity()`."""
+    return (
+        Slot.objects.filter(executor=executor).count(),
+        Job.objects.filter(status=Job.Status.QUEUED, model__in=executor.offered_models).count(),
+    )

@@ -20,12 +20,14 @@ from django.urls import reverse
 from django.utils import timezone
 
 from executors.models import Executor
+from executors.selectors import executor_serves, executor_teams
 from quotas.budget import Budgets
-from quotas.concurrency import ConcurrencyCaps, SlotCounts, concurrency_caps, executor_limit, slot_counts
+from quotas.concurrency import ConcurrencyCaps, SlotCounts, concurrency_caps, executor_limit
 from quotas.models import QuotaPolicy
 from quotas.rules import quota_rules
 from scheduler.models import Job, QueuePolicy
-from scheduler.selectors import queue_policy
+from scheduler.rbac import visible_jobs
+from scheduler.selectors import queue_policy, slot_counts
 from scheduler.services.policy import EDITABLE
 from telemachus import rbac
 from telemachus.features import feature_states
@@ -33,7 +35,7 @@ from telemachus.models import Team
 
 RECENT_JOBS = 50
 POLICY_CHOICES = {
-    field.name: [value for value, _ in field.choices]
+    field.name: [value for value, _ in field.choices]  # type: ignore[union-attr]
     for field in QueuePolicy._meta.get_fields() if field.name in EDITABLE and getattr(field, "choices", None)
 }
 
@@ -81,14 +83,14 @@ class Cluster:
         return cls(
             now=now, record=queue_policy(), caps=concurrency_caps(rules), slots=slot_counts(),
             budgets=Budgets.load(now=now, rules=rules), executors=list(Executor.objects.select_related("team")),
-            executor_teams=rbac.executor_teams(),
+            executor_teams=executor_teams(),
         )
 
     def limit(self, executor: Executor) -> int:
         return executor_limit(name=executor.name, max_concurrency=executor.max_concurrency, caps=self.caps)
 
     def usable_by(self, executor: Executor, team_id: int) -> bool:
-        return executor.team_id is None or team_id in self.executor_teams.get(executor.pk, {executor.team_id})
+        return executor_serves(executor, team_id, self.executor_teams)
 
 
 def wait_reasons(cluster: Cluster, *, team_id: int, model: str, user_id: int) -> list[dict[str, Any]]:
@@ -113,7 +115,7 @@ def wait_reasons(cluster: Cluster, *, team_id: int, model: str, user_id: int) ->
             add("budget_empty", f"over budget: {who} {account.rule.dimension} empty until {account.end:%Y-%m-%d %H:%M} UTC",
                 scope=account.rule.scope, dimension=account.rule.dimension, reset_at=account.end.isoformat())
     offering = [e for e in cluster.executors if model in e.offered_models and cluster.usable_by(e, team_id)]
-    blocked = []
+    blocked: list[tuple[str, str, Executor, dict[str, Any]]] = []
     for executor in offering:
         if not executor.enabled:
             blocked.append(("executor_disabled", f"executor {executor.name} is disabled", executor, {}))
@@ -129,8 +131,8 @@ def wait_reasons(cluster: Cluster, *, team_id: int, model: str, user_id: int) ->
     if not offering:
         add("no_executor", "no executor offers the model", model=model)
     elif len(blocked) == len(offering):  # every executor that could take it is out of reach
-        for code, text, executor, extra in blocked:
-            add(code, text, executor=executor.name, model=model, **extra)
+        for code, text, blocker, extra in blocked:
+            add(code, text, executor=blocker.name, model=model, **extra)
     return reasons
 
 
@@ -198,7 +200,7 @@ def _queue_snapshot(*, user: rbac.Principal, cluster: Cluster) -> dict[str, Any]
 
     executors = [e for e in cluster.executors if operator or e.team_id is None or e.team_id in {t.pk for t in teams}]
     user_ids = set(caps.user) | set(slots.user) if operator else {user.pk}
-    usernames = dict(get_user_model().objects.filter(pk__in=user_ids).values_list("pk", "username"))
+    usernames = dict(get_user_model().objects.filter(pk__in=user_ids).values_list("pk", "username"))  # type: ignore[misc]
     team_rows = []
     for team in teams:
         reasons = waits(team)
@@ -220,7 +222,7 @@ def _queue_snapshot(*, user: rbac.Principal, cluster: Cluster) -> dict[str, Any]
         "teams": team_rows,
         "users": [
             {"user": usernames[uid], "in_use": slots.user[uid], "cap": caps.user.get(uid)}
-            for uid in sorted(usernames, key=usernames.get)
+            for uid in sorted(usernames, key=usernames.get)  # type: ignore[arg-type]
         ],
         "executors": [
             {
@@ -249,7 +251,7 @@ def dashboard_state(*, user: rbac.Principal) -> dict[str, Any]:
     with consistent_read():
         cluster = Cluster.load(now=timezone.now())
         queue = _queue_snapshot(user=user, cluster=cluster)
-        visible = rbac.visible_jobs(user)
+        visible = visible_jobs(user)
         jobs = list(visible.select_related("team", "user", "executor").defer("input", "result", "conversation").order_by("-id")[:RECENT_JOBS])
         total = visible.count() if len(jobs) == RECENT_JOBS else len(jobs)
         operator = rbac.is_operator(user)

@@ -16,11 +16,12 @@ from executors.contract import EMBEDDINGS_API
 from executors.models import Executor
 from executors.registry import kind_chats
 from quotas.budget import Budgets
-from quotas.concurrency import ConcurrencyCaps, SlotCounts, executor_limit, slot_counts
+from quotas.concurrency import ConcurrencyCaps, SlotCounts, executor_limit
 from quotas.models import QuotaPolicy
 from scheduler.configuration import configuration
 from scheduler.jobtypes import MODEL_CALL_TYPES
 from scheduler.models import Job, QueuePolicy, Slot
+from scheduler.selectors import slot_counts
 from telemachus.config import config_at, config_snapshot
 
 UNCAPPED = math.inf

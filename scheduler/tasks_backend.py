@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.contrib.auth import get_user_model
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.core.checks import CheckMessage, Error
 from django.core.exceptions import ImproperlyConfigured
 
@@ -92,7 +92,7 @@ JOB_CANCELED = f"{JobCanceled.__module__}.{JobCanceled.__qualname__}"
 
 @dataclass(frozen=True)
 class Submitter:
-    user: AbstractBaseUser | None
+    user: User | None
     team: str | None
 
 
@@ -100,7 +100,7 @@ _submitter: ContextVar[Submitter | None] = ContextVar("telemachus_task_submitter
 
 
 @contextmanager
-def enqueue_as(*, user: AbstractBaseUser | None = None, team: str | None = None) -> Iterator[None]:
+def enqueue_as(*, user: User | None = None, team: str | None = None) -> Iterator[None]:
     """Tasks enqueued inside this block are submitted by `user` into `team` (a slug), instead of
     the backend's OPTIONS; either may be left to the OPTIONS. A context variable, so it holds for
     this thread or asyncio task only (and follows `aenqueue` into the thread it runs on)."""
@@ -214,7 +214,7 @@ class TelemachusBackend(BaseTaskBackend):
             for name in sorted(self.queues - set(self.requirements))
         ]
 
-    def _submitter(self) -> tuple[AbstractBaseUser, str]:
+    def _submitter(self) -> tuple[User, str]:
         context = _submitter.get() or Submitter(user=None, team=None)
         team = context.team or self.team
         if not team:
@@ -248,10 +248,10 @@ class TelemachusBackend(BaseTaskBackend):
             by = next((meta.get("by") for event, meta in events if event == JobEvent.Type.CANCELED), None)
             errors.append(TaskError(exception_class_path=JOB_CANCELED,
                                     traceback=f"job {job.pk} was canceled" + (f" by {by}" if by else "")))
-        result = TaskResult(
+        result = TaskResult(  # type: ignore[var-annotated]
             task=task,
             id=str(job.pk),
-            status=STATUS[job.status],
+            status=STATUS[job.status],  # type: ignore[index]
             enqueued_at=job.submitted_at,
             started_at=job.started_at,
             finished_at=job.finished_at,

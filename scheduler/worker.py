@@ -34,6 +34,7 @@ import sqlite3
 import time
 import uuid
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -44,7 +45,7 @@ from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, close_old_connections, connection
 
 from executors.contract import DispatchError, ExecutorDriver, Probe
-from executors.health import DispatchReport, breaker_record, probe_record, probes_due
+from executors.health import DispatchReport, ExecutorEvent, breaker_record, probe_record, probes_due
 from executors.models import Executor
 from executors.registry import DriverPool
 from scheduler import broadcast, signals
@@ -69,7 +70,7 @@ T = TypeVar("T")
 class InFlight:
     claim: Claim
     driver: ExecutorDriver | None
-    task: asyncio.Task | None = None
+    task: asyncio.Task[None] | None = None
     renewed_at: float = 0.0
     started: float = 0.0
     abort_reason: str | None = None  # "canceled" | "lease lost" | "shutdown"
@@ -123,7 +124,7 @@ class Worker:
         )
         # Tools (a flow's calls between rounds, tool jobs) run here: never on the event loop, the
         # database threads or a model slot.
-        self.tool_threads = ThreadPoolExecutor(max_workers=settings.TELEMACHUS_TOOL_THREADS,
+        self.tool_threads: futures.Executor = ThreadPoolExecutor(max_workers=settings.TELEMACHUS_TOOL_THREADS,
                                                thread_name_prefix="telemachus-tool")
         self.processed = 0
         self.beat_at = time.monotonic()
@@ -281,6 +282,7 @@ class Worker:
         try:
             driver = self._driver(claim.executor) if claim.executor is not None else None
         except Exception as exc:  # a driver that cannot be built fails its job, never the worker
+            assert claim.executor is not None
             log.error("job %d: no driver for executor %s: %s", job.pk, claim.executor.name, exc)
             self.inflight[job.pk] = InFlight(claim=claim, driver=None, renewed_at=now, started=now, executor_fault=True)
             self.outcomes.put_nowait(Outcome(job_id=job.pk, lease=claim.lease, ok=False,
@@ -309,6 +311,7 @@ class Worker:
             else:
                 request = job_request(job)
                 on_delta = broadcast.DeltaStream(job.pk, attempt=job.attempts) if request.stream else None
+                assert flight.driver is not None  # only tool jobs run without an executor
                 result = await flight.driver.execute(request, on_delta)
                 dispatch_observe(executor=flight.claim.executor, outcome="ok", seconds=time.perf_counter() - started)
                 outcome = Outcome(
@@ -422,7 +425,7 @@ class Worker:
                              error=f"the result could not be stored: {exc}"[:2000])
             return await self._retrying(jobs_finish, outcomes=[stored], wake_others=self.stopping)
 
-    async def _breaker_record(self, dispatches: list[DispatchReport]) -> list:
+    async def _breaker_record(self, dispatches: list[DispatchReport]) -> list[ExecutorEvent]:
         """Feed the breakers, in a transaction of its own after the finish's (job rows and executor
         rows are never locked together: scheduler/locks.py). A failed write is logged, never
         retried with the finish (that would refuse the results the first attempt wrote)."""

@@ -44,7 +44,7 @@ class TeamAdmin(admin.ModelAdmin):
 
     @admin.display(description="members", ordering="member_total")
     def member_count(self, team: Team) -> int:
-        return team.member_total
+        return team.member_total  # type: ignore[attr-defined]
 
     def save_model(self, request, obj: Team, form, change: bool) -> None:
         if change:

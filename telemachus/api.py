@@ -92,7 +92,7 @@ class TeamListCreateApi(ListAPIView):
         data = TeamCreateInput(data=request.data)
         data.is_valid(raise_exception=True)
         team = team_create(by=request.user, **data.validated_data)
-        return Response(TeamOutput(team_queryset(Team.objects).get(pk=team.pk)).data, status=status.HTTP_201_CREATED)
+        return Response(TeamOutput(team_queryset(Team.objects).get(pk=team.pk)).data, status=status.HTTP_201_CREATED)  # type: ignore[arg-type]
 
 
 class TeamDetailApi(APIView):

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
+from django.contrib.auth.models import AnonymousUser, User
 
 from telemachus.changes import changes_notify
 from telemachus.models import AuditEvent
@@ -29,9 +29,13 @@ def audit_source(source: str) -> Iterator[None]:
         _source.reset(token)
 
 
+# Who acted, as a request carries it (None: the system). Anonymous callers are recorded as the system.
+Actor = User | AnonymousUser | None
+
+
 def audit_record(
     *,
-    by: AbstractBaseUser | AnonymousUser | None,
+    by: Actor,
     action: str,
     object_type: str,
     object_id: Any,

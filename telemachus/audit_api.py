@@ -16,7 +16,7 @@ class AuditFilter(serializers.Serializer):
     action = serializers.CharField(required=False, help_text="Exact action (`executor.update`) or its object type.")
     object_type = serializers.CharField(required=False)
     object_id = serializers.CharField(required=False)
-    source = serializers.ChoiceField(choices=AuditEvent.Source.choices, required=False)
+    source = serializers.ChoiceField(choices=AuditEvent.Source.choices, required=False)  # type: ignore[assignment]
     since = serializers.DateTimeField(required=False, help_text="ISO 8601; events at or after.")
     until = serializers.DateTimeField(required=False, help_text="ISO 8601; events before.")
 

@@ -45,6 +45,6 @@ def exception_handler(exc: Exception, context: dict) -> Response | None:
     else:
         code = next((c for cls, c in _DRF_CODES.items() if isinstance(exc, cls)), "error")
         response.data = {"error": code, "detail": str(getattr(exc, "detail", exc))}
-        if isinstance(exc, drf.Throttled) and exc.wait is not None:
-            response.data["retry_after"] = math.ceil(exc.wait)
+        if isinstance(exc, drf.Throttled) and exc.wait is not None:  # type: ignore[attr-defined]
+            response.data["retry_after"] = math.ceil(exc.wait)  # type: ignore[attr-defined]
     return response

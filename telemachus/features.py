@@ -7,11 +7,10 @@ is refused the same way everywhere: 403 `feature_disabled`."""
 
 from collections.abc import Iterable, Mapping
 
-from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.db.models import Q
 
-from telemachus.audit import audit_record
+from telemachus.audit import Actor, audit_record
 from telemachus.errors import FeatureDisabled, ValidationFailed
 from telemachus.models import FeatureSwitch, Team
 
@@ -56,7 +55,7 @@ def feature_states(*, teams: Iterable[Team]) -> dict:
     teams = list(teams)
     rows = FeatureSwitch.objects.filter(Q(team__isnull=True) | Q(team__in=teams)).values_list("feature", "team_id", "enabled")
     switches = {(feature, team_id): enabled for feature, team_id, enabled in rows}
-    glob = {feature: switches.get((feature, None), True) for feature in FEATURES}
+    glob = {feature: switches.get((feature, None), True) for feature in FEATURES}  # type: ignore[arg-type]
     return {
         "features": list(FEATURES),
         "global": glob,
@@ -70,7 +69,7 @@ def feature_states(*, teams: Iterable[Team]) -> dict:
     }
 
 
-def feature_set(*, feature: str, team: Team | None, enabled: bool | None, by: AbstractBaseUser | None) -> None:
+def feature_set(*, feature: str, team: Team | None, enabled: bool | None, by: Actor) -> None:
     """Switch `feature` on or off for everyone (team None) or for one team; for a team, `enabled`
     None removes its own switch, so it follows the global one again. Applies to the next
     request. Audited (`feature.set`) when it changes anything."""
@@ -84,7 +83,7 @@ def feature_set(*, feature: str, team: Team | None, enabled: bool | None, by: Ab
         if was == enabled:
             return
         if enabled is None:
-            row.delete()
+            row.delete()  # type: ignore[union-attr]
         elif row is None:
             FeatureSwitch.objects.create(feature=feature, team=team, enabled=enabled)
         else:

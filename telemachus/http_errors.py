@@ -104,10 +104,10 @@ class ApiErrorMiddleware:
     def __call__(self, request: HttpRequest) -> Any:
         if iscoroutinefunction(self):
             return self.__acall__(request)
-        return _refusal(request) or _shaped(request, self.get_response(request))
+        return _refusal(request) or _shaped(request, self.get_response(request))  # type: ignore[arg-type]
 
     async def __acall__(self, request: HttpRequest) -> HttpResponse:
-        return _refusal(request) or _shaped(request, await self.get_response(request))
+        return _refusal(request) or _shaped(request, await self.get_response(request))  # type: ignore[misc]
 
 
 def csrf_failure(request: HttpRequest, reason: str = "") -> HttpResponse:

@@ -32,7 +32,7 @@ class AuditSourceMiddleware:
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
         if iscoroutinefunction(self):
-            return self.__acall__(request)
+            return self.__acall__(request)  # type: ignore[attr-defined]
         with audit_source(request_source(request.path)):
             return self.get_response(request)
 

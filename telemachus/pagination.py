@@ -35,7 +35,7 @@ class NewestFirstCursorPagination(CursorPagination):
     page_size_query_param = "page_size"
     max_page_size = 500
 
-    def paginate_queryset(self, queryset: QuerySet, request: Request, view: APIView | None = None) -> list | None:
+    def paginate_queryset(self, queryset: QuerySet, request: Request, view: APIView | None = None) -> list | None:  # type: ignore[override]
         filters = getattr(view, "filter_serializer", None)
         query_params_check(request, [self.cursor_query_param, self.page_size_query_param,
                                      *(filters().fields if filters is not None else ())])
@@ -44,7 +44,7 @@ class NewestFirstCursorPagination(CursorPagination):
     def get_page_size(self, request: Request) -> int:
         raw = request.query_params.get(self.page_size_query_param)
         if raw is None:
-            return self.page_size
+            return self.page_size  # type: ignore[return-value]
         if not (raw.isascii() and raw.isdigit() and 1 <= int(raw) <= self.max_page_size):
             raise ValidationFailed({self.page_size_query_param: [f"An integer from 1 to {self.max_page_size}."]})
         return int(raw)
@@ -57,7 +57,7 @@ class NewestFirstCursorPagination(CursorPagination):
             raise invalid from None
         if cursor is None or cursor.position is None:
             return cursor
-        digits = cursor.position.removeprefix("-")
+        digits = cursor.position.removeprefix("-")  # type: ignore[attr-defined]
         low, high = POSITION_RANGE
         if not (digits.isascii() and digits.isdigit() and low <= int(cursor.position) <= high):
             raise invalid
@@ -69,3 +69,7 @@ class NewestFirstCursorPagination(CursorPagination):
             if parameter["name"] == self.page_size_query_param:
                 parameter["schema"] = {"type": "integer", "minimum": 1, "maximum": self.max_page_size}
         return parameters
+
+
+class OldestFirstCursorPagination(NewestFirstCursorPagination):
+    ordering = "id"

@@ -1,4 +1,5 @@
 import io
+from collections.abc import Mapping
 from typing import Any
 
 from django.conf import settings
@@ -22,7 +23,7 @@ class BoundedJSONParser(JSONParser):
     deeper than MAX_DEPTH, or with a NUL or an unpaired surrogate in any key or string (PostgreSQL
     stores neither), is refused as a whole with the JSON path of the first offence."""
 
-    def parse(self, stream: Any, media_type: str | None = None, parser_context: dict | None = None) -> Any:
+    def parse(self, stream: Any, media_type: str | None = None, parser_context: Mapping[str, Any] | None = None) -> Any:
         limit = settings.TELEMACHUS_MAX_BODY_BYTES
         request = (parser_context or {}).get("request")
         declared = request.META.get("CONTENT_LENGTH") if request is not None else None

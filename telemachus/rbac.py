@@ -1,5 +1,6 @@
-"""Who may see and do what. Every authorization decision in the project is made here, so views,
-services and the dashboard agree by construction.
+"""Who may see and do what. Every authorization decision in the project is made here (or, for
+jobs and executors, in the two modules named below, built on this one), so views, services and
+the dashboard agree by construction.
 
 * Operators (superusers, or holders of `scheduler.manage`) may do everything.
 * In a team, a `member` submits jobs with the permissions the team grants it and sees and cancels
@@ -8,23 +9,20 @@ services and the dashboard agree by construction.
   a governed slot `flows:run` (a flow that names tools also needs `tools:invoke`). They are Django permissions on Team, granted with django-guardian on a team (to the
   team's group, so every member has it, or to single users) or globally.
 * A job can also be shown to a user with guardian's `scheduler.view_job` on it; a team-owned
-  executor serves other teams whose group holds `executors.use_executor` on it.
+  executor serves other teams whose group holds `executors.use_executor` on it. Those two rules
+  read the apps' own tables, so they live with them, built on this module: scheduler/rbac.py
+  (jobs) and executors/selectors.py (executors).
 
 Objects a principal may not see are reported as not found, never as forbidden, so existence does
 not leak; a denial on a visible object is a 403 naming the missing permission."""
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from django.contrib.auth import get_user_model
-from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
-from django.db.models import Q, QuerySet
+from django.contrib.auth.models import AnonymousUser, User
+from django.db.models import QuerySet
 from guardian.core import ObjectPermissionChecker
-from guardian.models import GroupObjectPermission
-from guardian.shortcuts import get_objects_for_user
 
-from executors.models import Executor
-from scheduler.models import Job
 from telemachus.errors import Forbidden, ValidationFailed
 from telemachus.models import Membership, Team
 
@@ -32,16 +30,20 @@ MANAGE_PERMISSION = "scheduler.manage"
 CHAT, TOOLS, FLOWS = "chat:use", "tools:invoke", "flows:run"
 # The API's permission names and the Django permissions (on Team) behind them.
 PERMISSIONS = {CHAT: "use_chat", TOOLS: "invoke_tools", FLOWS: "run_flows"}
-JOB_TYPE_PERMISSION = {
-    Job.Type.CHAT: CHAT, Job.Type.TRANSLATE: CHAT, Job.Type.TOOL: TOOLS, Job.Type.FLOW: FLOWS, Job.Type.TASK: FLOWS,
-    Job.Type.GOVERNED: FLOWS,
-}
 
-Principal = AbstractBaseUser | AnonymousUser
+Principal = User | AnonymousUser
 
 
 def is_operator(user: Principal) -> bool:
     return bool(user.is_authenticated and user.is_active and (user.is_superuser or user.has_perm(MANAGE_PERMISSION)))
+
+
+def signed_in(user: Principal) -> User:
+    """The user, once a check that refuses anonymous callers has passed (a team role or a
+    permission): for the rows that record who acted."""
+    if not isinstance(user, User):
+        raise Forbidden("Requires a signed-in user.", permission="authenticated")
+    return user
 
 
 def require_operator(user: Principal) -> None:
@@ -98,7 +100,7 @@ def require_team_manager(user: Principal, team: Team) -> None:
     raise Forbidden(f"Requires the manager role in team {team.slug!r}.", permission="team:manage", team=team.slug)
 
 
-def member_candidate(user: Principal, username: str) -> AbstractBaseUser:
+def member_candidate(user: Principal, username: str) -> User:
     """The user that `user` (an operator or a team manager) may add to a team or give a role, by
     name. Operators may name anyone. A manager may name only people they already share a team
     with, and never an operator: otherwise a manager could pull anyone into their team, an
@@ -106,63 +108,13 @@ def member_candidate(user: Principal, username: str) -> AbstractBaseUser:
     candidates = get_user_model().objects.filter(username=username)
     if not is_operator(user):
         candidates = candidates.filter(
-            is_active=True, memberships__team__in=Membership.objects.filter(user=user).values("team")
+            is_active=True, memberships__team__in=Membership.objects.filter(user=signed_in(user)).values("team")
         )
     candidate = candidates.first()
     if candidate is None or (not is_operator(user) and is_operator(candidate)):
         reason = "" if is_operator(user) else " that you can add (managers add members of their own teams)"
         raise ValidationFailed({"username": [f"No user {username!r}{reason}."]})
     return candidate
-
-
-def visible_jobs(user: Principal) -> QuerySet[Job]:
-    """Lists and detail views filter through this, so a list can never show a job its detail
-    would hide: own jobs in a team one is still in, every job of a team one manages, and jobs
-    shared through guardian's `scheduler.view_job`."""
-    if is_operator(user):
-        return Job.objects.all()
-    if not user.is_authenticated or not user.is_active:
-        return Job.objects.none()
-    memberships = Membership.objects.filter(user=user)
-    shared = get_objects_for_user(
-        user, "scheduler.view_job", klass=Job, accept_global_perms=False, with_superuser=False
-    ).values("pk")
-    return Job.objects.filter(
-        Q(team__in=memberships.filter(role=Membership.Role.MANAGER).values("team"))
-        | Q(user=user, team__in=memberships.values("team"))
-        | Q(pk__in=shared)
-    )
-
-
-def require_cancel(user: Principal, job: Job) -> None:
-    """Cancel a job one can see: its owner, a manager of its team, an operator, or a holder of
-    guardian's `scheduler.change_job` on it."""
-    if is_operator(user) or job.user_id == user.pk or team_role(user, job.team) == Membership.Role.MANAGER:
-        return
-    if user.has_perm("scheduler.change_job", job):
-        return
-    raise Forbidden("Only the job's owner, a manager of its team or an operator may cancel it.",
-                    permission="job:cancel")
-
-
-def executor_teams(*, executors: Iterable[Executor] | None = None) -> dict[int, set[int]]:
-    """For each team-owned executor, the teams that may place jobs on it: its owner and every team
-    whose group holds `executors.use_executor` on it. Two queries, or one when the caller passes
-    the executors (none when none of them is team-owned)."""
-    if executors is None:
-        owners = list(Executor.objects.filter(team__isnull=False).values_list("pk", "team_id"))
-    else:
-        owners = [(e.pk, e.team_id) for e in executors if e.team_id is not None]
-    if not owners:
-        return {}
-    granted = GroupObjectPermission.objects.filter(
-        permission__codename="use_executor", permission__content_type__app_label="executors",
-        group__team__isnull=False,
-    ).values_list("object_pk", "group__team")
-    teams: dict[int, set[int]] = {executor_id: {owner} for executor_id, owner in owners}
-    for object_pk, team_id in granted:
-        teams.setdefault(int(object_pk), set()).add(team_id)
-    return teams
 
 
 @dataclass(frozen=True)
@@ -190,7 +142,7 @@ class Grants:
         return self.roles.get(team.pk)
 
 
-def grants_load(user: AbstractBaseUser) -> Grants:
+def grants_load(user: User) -> Grants:
     """The user's Grants: memberships (one query), global permissions (two, Django's), and
     object permissions on the teams the user is in (two, guardian's)."""
     roles = dict(Membership.objects.filter(user=user).values_list("team_id", "role"))
@@ -201,7 +153,7 @@ def grants_load(user: AbstractBaseUser) -> Grants:
     if roles and active and not operator:
         teams = list(Team.objects.filter(pk__in=roles))
         checker = ObjectPermissionChecker(user)
-        checker.prefetch_perms(teams)
+        checker.prefetch_perms(teams)  # type: ignore[arg-type]  # a list of objects works as a queryset does
         for team in teams:
             held = set(checker.get_perms(team))
             permissions[team.pk] = frozenset(

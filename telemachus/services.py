@@ -3,17 +3,16 @@
 the only writers of both, so they never disagree."""
 
 from django.contrib.auth import get_user_model
-from django.contrib.auth.models import AbstractBaseUser, Group
+from django.contrib.auth.models import Group, User
 from django.db import transaction
 from django.db.models import ProtectedError
 from guardian.shortcuts import assign_perm, get_perms, get_users_with_perms, remove_perm
 
 from telemachus import rbac
-from telemachus.audit import audit_record
+from telemachus.audit import Actor, audit_record
 from telemachus.errors import Conflict, NotFound, ValidationFailed
 from telemachus.models import Membership, Team
 
-Actor = AbstractBaseUser | None
 
 
 def team_create(
@@ -43,7 +42,7 @@ def team_audit_view(team: Team) -> dict:
 def team_grants(*, team: Team) -> dict:
     """What the team grants: to all its members (its group) and to single users."""
     by_user: dict[str, list[str]] = {}
-    for user, perms in get_users_with_perms(team, attach_perms=True, with_group_users=False).items():
+    for user, perms in get_users_with_perms(team, attach_perms=True, with_group_users=False).items():  # type: ignore[union-attr]
         names = sorted(name for name, codename in rbac.PERMISSIONS.items() if codename in perms)
         if names:
             by_user[user.get_username()] = names
@@ -87,7 +86,7 @@ def _grants_set(*, team: Team, team_grants: list[str], user_grants: dict[str, li
         for name, codename in rbac.PERMISSIONS.items():
             perm = f"telemachus.{codename}"
             (assign_perm if name in team_grants else remove_perm)(perm, team.group, team)
-        for user, perms in get_users_with_perms(team, attach_perms=True, with_group_users=False).items():
+        for user, perms in get_users_with_perms(team, attach_perms=True, with_group_users=False).items():  # type: ignore[union-attr]
             for codename in perms:
                 if codename in rbac.PERMISSIONS.values():
                     remove_perm(f"telemachus.{codename}", user, team)
@@ -175,7 +174,7 @@ def _member_set(*, team: Team, username: str, role: str) -> tuple[Membership, st
     return membership, was
 
 
-def team_member_remove(*, team: Team, user: AbstractBaseUser, by: Actor = None) -> None:
+def team_member_remove(*, team: Team, user: User, by: Actor = None) -> None:
     """Remove a member (role and group). Locks the team; NotFound when it or the membership is
     gone. Audited (`team.member_remove`, with the role the member had)."""
     with transaction.atomic():

@@ -112,7 +112,10 @@ WSGI_APPLICATION = None
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [BASE_DIR / "templates"],
+        # The project's templates (dashboard, sign-in, admin overrides): templates/ at the top of
+        # the tree, reached through the package's link to it, which an installed package carries
+        # as a directory of files (package-data in pyproject.toml).
+        "DIRS": [Path(__file__).resolve().parent / "templates"],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -147,7 +150,7 @@ def database_config(url: str | None) -> dict:
         pool = env_int("DATABASE_POOL_SIZE", 20)
         if pool and not config["CONN_MAX_AGE"]:
             config["OPTIONS"] = {**config.get("OPTIONS", {}), "pool": {"min_size": 1, "max_size": pool, "timeout": 30}}
-    return config
+    return config  # type: ignore[return-value]
 
 
 DATABASES = {"default": database_config(os.environ.get("DATABASE_URL"))}

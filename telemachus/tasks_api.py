@@ -21,7 +21,7 @@ try:
     from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist, TaskResultMismatch
     from django.tasks.signals import task_enqueued
 except ImportError:  # Django 5.2
-    from django_tasks import (  # type: ignore[no-redef]
+    from django_tasks import (  # type: ignore[no-redef, assignment]
         DEFAULT_TASK_QUEUE_NAME,
         TaskContext,
         TaskResult,
@@ -29,11 +29,11 @@ except ImportError:  # Django 5.2
         task,
         task_backends,
     )
-    from django_tasks.backends.base import BaseTaskBackend  # type: ignore[no-redef]
-    from django_tasks.base import Task, TaskError  # type: ignore[no-redef]
-    from django_tasks.exceptions import InvalidTaskError as InvalidTask  # type: ignore[no-redef]
-    from django_tasks.exceptions import TaskResultDoesNotExist, TaskResultMismatch  # type: ignore[no-redef]
-    from django_tasks.signals import task_enqueued  # type: ignore[no-redef]
+    from django_tasks.backends.base import BaseTaskBackend  # type: ignore[no-redef, assignment]
+    from django_tasks.base import Task, TaskError  # type: ignore[no-redef, assignment]
+    from django_tasks.exceptions import InvalidTaskError as InvalidTask  # type: ignore[no-redef, assignment]
+    from django_tasks.exceptions import TaskResultDoesNotExist, TaskResultMismatch  # type: ignore[no-redef, assignment]
+    from django_tasks.signals import task_enqueued  # type: ignore[no-redef, assignment]
 
 __all__ = [
     "DEFAULT_TASK_QUEUE_NAME",

@@ -28,7 +28,7 @@ api = [
     path("executors/", executors_api.ExecutorListCreateApi.as_view(), name="executor-list"),
     path("executors/<int:executor_id>/", executors_api.ExecutorDetailApi.as_view(), name="executor-detail"),
     path("executors/<int:executor_id>/sync/", executors_api.ExecutorSyncApi.as_view(), name="executor-sync"),
-    path("executors/<int:executor_id>/events/", executors_api.ExecutorEventListApi.as_view(), name="executor-events"),
+    path("executors/<int:executor_id>/events/", scheduler_views.ExecutorEventListApi.as_view(), name="executor-events"),
     path("quota-policies/", quotas_api.QuotaPolicyListCreateApi.as_view(), name="quota-policy-list"),
     path("quota-policies/<int:policy_id>/", quotas_api.QuotaPolicyDetailApi.as_view(), name="quota-policy-detail"),
     path("usage/", quotas_api.UsageApi.as_view(), name="usage"),
@@ -45,9 +45,9 @@ urlpatterns = [
     path("metrics", pages.metrics, name="metrics"),
     path("healthz", healthz, name="healthz"),
     path("readyz", readyz, name="readyz"),
-    path("login/", attempts_limited(auth_views.LoginView.as_view(template_name="scheduler/login.html")), name="login"),
+    path("login/", attempts_limited(auth_views.LoginView.as_view(template_name="scheduler/login.html")), name="login"),  # type: ignore[arg-type]
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/login/", attempts_limited(admin.site.login)),
     path("admin/", admin.site.urls),
-    path("api/", include(api)),
+    path("api/", include(api)),  # type: ignore[arg-type]
 ]

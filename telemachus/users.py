@@ -1,20 +1,20 @@
 """Creating users without the admin, so an operator can set up a team over the API alone."""
 
 from django.contrib.auth import get_user_model
-from django.contrib.auth.models import AbstractBaseUser, Permission
+from django.contrib.auth.models import Permission, User
 from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from rest_framework.authtoken.models import Token
 
-from telemachus.audit import audit_record
+from telemachus.audit import Actor, audit_record
 from telemachus.errors import ValidationFailed
 
 
 def user_create(
     *, username: str, email: str = "", password: str | None = None, operator: bool = False, token: bool = False,
-    by: AbstractBaseUser | None,
-) -> tuple[AbstractBaseUser, str | None]:
+    by: Actor,
+) -> tuple[User, str | None]:
     """A new user, and their API token when `token` (shown once, to the caller). Without a password
     the user is invited: no password sign-in until one is set (`changepassword`, or the admin), but
     a token works at once. `operator` grants scheduler.manage. Audited (`user.create`); the

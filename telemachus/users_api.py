@@ -62,5 +62,5 @@ class UserListCreateApi(ListAPIView):
         data = UserInput(data=request.data)
         data.is_valid(raise_exception=True)
         user, token = user_create(**data.validated_data, by=request.user)
-        user.token = token
+        user.token = token  # type: ignore[attr-defined]
         return Response(UserCreatedOutput(user).data, status=status.HTTP_201_CREATED)

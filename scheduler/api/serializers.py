@@ -129,9 +129,9 @@ class JobListFilter(serializers.Serializer):
 
 
 class JobOutput(serializers.ModelSerializer):
-    team = serializers.SlugRelatedField(slug_field="slug", read_only=True)
-    user = serializers.SlugRelatedField(slug_field="username", read_only=True)
-    executor = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)
+    team = serializers.SlugRelatedField(slug_field="slug", read_only=True)  # type: ignore[var-annotated]
+    user = serializers.SlugRelatedField(slug_field="username", read_only=True)  # type: ignore[var-annotated]
+    executor = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)  # type: ignore[var-annotated]
 
     class Meta:
         model = Job
@@ -143,7 +143,7 @@ class JobOutput(serializers.ModelSerializer):
 
 
 class JobEventOutput(serializers.ModelSerializer):
-    executor = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)
+    executor = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)  # type: ignore[var-annotated]
 
     class Meta:
         model = JobEvent
@@ -154,7 +154,7 @@ class JobEventOutput(serializers.ModelSerializer):
 class JobBulkSubmitInput(StrictSerializer):
     """Up to MAX_BULK jobs, each as `POST /api/jobs/` takes it."""
 
-    jobs = JobSubmitInput(many=True, min_length=1, max_length=MAX_BULK)
+    jobs = JobSubmitInput(many=True, min_length=1, max_length=MAX_BULK)  # type: ignore[call-arg]
 
 
 class JobBulkOutput(serializers.Serializer):

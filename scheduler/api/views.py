@@ -8,22 +8,23 @@ from rest_framework.settings import api_settings
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from executors.api import managed_executor
 from scheduler.api.serializers import (
     JobBulkOutput, JobBulkSubmitInput, JobEventOutput, JobListFilter, JobOutput, JobSubmitInput,
 )
 from scheduler.models import Job, JobEvent
+from scheduler.rbac import require_cancel, visible_jobs
 from scheduler.snapshot import queue_snapshot
 from scheduler.services.cancel import job_cancel
 from scheduler.services.requeue import job_requeue
 from scheduler.services.submit import JobSpec, job_submit, jobs_submit
-from telemachus import rbac
 from telemachus.errors import NotFound, ValidationFailed
-from telemachus.pagination import NewestFirstCursorPagination
+from telemachus.pagination import OldestFirstCursorPagination
 from telemachus.throttles import SubmitRateThrottle
 
 
 def visible_job(request: Request, job_id: int) -> Job:
-    job = rbac.visible_jobs(request.user).select_related("team", "user", "executor").filter(pk=job_id).first()
+    job = visible_jobs(request.user).select_related("team", "user", "executor").filter(pk=job_id).first()
     if job is None:
         raise NotFound(f"Job {job_id} not found.")
     return job
@@ -49,7 +50,7 @@ class JobListCreateApi(ListAPIView):
     def get_queryset(self) -> QuerySet[Job]:
         filters = JobListFilter(data=self.request.query_params)
         filters.is_valid(raise_exception=True)
-        jobs = rbac.visible_jobs(self.request.user).select_related("team", "user", "executor")
+        jobs = visible_jobs(self.request.user).select_related("team", "user", "executor")
         if statuses := filters.validated_data.get("status"):
             jobs = jobs.filter(status__in=statuses)
         if types := filters.validated_data.get("type"):
@@ -105,7 +106,7 @@ class JobDetailApi(APIView):
 class JobCancelApi(APIView):
     @extend_schema(request=None, responses=JobOutput)
     def post(self, request: Request, job_id: int) -> Response:
-        rbac.require_cancel(request.user, visible_job(request, job_id))
+        require_cancel(request.user, visible_job(request, job_id))
         job = job_cancel(job_id=job_id, by=request.user)
         return Response(JobOutput(visible_job(request, job.pk)).data)
 
@@ -117,10 +118,6 @@ class JobRequeueApi(APIView):
     def post(self, request: Request, job_id: int) -> Response:
         job = job_requeue(job_id=visible_job(request, job_id).pk, by=request.user)
         return Response(JobOutput(visible_job(request, job.pk)).data)
-
-
-class OldestFirstCursorPagination(NewestFirstCursorPagination):
-    ordering = "id"
 
 
 class JobEventListApi(ListAPIView):
@@ -138,3 +135,14 @@ class QueueApi(APIView):
     @extend_schema(responses=OpenApiTypes.OBJECT)
     def get(self, request: Request) -> Response:
         return Response(queue_snapshot(user=request.user))
+
+
+class ExecutorEventListApi(ListAPIView):
+    """Breaker transitions and health changes of one executor, oldest first."""
+
+    serializer_class = JobEventOutput
+    pagination_class = OldestFirstCursorPagination
+
+    def get_queryset(self) -> QuerySet[JobEvent]:
+        executor = managed_executor(self.request, self.kwargs["executor_id"])
+        return JobEvent.objects.filter(executor=executor, job__isnull=True).select_related("executor")

@@ -39,5 +39,5 @@ def user_for_session(*, session_key: str) -> rbac.Principal | None:
     """The signed-in user of a session cookie, checked as Django's middleware checks it (the
     session's password hash must still match), or None."""
     store = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
-    user = get_user(SimpleNamespace(session=store))
+    user = get_user(SimpleNamespace(session=store))  # type: ignore[arg-type]
     return user if user.is_authenticated and user.is_active else None

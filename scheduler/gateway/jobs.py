@@ -27,6 +27,7 @@ from scheduler.gateway.auth import token_key, user_for_session, user_for_token
 from scheduler.gateway.database import db
 from scheduler.gateway.feed import Delta, JobFeed, Relay
 from scheduler.models import Job, JobEvent
+from scheduler.rbac import visible_jobs
 from telemachus import rbac
 
 DEFAULT_TIMEOUT, MAX_TIMEOUT = 30.0, 300.0
@@ -146,7 +147,7 @@ def _sse(event: str, data: Any, *, ident: int | None = None) -> bytes:
 
 
 def _job_data(*, user: rbac.Principal, job_id: int) -> dict[str, Any] | None:
-    job = rbac.visible_jobs(user).select_related("team", "user", "executor").filter(pk=job_id).first()
+    job = visible_jobs(user).select_related("team", "user", "executor").filter(pk=job_id).first()
     return None if job is None else JobOutput(job).data
 
 
@@ -156,4 +157,4 @@ def _snapshot(*, user: rbac.Principal, job_id: int, after: int) -> tuple[dict[st
     if data is None:
         return None
     events = JobEvent.objects.filter(job_id=job_id, pk__gt=after).select_related("executor").order_by("pk")
-    return data, JobEventOutput(events, many=True).data
+    return data, JobEventOutput(events, many=True).data  # type: ignore[return-value]

@@ -58,7 +58,7 @@ async def serve(request: Request, reply: Reply, rest: str) -> None:
     if path.startswith("models/") and path != "models/":
         method, handler, kwargs = "GET", model_detail, {"model": path.removeprefix("models/")}
     elif path in routes:
-        (method, handler), kwargs = routes[path], {}
+        (method, handler), kwargs = routes[path], {}  # type: ignore[assignment]
     else:
         return await _error(reply, shapes.OpenAIError(404, f"Unknown path: {request.method} {request.path}",
                                                       code="unknown_url", retry=False))

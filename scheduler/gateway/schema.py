@@ -17,8 +17,8 @@ TEAM_HEADER = {"name": "X-Telemachus-Team", "in": "header", "required": False, "
 PRIORITY_HEADER = {"name": "X-Telemachus-Priority", "in": "header", "required": False,
                    "schema": {"type": "integer", "minimum": -100, "maximum": 100},
                    "description": "Requested priority; the queue policy's priority map may lower it."}
-API_AUTH = [{"tokenAuth": []}, {"cookieAuth": []}]
-BEARER = [{"bearerAuth": []}]
+API_AUTH: list[dict[str, list[str]]] = [{"tokenAuth": []}, {"cookieAuth": []}]
+BEARER: list[dict[str, list[str]]] = [{"bearerAuth": []}]
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:

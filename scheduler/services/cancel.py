@@ -1,4 +1,5 @@
-from django.contrib.auth.models import AbstractBaseUser
+from typing import Any
+
 from django.db import transaction
 
 from executors.tokens import count_prompt_tokens
@@ -10,12 +11,12 @@ from scheduler.models import Job, JobEvent, Slot
 from scheduler.services.events import event_record
 from scheduler.services.finish import attempt_cost
 from scheduler.services.shares import team_shares_charge
+from telemachus.audit import Actor, audit_record
 from telemachus.config import config_snapshot
-from telemachus.audit import audit_record
 from telemachus.errors import Conflict, NotFound
 
 
-def job_cancel(*, job_id: int, by: AbstractBaseUser | None = None, reason: str = "", bill: bool = True) -> Job:
+def job_cancel(*, job_id: int, by: Actor = None, reason: str = "", bill: bool = True) -> Job:
     """End a queued or running job as `canceled`, free its slots and its budget reservation at once.
 
     Locks the job row (lock level 3). A running job's slots are deleted and its lease cleared in this
@@ -51,10 +52,8 @@ def job_cancel(*, job_id: int, by: AbstractBaseUser | None = None, reason: str =
         job.tokens_used = (job.tokens_used or 0) + tokens
         job.save(update_fields=["status", "finished_at", "lease", "lease_expires_at", "reservation", "error",
                                 "tokens_used"])
-        event_record(
-            job=job, event=JobEvent.Type.CANCELED, at=now, was=was, by=who, reason=job.error,
-            **({"tokens": tokens, "billed": "estimate"} if billed else {}),
-        )
+        billing: dict[str, Any] = {"tokens": tokens, "billed": "estimate"} if billed else {}
+        event_record(job=job, event=JobEvent.Type.CANCELED, at=now, was=was, by=who, reason=job.error, **billing)
         if by is not None:
             audit_record(by=by, action="job.cancel", object_type="job", object_id=job.pk, object_repr=str(job),
                          before={"status": was}, after={"status": job.status})

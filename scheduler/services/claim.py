@@ -1,11 +1,12 @@
 import uuid
-from collections import Counter
+from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from django.conf import settings
 from django.db import connection, transaction
+from django.db.models import Field, JSONField
 
 from executors.health import breaker_trial_started
 from executors.models import Executor
@@ -108,7 +109,7 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
         claims = _start(chosen, worker=worker, state=state) if chosen else []
         tools = (tool_jobs_start(worker=worker, limit=limit - len(claims), now=now, expires=now + lease_length())
                  if record.tools_queued else [])
-        claims += [Claim(job=job, executor=None, slot_id=None, lease=job.lease) for job in tools]
+        claims += [_tool_claim(job) for job in tools]
         backlog = backlog or len(claims) >= limit
         if claims:
             changes_notify("claimed")  # live dashboards, not workers
@@ -122,7 +123,7 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
         )
         # Fair share's entry penalty, last (lock level 5): a burst pays as it starts, before its
         # usage is known, so it cannot take more than its share in the meantime.
-        charges: Counter = Counter()
+        charges: dict[int, float] = defaultdict(float)
         for claim in claims:
             charges[claim.job.team_id] += (
                 claim.job.cost_estimate if record.cost == record.Cost.TOKENS else record.entry_penalty
@@ -185,15 +186,29 @@ def _start(chosen: list[tuple[Job, ExecutorView]], *, worker: str, state: ClaimS
     ]
 
 
+
+
+def _tool_claim(job: Job) -> Claim:
+    """A tool job holds no executor and no slot; tool_jobs_start gave it its lease."""
+    assert job.lease is not None
+    return Claim(job=job, executor=None, slot_id=None, lease=job.lease)
+
+def _column(name: str) -> "Field[Any, Any]":
+    """A column of Job (`get_field` also answers reverse relations, which have none)."""
+    found = Job._meta.get_field(name)
+    if not isinstance(found, Field):
+        raise TypeError(f"Job.{name} is not a column")
+    return found
+
 def _mark_running(
     chosen: list[tuple[Job, ExecutorView]], *, worker: str, now: datetime, expires: datetime, lease: uuid.UUID
-) -> dict[int, dict]:
+) -> dict[int, dict[str, Any]]:
     """One statement for all the chosen rows: lock them (SKIP LOCKED on PostgreSQL; SQLite holds
     the whole database), check they are still queued, mark them running on their executor with
     their budget reservation, and read back their payload, left out of the heads the policy read.
     Returns job id -> input for the rows it changed (lock level 3)."""
     qn = connection.ops.quote_name
-    table, field = qn(Job._meta.db_table), Job._meta.get_field
+    table, field = qn(Job._meta.db_table), _column
     postgres = connection.vendor == "postgresql"
     row = "(%s::bigint, %s::bigint, %s::jsonb)" if postgres else "(%s, %s, %s)"
     params: list[Any] = []
@@ -211,11 +226,13 @@ def _mark_running(
     sql = (
         f"WITH v(job, executor, reservation) AS (VALUES {', '.join([row] * len(chosen))}) "
         f"UPDATE {table} SET {qn('executor_id')} = v.executor, {qn('reservation')} = v.reservation, "
-        + ", ".join(f"{qn(field(name).column)} = %s" for name in fixed)
+        + ", ".join(f"{qn(field(name).get_attname_column()[1] or name)} = %s" for name in fixed)
         + f", {qn('attempts')} = {table}.{qn('attempts')} + 1 "
         f"FROM v WHERE {table}.{qn('id')} = v.job AND {still_queued} RETURNING {qn('id')}, {qn('input')}"
     )
-    payload = field("input")
+    payload = cast(JSONField, field("input"))
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
-        return {pk: payload.from_db_value(value, None, connection) for pk, value in cursor.fetchall()}
+        # Django passes no expression here either when it converts a column read outside a query.
+        return {pk: payload.from_db_value(value, None, connection)  # type: ignore[arg-type]
+                for pk, value in cursor.fetchall()}

@@ -6,12 +6,13 @@ endpoint) that it changed, at commit: jobs change state only through services th
 event in the same transaction, so this one place covers every transition. A job's first event
 (`queued`, from submit) tells nobody: no one can be watching a job before its id is returned."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
 from django.utils import timezone
 
+from executors.health import ExecutorEvent
 from executors.models import Executor
 from scheduler import signals
 from scheduler.models import Job, JobEvent
@@ -44,3 +45,10 @@ def event_record(
     created = job_event(job=job, event=event, at=at, executor=executor, **meta)
     events_record([created])
     return created
+
+
+def executor_events_record(events: Sequence[ExecutorEvent]) -> None:
+    """Executor health's recorder (executors/health.py): its events are job-less JobEvent rows."""
+    events_record(
+        job_event(job=None, event=e.event, at=e.at, executor=e.executor_id, **e.meta) for e in events
+    )

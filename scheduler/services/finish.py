@@ -1,10 +1,10 @@
 import random
 import uuid
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.db import transaction
@@ -18,6 +18,9 @@ from scheduler.configuration import configuration, policy_record
 from scheduler.services.events import events_record, job_event
 from scheduler.services.shares import team_shares_charge
 from telemachus.config import config_at, version_annotation
+
+if TYPE_CHECKING:
+    from scheduler.locks import ClockedJob
 
 
 @dataclass(frozen=True)
@@ -88,11 +91,13 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
         now, snapshot = first.db_now, config_at(first.config_version)
         record = policy_record(snapshot)
         max_attempts = record.max_attempts
-        finished, retrying, events, refused, bills, charges = [], [], [], [], [], Counter()
+        finished: list[dict[str, Any]] = []
+        retrying: list[dict[str, Any]] = []
+        events, refused, bills, charges = [], [], [], defaultdict[int, float](float)
         for job_id, outcome in by_job.items():
             job = held.get(job_id)
             reason = _refusal(job, outcome)
-            if reason is not None:
+            if reason is not None or job is None:
                 refused.append(job_id)
                 if job is not None:
                     events.append(job_event(job=job, event=JobEvent.Type.FINISH_REFUSED, at=job.db_now,
@@ -155,23 +160,23 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
     )
 
 
-def attempt_cost(record: QueuePolicy, *, started_at, now, tokens: int, estimate: int) -> float:
+def attempt_cost(record: QueuePolicy, *, started_at: datetime | None, now: datetime, tokens: int, estimate: int) -> float:
     """What an attempt adds to its team's fair-share usage when it ends: its real cost (slot-seconds
     or tokens) less the entry penalty charged when it started. The penalty only holds a burst back
     until the real cost is known; history keeps the real cost alone."""
     if record.cost == QueuePolicy.Cost.TOKENS:
         return tokens - estimate
-    return max((now - started_at).total_seconds(), 0.0) - record.entry_penalty
+    return max((now - (started_at or now)).total_seconds(), 0.0) - float(record.entry_penalty)
 
 
-def _refusal(job: Job | None, outcome: Outcome) -> str | None:
+def _refusal(job: "ClockedJob | None", outcome: Outcome) -> str | None:
     if job is None:
         return "job no longer exists"
     if job.lease != outcome.lease:
         return "lease lost" if job.status == Job.Status.RUNNING else f"job is {job.status}"
     if job.status != Job.Status.RUNNING:
         return f"job is {job.status}"
-    if job.lease_expires_at <= job.db_now:
+    if job.lease_expires_at is None or job.lease_expires_at <= job.db_now:
         return "lease expired"
     return None
 

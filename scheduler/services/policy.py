@@ -1,11 +1,10 @@
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
 from scheduler.locks import lock_claim
 from scheduler.models import QueuePolicy
-from telemachus.audit import audit_record
+from telemachus.audit import Actor, audit_record
 
 EDITABLE = (
     "team_weights", "default_weight", "cost", "half_life_seconds", "entry_penalty", "aging_after_seconds",
@@ -14,7 +13,7 @@ EDITABLE = (
 )
 
 
-def queue_policy_update(*, changes: dict[str, Any], by: AbstractBaseUser | None) -> QueuePolicy:
+def queue_policy_update(*, changes: dict[str, Any], by: Actor) -> QueuePolicy:
     """Edit the queue policy (fields validated by the caller) and audit it: one `queue_policy.update`
     audit event with the changed fields' values before and after. Takes the claim lock (level 1), so the change
     lands between two claims and applies to the next one, on every worker, without a restart."""

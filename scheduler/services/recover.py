@@ -1,4 +1,5 @@
 from dataclasses import dataclass
+from typing import Any
 
 from django.db import transaction
 from django.db.models.functions import Now
@@ -42,7 +43,7 @@ def jobs_recover(*, limit: int = 500) -> RecoveryReport:
         reservations = [job.reservation for job in jobs]
         requeued, failed, events = [], [], []
         for job in jobs:
-            context = {"worker": job.worker, "attempt": job.attempts, "reason": "lease expired"}
+            context: dict[str, Any] = {"worker": job.worker, "attempt": job.attempts, "reason": "lease expired"}
             requeue = record.recovery == QueuePolicy.Recovery.REQUEUE and job.attempts < record.max_attempts
             if requeue and job.type != Job.Type.GOVERNED:
                 events.append(job_event(job=job, event=JobEvent.Type.REQUEUED, at=job.db_now, **context))

@@ -1,4 +1,3 @@
-from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
 from scheduler import signals
@@ -12,7 +11,7 @@ from telemachus.errors import Conflict, NotFound
 REQUEUEABLE = (Job.Status.FAILED, Job.Status.CANCELED)
 
 
-def job_requeue(*, job_id: int, by: AbstractBaseUser) -> Job:
+def job_requeue(*, job_id: int, by: rbac.Principal) -> Job:
     """An operator sends a failed or canceled job back to the queue, once whatever failed it is
     fixed: a fresh start with its attempts reset and its result and error cleared (a flow starts
     again from its input's messages, at round 1). Its events (and

@@ -26,7 +26,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 
@@ -40,6 +40,9 @@ from scheduler.services.events import events_record, job_event
 from scheduler.services.finish import attempt_cost
 from scheduler.services.shares import team_shares_charge
 from telemachus.errors import Conflict
+
+if TYPE_CHECKING:
+    from scheduler.locks import ClockedJob
 
 DEFAULT_MAX_ROUNDS, MAX_ROUNDS = 20, 200
 
@@ -86,15 +89,19 @@ def tool_names(calls: list[dict[str, Any]]) -> list[str]:
     return [str((call.get("function") or {}).get("name", "")) for call in calls]
 
 
-def _held(job_id: int, lease: uuid.UUID, *, rounds: int | None = None) -> Job:
+def _held(job_id: int, lease: uuid.UUID, *, rounds: int | None = None) -> "ClockedJob":
     """Lock the job (level 3) if `lease` still holds it, and it has finished `rounds` rounds."""
     job = lock_job(job_id)
-    if job is None or job.status != Job.Status.RUNNING or job.lease != lease or job.lease_expires_at <= job.db_now:
+    if job is None or job.status != Job.Status.RUNNING or job.lease != lease or _expired(job):
         state = "gone" if job is None else job.status
         raise LeaseLost(f"Lease {lease} no longer holds job {job_id} ({state}).")
     if rounds is not None and job.rounds != rounds:
         raise LeaseLost(f"Job {job_id} has finished {job.rounds} rounds, not {rounds}: this round was recorded.")
     return job
+
+
+def _expired(job: "ClockedJob") -> bool:
+    return job.lease_expires_at is None or job.lease_expires_at <= job.db_now
 
 
 def _attempt_end(job: Job, *, now: datetime, record: QueuePolicy, tokens: int | None, wake: bool = True) -> None:
@@ -239,7 +246,7 @@ def round_requeue(*, job_id: int, lease: uuid.UUID, round: int, results: list[To
             job.save(update_fields=["conversation", "status", "result", "error", "finished_at", "lease",
                                     "lease_expires_at"])
             events_record([event])
-            return job.status
+            return str(job.status)
         job.return_to_queue()
         job.attempts, job.error, job.run_after, job.avoid_executor = 0, "", None, None
         job.queued_at = now
@@ -250,4 +257,4 @@ def round_requeue(*, job_id: int, lease: uuid.UUID, round: int, results: list[To
         events_record([job_event(job=job, event=JobEvent.Type.QUEUED, at=now, round=round + 1, tools=tools,
                                  flow_rounds=record.flow_rounds)])
         signals.notify_workers(signals.QUEUED)
-        return job.status
+        return str(job.status)

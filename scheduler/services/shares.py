@@ -1,5 +1,6 @@
 from collections.abc import Mapping
 from datetime import datetime
+from typing import Any
 
 from django.db import connection
 
@@ -35,7 +36,7 @@ def team_shares_charge(*, charges: Mapping[int, float], now: datetime, half_life
         f"{usage} = {greatest}({decayed} + (SELECT charge FROM v WHERE v.team = excluded.{team}), 0.0), "
         f"{updated} = {greatest}(excluded.{updated}, {table}.{updated})"
     )
-    params: list = [value for team_id, amount in charges.items() for value in (team_id, amount)]
+    params: list[Any] = [value for team_id, amount in charges.items() for value in (team_id, amount)]
     params.append(connection.ops.adapt_datetimefield_value(now))
     if half_life > 0:
         params.append(half_life)

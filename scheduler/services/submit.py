@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
@@ -26,6 +25,7 @@ from scheduler.configuration import Configuration, configuration, grants, policy
 from scheduler.jobtypes import MODEL_CALL_TYPES, job_input_check
 from scheduler.models import Job, JobEvent, QueuePolicy
 from scheduler.policy import Admission, AdmissionState, policy_for
+from scheduler.rbac import JOB_TYPE_PERMISSION
 from scheduler.services.events import events_record, job_event
 from telemachus import rbac
 from telemachus.config import (
@@ -57,7 +57,7 @@ class JobSpec:
 
 def job_submit(
     *,
-    user: AbstractBaseUser,
+    user: rbac.Principal,
     team: str,
     type: str,
     requirements: dict[str, Any],
@@ -87,7 +87,7 @@ def job_submit(
     return job
 
 
-def jobs_submit(*, user: AbstractBaseUser, jobs: Sequence[JobSpec]) -> list[Job]:
+def jobs_submit(*, user: rbac.Principal, jobs: Sequence[JobSpec]) -> list[Job]:
     """Submit up to MAX_BULK jobs at once, all or nothing: each is checked as `job_submit` checks
     it, and the queue depth cap counts the whole batch (a team's queued jobs plus those of the
     batch before each one). One transaction; team rows locked in ascending id. A refusal names
@@ -112,7 +112,7 @@ class _Admitted:
     source: str
 
 
-def _submit(*, user: AbstractBaseUser, specs: Sequence[JobSpec], indexed: bool = False) -> list[Job]:
+def _submit(*, user: rbac.Principal, specs: Sequence[JobSpec], indexed: bool = False) -> list[Job]:
     """Check against the configuration this process last read; confirm its version under the team
     locks. A refusal from configuration that may be stale is checked again on a fresh read
     before it is believed."""
@@ -131,7 +131,7 @@ def _submit(*, user: AbstractBaseUser, specs: Sequence[JobSpec], indexed: bool =
             snapshot, fresh = config_snapshot(), True
 
 
-def _admit(*, user: AbstractBaseUser, specs: Sequence[JobSpec], snapshot: ConfigSnapshot, indexed: bool) -> list[Job]:
+def _admit(*, user: rbac.Principal, specs: Sequence[JobSpec], snapshot: ConfigSnapshot, indexed: bool) -> list[Job]:
     conf, record, who = configuration(snapshot), policy_record(snapshot), grants(snapshot, user)
     now = timezone.now()
     admitted = [_check(conf, record, who, user, spec, now, index=i if indexed else None) for i, spec in enumerate(specs)]
@@ -154,7 +154,7 @@ def _admit(*, user: AbstractBaseUser, specs: Sequence[JobSpec], snapshot: Config
     jobs = Job.objects.bulk_create([item.job for item in admitted])
     events = []
     for item in admitted:
-        deferred = {"run_after": item.job.run_after.isoformat()} if item.job.run_after is not None else {}
+        deferred: dict[str, Any] = {"run_after": item.job.run_after.isoformat()} if item.job.run_after is not None else {}
         events.append(job_event(job=item.job, event=JobEvent.Type.QUEUED, at=now, priority=item.job.priority,
                                 **deferred))
         if item.requested > item.allowed:
@@ -164,14 +164,14 @@ def _admit(*, user: AbstractBaseUser, specs: Sequence[JobSpec], snapshot: Config
     return jobs
 
 
-def _check(conf: Configuration, record: QueuePolicy, who: rbac.Grants, user: AbstractBaseUser, spec: JobSpec,
+def _check(conf: Configuration, record: QueuePolicy, who: rbac.Grants, user: rbac.Principal, spec: JobSpec,
            now: datetime, *, index: int | None) -> _Admitted:
     """The configuration checks of one job, in job_submit's order; the job, unsaved."""
     try:
         team = who.team_for_submit(conf.team(spec.team), spec.team)
         for feature in (*spec.features, spec.type):
             feature_require(feature=feature, team=team, switches=conf.features)
-        who.require(rbac.JOB_TYPE_PERMISSION[spec.type], team=team)
+        who.require(JOB_TYPE_PERMISSION[spec.type], team=team)
         job_input_check(type=spec.type, input=spec.input, team=team,
                         require=lambda permission: who.require(permission, team=team))
         # A tool job runs in a worker's tool threads, on no executor: it names no model.
@@ -190,7 +190,7 @@ def _check(conf: Configuration, record: QueuePolicy, who: rbac.Grants, user: Abs
     # A job deferred to `run_after` enters the line, and starts ageing, when it may run.
     ready = max(now, spec.run_after) if spec.run_after else now
     job = Job(
-        type=spec.type, user=user, team=team, priority=min(spec.priority, allowed), requirements=spec.requirements,
+        type=spec.type, user=rbac.signed_in(user), team=team, priority=min(spec.priority, allowed), requirements=spec.requirements,
         model=model, cost_estimate=spec.requirements.get("est_tokens", 0), input=spec.input, meta=spec.meta,
         submitted_at=now, run_after=spec.run_after, ready_at=ready, queued_at=ready,
     )
@@ -214,7 +214,7 @@ def _within_depth(record: QueuePolicy, admitted: list[_Admitted], now: datetime,
     of each one counted as queued."""
     policy = policy_for(record)
     states: dict[int, AdmissionState] = {}
-    ahead: Counter = Counter()
+    ahead: Counter[int] = Counter()
     for i, item in enumerate(admitted):
         team = item.job.team
         state = states.setdefault(team.pk, AdmissionState(team=team, now=now))
