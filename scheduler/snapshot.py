@@ -25,7 +25,7 @@ from quotas.concurrency import ConcurrencyCaps, SlotCounts, concurrency_caps, ex
 from quotas.models import QuotaPolicy
 from quotas.rules import quota_rules
 from scheduler.models import Job, QueuePolicy
-from scheduler.selectors import queue_policy
+from scheduler.selectors import policy_seen_by, queue_policy
 from scheduler.services.policy import EDITABLE
 from telemachus import rbac
 from telemachus.features import feature_states
@@ -259,7 +259,7 @@ def dashboard_state(*, user: rbac.Principal) -> dict[str, Any]:
             "jobs": [_job_row(job, cluster, staff=user.is_staff) for job in jobs],
             "jobs_total": total,
             "jobs_link": reverse("admin:scheduler_job_changelist") if user.is_staff else reverse("job-list"),
-            "policy": {name: getattr(cluster.record, name) for name in EDITABLE},
+            "policy": policy_seen_by(user, {name: getattr(cluster.record, name) for name in EDITABLE}),
             "policy_choices": POLICY_CHOICES,
             "features": feature_states(teams=rbac.visible_teams(user).order_by("slug")),
         }
