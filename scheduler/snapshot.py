@@ -24,7 +24,7 @@ from quotas.budget import Budgets
 from quotas.concurrency import ConcurrencyCaps, SlotCounts, concurrency_caps, executor_limit, slot_counts
 from quotas.models import QuotaPolicy
 from quotas.rules import quota_rules
-from scheduler.models import Job, QueuePolicy
+from scheduler.models import Job, JobEvent, QueuePolicy, Slot
 from scheduler.selectors import policy_seen_by, queue_policy
 from scheduler.services.policy import EDITABLE
 from telemachus import rbac
@@ -135,15 +135,23 @@ def wait_reasons(cluster: Cluster, *, team_id: int, model: str, user_id: int) ->
 
 
 def slot_seconds(*, since, now) -> Counter:
-    """Slot-seconds each team held since `since`: attempts that ended in the window, and running ones."""
-    start = Greatest(F("started_at"), Value(since))
-    ended = Job.objects.filter(finished_at__gte=since, started_at__isnull=False)
-    running = Job.objects.filter(status=Job.Status.RUNNING)
+    """Slot-seconds each team held since `since`: the slots held now (from their `acquired_at`),
+    and jobs that ended in the window, from their start. A flow's earlier rounds (its
+    `started_at` is its first round's) are counted by their `round_finished` events' seconds
+    instead, so the time between its rounds, when it held no slot, is not."""
     totals: Counter = Counter()
-    for query, end in ((ended, F("finished_at")), (running, Value(now))):
-        span = ExpressionWrapper(end - start, output_field=DurationField())
-        for team_id, held in query.order_by().values_list("team_id").annotate(held=Coalesce(Sum(span), timedelta(0))):
-            totals[team_id] += held.total_seconds()
+    held = ExpressionWrapper(Value(now) - Greatest(F("acquired_at"), Value(since)), output_field=DurationField())
+    for team_id, span in Slot.objects.order_by().values_list("team_id").annotate(held=Coalesce(Sum(held), timedelta(0))):
+        totals[team_id] += span.total_seconds()
+    ended = ExpressionWrapper(F("finished_at") - Greatest(F("started_at"), Value(since)), output_field=DurationField())
+    for team_id, span in (
+        Job.objects.filter(finished_at__gte=since, started_at__isnull=False)
+        .exclude(type=Job.Type.FLOW).order_by().values_list("team_id").annotate(held=Coalesce(Sum(ended), timedelta(0)))
+    ):
+        totals[team_id] += span.total_seconds()
+    rounds = JobEvent.objects.filter(event=JobEvent.Type.ROUND_FINISHED, at__gte=since, job__type=Job.Type.FLOW)
+    for team_id, seconds in rounds.values_list("job__team_id", "meta__seconds"):
+        totals[team_id] += float(seconds or 0)
     return totals
 
 
