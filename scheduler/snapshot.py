@@ -123,6 +123,10 @@ def wait_reasons(cluster: Cluster, *, team_id: int, model: str, user_id: int) ->
             blocked.append(("executor_breaker_open",
                             f"executor {executor.name}: breaker open until {executor.breaker_until:%H:%M:%S} UTC",
                             executor, {"until": executor.breaker_until.isoformat()}))
+        elif cluster.limit(executor) <= 0:
+            rule = " (an executor concurrency rule)" if executor.max_concurrency > 0 else ""
+            blocked.append(("executor_no_capacity", f"executor {executor.name} has capacity 0{rule}", executor,
+                            {"limit": 0, "max_concurrency": executor.max_concurrency}))
         elif slots.executor[executor.pk] >= cluster.limit(executor):
             blocked.append(("executor_full", f"executor {executor.name} is full", executor,
                             {"limit": cluster.limit(executor)}))
