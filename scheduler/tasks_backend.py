@@ -37,6 +37,7 @@ The API is imported through telemachus/tasks_api.py (Django 6's `django.tasks`, 
 """
 
 import math
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -156,6 +157,7 @@ class TelemachusBackend(BaseTaskBackend):
             raise InvalidTask(
                 f"{task.module_path} is not in an installed app: workers run only tasks declared in installed apps."
             )
+        _importable_by_workers(task.module_path)
         args = _json_ready(list(args), "args")
         kwargs = _json_ready(dict(kwargs), "kwargs")
         user, team = self._submitter()
@@ -275,6 +277,24 @@ def _requirements(alias: str, queue: str, value: Any) -> dict[str, Any]:
             f"TASKS[{alias!r}]['OPTIONS']['queues'][{queue!r}] is not a job's requirements: {serializer.errors}"
         )
     return dict(serializer.validated_data)
+
+
+def _importable_by_workers(path: str) -> None:
+    """Refuse a task whose module this process has only in memory (built at run time, or put in
+    sys.modules by hand): `declared_task` found it here, but a worker, starting fresh, imports
+    modules from their files, and would fail every attempt. The module (and each package above
+    it) is looked up by the import system's finders, as a fresh import would, not in sys.modules."""
+    module = path.rpartition(".")[0]
+    parts = module.split(".")
+    search: list[str] | None = None
+    for depth in range(1, len(parts) + 1):
+        name = ".".join(parts[:depth])
+        spec = next(filter(None, (finder.find_spec(name, search) for finder in sys.meta_path
+                                  if hasattr(finder, "find_spec"))), None)
+        if spec is None:
+            raise InvalidTask(f"{path}: module {name} is not importable from a file, so workers could not find it; "
+                              "declare tasks in a module of an installed app.")
+        search = list(spec.submodule_search_locations or [])
 
 
 def _json_ready(value: Any, where: str) -> Any:
