@@ -42,6 +42,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from django.contrib.auth import get_user_model
@@ -204,7 +205,7 @@ class TelemachusBackend(BaseTaskBackend):
             JobEvent.objects.filter(
                 job_id=job.pk,
                 event__in=[JobEvent.Type.STARTED, JobEvent.Type.RETRY_SCHEDULED, JobEvent.Type.CANCELED],
-            ).values_list("event", "meta")
+            ).order_by("id").values_list("event", "meta", "at")
         )
         return self._result(job, task=task, events=events)
 
@@ -237,17 +238,17 @@ class TelemachusBackend(BaseTaskBackend):
             raise ImproperlyConfigured(f"TASKS[{self.alias!r}]['OPTIONS']['user'] names no user: {self.username!r}")
         return user, team
 
-    def _result(self, job: Job, *, task: Task, events: list[tuple[str, dict]]) -> TaskResult:
+    def _result(self, job: Job, *, task: Task, events: list[tuple[str, dict, datetime]]) -> TaskResult:
         errors = [
             TaskError(exception_class_path=JOB_FAILED, traceback=meta.get("error", ""))
-            for event, meta in events if event == JobEvent.Type.RETRY_SCHEDULED
+            for event, meta, _ in events if event == JobEvent.Type.RETRY_SCHEDULED
         ]
         if job.status == Job.Status.FAILED:
             detail = job.result if isinstance(job.result, dict) else {}
             errors.append(TaskError(exception_class_path=detail.get("exception_class") or JOB_FAILED,
                                     traceback=detail.get("traceback") or job.error))
         elif job.status == Job.Status.CANCELED:
-            by = next((meta.get("by") for event, meta in events if event == JobEvent.Type.CANCELED), None)
+            by = next((meta.get("by") for event, meta, _ in events if event == JobEvent.Type.CANCELED), None)
             errors.append(TaskError(exception_class_path=JOB_CANCELED,
                                     traceback=f"job {job.pk} was canceled" + (f" by {by}" if by else "")))
         result = TaskResult(
@@ -257,12 +258,14 @@ class TelemachusBackend(BaseTaskBackend):
             enqueued_at=job.submitted_at,
             started_at=job.started_at,
             finished_at=job.finished_at,
-            last_attempted_at=job.started_at,
+            # started_at is the first attempt's start; the last attempt's is its `started` event's.
+            last_attempted_at=max((at for event, _, at in events if event == JobEvent.Type.STARTED),
+                                  default=job.started_at),
             args=job.input.get("args", []),
             kwargs=job.input.get("kwargs", {}),
             backend=self.alias,
             errors=errors,
-            worker_ids=[meta.get("worker", "") for event, meta in events if event == JobEvent.Type.STARTED],
+            worker_ids=[meta.get("worker", "") for event, meta, _ in events if event == JobEvent.Type.STARTED],
         )
         if job.status == Job.Status.DONE:
             object.__setattr__(result, "_return_value", (job.result or {}).get("value"))

@@ -19,6 +19,7 @@ from quotas.services import quota_policy_create
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
 from scheduler.services.cancel import job_cancel
 from scheduler.services.claim import job_claim
+from scheduler.services.finish import Outcome, jobs_finish
 from scheduler.services.policy import queue_policy_update
 from scheduler.services.submit import job_submit
 from scheduler.tasks_backend import JobCanceled, JobFailed, TelemachusBackend, enqueue_as
@@ -242,6 +243,21 @@ class TestGetResult:
 
         with django_assert_num_queries(2):  # the job, its start, retry and cancel events
             result.refresh()
+
+    def test_a_retry_keeps_the_first_start_and_moves_the_last_attempt(self, alice):
+        with enqueue_as(user=alice):
+            result = add.enqueue(1, 2)
+        (claim,) = job_claim(worker="w1", limit=1).claims
+        jobs_finish(outcomes=[Outcome(job_id=claim.job.pk, lease=claim.lease, ok=False, error="pool died",
+                                      retryable=True)])
+        Job.objects.filter(pk=claim.job.pk).update(run_after=None)
+        first = Job.objects.get(pk=claim.job.pk).started_at
+        time.sleep(0.01)
+        job_claim(worker="w2", limit=1)
+
+        result.refresh()
+        assert result.attempts == 2 and result.worker_ids == ["w1", "w2"]
+        assert result.started_at == first and result.last_attempted_at > first
 
     @pytest.mark.django_db(transaction=True)
     def test_aenqueue_and_aget_result_keep_the_submitter(self, alice):
