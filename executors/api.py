@@ -11,6 +11,7 @@ from rest_framework.views import APIView
 
 from executors.models import Executor
 from executors.registry import known_kinds
+from executors.simknobs import knob_problems
 from executors.services import executor_create, executor_delete, executor_sync, executor_update
 from telemachus import rbac
 from telemachus.errors import NotFound
@@ -85,6 +86,9 @@ class ExecutorInput(StrictSerializer):
             raise serializers.ValidationError(
                 {"transport": ["A remote-model executor needs transport.api_key_env (the variable holding its API key)."]}
             )
+        meta = attrs["meta"] if "meta" in attrs else getattr(self.instance, "meta", {})
+        if kind == "sim" and isinstance(meta, dict) and (problems := knob_problems(meta)):
+            raise serializers.ValidationError({"meta": {name: [problem] for name, problem in problems.items()}})
         name = attrs.get("name")
         if name and Executor.objects.filter(name=name).exclude(pk=getattr(self.instance, "pk", None)).exists():  # type: ignore[misc]
             raise serializers.ValidationError({"name": [f"An executor named {name!r} already exists."]})

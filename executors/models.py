@@ -3,6 +3,7 @@ import logging
 from django.core.exceptions import ValidationError
 from django.db import models
 
+from executors.simknobs import knob_problems
 from telemachus.models import Team
 
 log = logging.getLogger("telemachus.executors")
@@ -77,10 +78,13 @@ class Executor(models.Model):
         return executor
 
     def clean(self) -> None:
-        """The admin's form: the shapes from_db would otherwise discard."""
+        """The admin's form: the shapes from_db would otherwise discard, and a sim executor's knobs
+        within their bounds (as the API checks them)."""
         problems = json_shape_problems(self, loaded=[f.attname for f in self._meta.concrete_fields])
         if problems:
             raise ValidationError({name.split(".")[0]: f"{name} {problem}" for name, problem in problems.items()})
+        if self.kind == "sim" and (knobs := knob_problems(self.meta)):
+            raise ValidationError({"meta": [f"meta.{name} {problem}" for name, problem in knobs.items()]})
 
 
 _reported: set[tuple] = set()

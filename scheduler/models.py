@@ -59,6 +59,8 @@ class Job(models.Model):
     # guard counts a wait from here, so a flow that has been served round after round does not
     # age past newer work, whichever way its place in line is kept.
     queued_at = models.DateTimeField(default=timezone.now)
+    # When it first started (a flow: its first round; a retry is not a new start). The start of the
+    # attempt or round running now is its slot's `acquired_at`; per-round starts are in the events.
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     tokens_used = models.PositiveBigIntegerField(null=True, blank=True)
@@ -146,15 +148,15 @@ class Job(models.Model):
         return f"round {self.current_round}" + (" next" if self.status == self.Status.QUEUED and self.rounds else "")
 
     # Fields `return_to_queue` changes, for bulk_update by its callers.
-    REQUEUE_FIELDS = ("status", "executor", "started_at", "lease", "lease_expires_at", "attempts", "reservation")
+    REQUEUE_FIELDS = ("status", "executor", "lease", "lease_expires_at", "attempts", "reservation")
 
     def return_to_queue(self) -> None:
         """running → queued, dropping the lease, placement and budget reservation (not saved:
-        callers batch writes, and release the reservation in the ledger)."""
+        callers batch writes, and release the reservation in the ledger). `started_at` stays when
+        the job first started: a flow's next round or a retry is not a new start."""
         assert self.status == self.Status.RUNNING, f"job {self.pk} is {self.status}, not running"
         self.status = self.Status.QUEUED
         self.executor = None
-        self.started_at = None
         self.lease = None
         self.lease_expires_at = None
         self.reservation = None

@@ -1,6 +1,7 @@
 """Reads that the claim and the services share. Writes live in scheduler/services/."""
 
 from datetime import datetime
+from typing import Any
 
 from django.db import connection
 
@@ -8,6 +9,8 @@ from executors.models import Executor
 from quotas.concurrency import SlotCounts
 from scheduler.models import Job, QueuePolicy, Slot
 from scheduler.policy_bounds import policy_in_force
+from telemachus import rbac
+from telemachus.models import Membership
 
 # SQLite allows at most 500 terms in a compound SELECT.
 LOOKUPS_PER_STATEMENT = 200
@@ -21,6 +24,22 @@ def queue_policy() -> QueuePolicy:
     """The policy record as it is now, without locking it (the claim reads it under its lock), as
     the scheduler may use it: out-of-bounds stored values replaced (scheduler/policy_bounds.py)."""
     return policy_in_force(QueuePolicy.objects.filter(pk=QueuePolicy.SINGLETON_ID).first() or QueuePolicy())
+
+
+def policy_seen_by(user: rbac.Principal, data: dict[str, Any]) -> dict[str, Any]:
+    """What a user may see of the policy: operators all of it; others only the entries about their
+    own teams, themselves and the roles, so no other team's slug or weight and no other user's
+    name leaks (the rule everywhere else)."""
+    if rbac.is_operator(user):
+        return data
+    slugs = set(rbac.visible_teams(user).values_list("slug", flat=True))
+    mine = {*Membership.Role.values, *(f"team:{slug}" for slug in slugs), f"user:{user.get_username()}"}
+    return {
+        **data,
+        "team_weights": {k: v for k, v in data["team_weights"].items() if k in slugs},
+        "max_queue_depth": {k: v for k, v in data["max_queue_depth"].items() if k == "default" or k in slugs},
+        "priority_map": {k: v for k, v in data["priority_map"].items() if k in mine},
+    }
 
 
 def queued_heads(

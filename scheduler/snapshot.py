@@ -5,7 +5,7 @@ also the latest jobs (with why each queued one waits), the policy and the featur
 Each picture is read in one transaction (`consistent_read`), so running counts, slots and the job
 list always agree with each other."""
 
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,9 +25,9 @@ from quotas.budget import Budgets
 from quotas.concurrency import ConcurrencyCaps, SlotCounts, concurrency_caps, executor_limit
 from quotas.models import QuotaPolicy
 from quotas.rules import quota_rules
-from scheduler.models import Job, QueuePolicy
+from scheduler.models import Job, JobEvent, QueuePolicy, Slot
 from scheduler.rbac import visible_jobs
-from scheduler.selectors import queue_policy, slot_counts
+from scheduler.selectors import policy_seen_by, queue_policy, slot_counts
 from scheduler.services.policy import EDITABLE
 from telemachus import rbac
 from telemachus.features import feature_states
@@ -125,6 +125,10 @@ def wait_reasons(cluster: Cluster, *, team_id: int, model: str, user_id: int) ->
             blocked.append(("executor_breaker_open",
                             f"executor {executor.name}: breaker open until {executor.breaker_until:%H:%M:%S} UTC",
                             executor, {"until": executor.breaker_until.isoformat()}))
+        elif cluster.limit(executor) <= 0:
+            rule = " (an executor concurrency rule)" if executor.max_concurrency > 0 else ""
+            blocked.append(("executor_no_capacity", f"executor {executor.name} has capacity 0{rule}", executor,
+                            {"limit": 0, "max_concurrency": executor.max_concurrency}))
         elif slots.executor[executor.pk] >= cluster.limit(executor):
             blocked.append(("executor_full", f"executor {executor.name} is full", executor,
                             {"limit": cluster.limit(executor)}))
@@ -136,16 +140,24 @@ def wait_reasons(cluster: Cluster, *, team_id: int, model: str, user_id: int) ->
     return reasons
 
 
-def slot_seconds(*, since, now) -> Counter:
-    """Slot-seconds each team held since `since`: attempts that ended in the window, and running ones."""
-    start = Greatest(F("started_at"), Value(since))
-    ended = Job.objects.filter(finished_at__gte=since, started_at__isnull=False)
-    running = Job.objects.filter(status=Job.Status.RUNNING)
-    totals: Counter = Counter()
-    for query, end in ((ended, F("finished_at")), (running, Value(now))):
-        span = ExpressionWrapper(end - start, output_field=DurationField())
-        for team_id, held in query.order_by().values_list("team_id").annotate(held=Coalesce(Sum(span), timedelta(0))):
-            totals[team_id] += held.total_seconds()
+def slot_seconds(*, since: datetime, now: datetime) -> dict[int, float]:
+    """Slot-seconds each team held since `since`: the slots held now (from their `acquired_at`),
+    and jobs that ended in the window, from their start. A flow's earlier rounds (its
+    `started_at` is its first round's) are counted by their `round_finished` events' seconds
+    instead, so the time between its rounds, when it held no slot, is not."""
+    totals: dict[int, float] = defaultdict(float)
+    held = ExpressionWrapper(Value(now) - Greatest(F("acquired_at"), Value(since)), output_field=DurationField())
+    for team_id, span in Slot.objects.order_by().values_list("team_id").annotate(held=Coalesce(Sum(held), timedelta(0))):
+        totals[team_id] += span.total_seconds()
+    ended = ExpressionWrapper(F("finished_at") - Greatest(F("started_at"), Value(since)), output_field=DurationField())
+    for team_id, span in (
+        Job.objects.filter(finished_at__gte=since, started_at__isnull=False)
+        .exclude(type=Job.Type.FLOW).order_by().values_list("team_id").annotate(held=Coalesce(Sum(ended), timedelta(0)))
+    ):
+        totals[team_id] += span.total_seconds()
+    rounds = JobEvent.objects.filter(event=JobEvent.Type.ROUND_FINISHED, at__gte=since, job__type=Job.Type.FLOW)
+    for team_id, seconds in rounds.values_list("job__team_id", "meta__seconds"):
+        totals[team_id] += float(seconds or 0)
     return totals
 
 
@@ -261,7 +273,7 @@ def dashboard_state(*, user: rbac.Principal) -> dict[str, Any]:
             "jobs": [_job_row(job, cluster, staff=user.is_staff) for job in jobs],
             "jobs_total": total,
             "jobs_link": reverse("admin:scheduler_job_changelist") if user.is_staff else reverse("job-list"),
-            "policy": {name: getattr(cluster.record, name) for name in EDITABLE},
+            "policy": policy_seen_by(user, {name: getattr(cluster.record, name) for name in EDITABLE}),
             "policy_choices": POLICY_CHOICES,
             "features": feature_states(teams=rbac.visible_teams(user).order_by("slug")),
         }

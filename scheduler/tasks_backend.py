@@ -37,10 +37,12 @@ The API is imported through telemachus/tasks_api.py (Django 6's `django.tasks`, 
 """
 
 import math
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from django.contrib.auth import get_user_model
@@ -156,6 +158,7 @@ class TelemachusBackend(BaseTaskBackend):
             raise InvalidTask(
                 f"{task.module_path} is not in an installed app: workers run only tasks declared in installed apps."
             )
+        _importable_by_workers(task.module_path)
         args = _json_ready(list(args), "args")
         kwargs = _json_ready(dict(kwargs), "kwargs")
         user, team = self._submitter()
@@ -202,7 +205,7 @@ class TelemachusBackend(BaseTaskBackend):
             JobEvent.objects.filter(
                 job_id=job.pk,
                 event__in=[JobEvent.Type.STARTED, JobEvent.Type.RETRY_SCHEDULED, JobEvent.Type.CANCELED],
-            ).values_list("event", "meta")
+            ).order_by("id").values_list("event", "meta", "at")
         )
         return self._result(job, task=task, events=events)
 
@@ -235,17 +238,17 @@ class TelemachusBackend(BaseTaskBackend):
             raise ImproperlyConfigured(f"TASKS[{self.alias!r}]['OPTIONS']['user'] names no user: {self.username!r}")
         return user, team
 
-    def _result(self, job: Job, *, task: Task, events: list[tuple[str, dict]]) -> TaskResult:
+    def _result(self, job: Job, *, task: Task, events: list[tuple[str, dict, datetime]]) -> TaskResult:
         errors = [
             TaskError(exception_class_path=JOB_FAILED, traceback=meta.get("error", ""))
-            for event, meta in events if event == JobEvent.Type.RETRY_SCHEDULED
+            for event, meta, _ in events if event == JobEvent.Type.RETRY_SCHEDULED
         ]
         if job.status == Job.Status.FAILED:
             detail = job.result if isinstance(job.result, dict) else {}
             errors.append(TaskError(exception_class_path=detail.get("exception_class") or JOB_FAILED,
                                     traceback=detail.get("traceback") or job.error))
         elif job.status == Job.Status.CANCELED:
-            by = next((meta.get("by") for event, meta in events if event == JobEvent.Type.CANCELED), None)
+            by = next((meta.get("by") for event, meta, _ in events if event == JobEvent.Type.CANCELED), None)
             errors.append(TaskError(exception_class_path=JOB_CANCELED,
                                     traceback=f"job {job.pk} was canceled" + (f" by {by}" if by else "")))
         result = TaskResult(  # type: ignore[var-annotated]
@@ -255,12 +258,14 @@ class TelemachusBackend(BaseTaskBackend):
             enqueued_at=job.submitted_at,
             started_at=job.started_at,
             finished_at=job.finished_at,
-            last_attempted_at=job.started_at,
+            # started_at is the first attempt's start; the last attempt's is its `started` event's.
+            last_attempted_at=max((at for event, _, at in events if event == JobEvent.Type.STARTED),
+                                  default=job.started_at),
             args=job.input.get("args", []),
             kwargs=job.input.get("kwargs", {}),
             backend=self.alias,
             errors=errors,
-            worker_ids=[meta.get("worker", "") for event, meta in events if event == JobEvent.Type.STARTED],
+            worker_ids=[meta.get("worker", "") for event, meta, _ in events if event == JobEvent.Type.STARTED],
         )
         if job.status == Job.Status.DONE:
             object.__setattr__(result, "_return_value", (job.result or {}).get("value"))
@@ -275,6 +280,24 @@ def _requirements(alias: str, queue: str, value: Any) -> dict[str, Any]:
             f"TASKS[{alias!r}]['OPTIONS']['queues'][{queue!r}] is not a job's requirements: {serializer.errors}"
         )
     return dict(serializer.validated_data)
+
+
+def _importable_by_workers(path: str) -> None:
+    """Refuse a task whose module this process has only in memory (built at run time, or put in
+    sys.modules by hand): `declared_task` found it here, but a worker, starting fresh, imports
+    modules from their files, and would fail every attempt. The module (and each package above
+    it) is looked up by the import system's finders, as a fresh import would, not in sys.modules."""
+    module = path.rpartition(".")[0]
+    parts = module.split(".")
+    search: list[str] | None = None
+    for depth in range(1, len(parts) + 1):
+        name = ".".join(parts[:depth])
+        spec = next(filter(None, (finder.find_spec(name, search) for finder in sys.meta_path
+                                  if hasattr(finder, "find_spec"))), None)
+        if spec is None:
+            raise InvalidTask(f"{path}: module {name} is not importable from a file, so workers could not find it; "
+                              "declare tasks in a module of an installed app.")
+        search = list(spec.submodule_search_locations or [])
 
 
 def _json_ready(value: Any, where: str) -> Any:

@@ -42,6 +42,7 @@ def feature_switches() -> dict[tuple[str, int | None], bool]:
 def feature_require(*, feature: str, team: Team | None,
                     switches: Mapping[tuple[str, int | None], bool] | None = None) -> None:
     """Refuse (403 feature_disabled) when `feature` is switched off for `team` or for everyone."""
+    feature = str(feature)  # callers pass Job.Type members too; the refusal names the plain value
     if not feature_enabled(feature=feature, team=team, switches=switches):
         where = f"team {team.slug!r}" if team is not None else "everyone"
         raise FeatureDisabled(f"{feature!r} is switched off for {where}.", feature=feature,

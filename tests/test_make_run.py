@@ -220,3 +220,33 @@ def test_ctrl_c_works_even_when_started_with_sigint_ignored(run):
     run.ctrl_c()
     assert run.proc.wait(timeout=60) == 0, run.log_path.read_text()
     assert not any(running(pid) for pid in pids)
+
+
+def descendants(pid: int) -> list[int]:
+    found = []
+    for child in children(pid):
+        found += [child, *descendants(child)]
+    return found
+
+
+@pytest.mark.parametrize("pipe", ["| tee", "2>&1 | tee"])
+def test_ctrl_c_through_a_pipe_to_tee_leaves_nothing_running(run, pipe):
+    """`make run | tee log`: Ctrl-C reaches tee too, which dies, so the pipe breaks under bin/run and
+    the processes it started. Whatever they write now meets a closed pipe (SIGPIPE, EPIPE): bin/run
+    must still stop both of them before the prompt comes back."""
+    log = open(run.log_path, "w")
+    run.proc = subprocess.Popen(["bash", "-c", f"bin/run {pipe} {run.tmp_path}/tee.log"], cwd=ROOT,
+                                env={**run.env, "PY": sys.executable, "PORT": str(run.port)},
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    wait_until(lambda: answers(f"{run.base}/schema/"), timeout=60, what="daphne to listen")
+    wait_until(lambda: len(descendants(run.proc.pid)) >= 4, timeout=30, what="bin/run, tee, daphne and the worker")
+    pids = descendants(run.proc.pid)
+
+    run.ctrl_c()
+    run.proc.wait(timeout=60)
+    time.sleep(0.5)
+    left = [pid for pid in pids if running(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, (run.log_path.read_text(), (run.tmp_path / "tee.log").read_text())
+    assert not answers(f"{run.base}/schema/")

@@ -4,7 +4,7 @@ It makes no model call. It waits a configurable latency, reports token counts de
 request, and fails at a configurable rate, so demos, tests and capacity planning can exercise the
 whole scheduler without a model server. Every result says `"simulated": true`.
 
-Knobs, read from the executor's `meta`:
+Knobs, read from the executor's `meta` (bounds in executors/simknobs.py):
     latency_ms        mean time per dispatch (default 50)
     jitter_ms         uniform ± spread around the mean (default 0)
     tokens_per_s      if set, adds completion_tokens / tokens_per_s seconds of generation time
@@ -22,33 +22,35 @@ import asyncio
 import random
 
 from executors.contract import EMBEDDINGS_API, DispatchError, DispatchRequest, DispatchResult, ExecutorDriver
+from executors.simknobs import KNOBS, knob
 from executors.simtools import sim_tool_calls
 from executors.tokens import count_prompt_tokens, embedding_inputs, simulated_embedding
+
+
+# However the knobs combine (a long reply at a crawl), one dispatch waits at most this long.
+MAX_DELAY_S = KNOBS["latency_ms"][2] / 1000
 
 
 class SimDriver(ExecutorDriver):
     kind = "sim"
 
-    def _knob(self, name: str, default: float) -> float:
-        value = self.executor.meta.get(name, default)
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            return default
+    def _knob(self, name: str) -> float:
+        return knob(self.executor.meta, name)
 
     async def dispatch(self, request: DispatchRequest) -> DispatchResult:
         messages = request.input.get("messages") or []
         max_tokens = int(request.input.get("max_tokens") or 1_000_000)
-        completion = min(int(self._knob("output_tokens", 16)), max_tokens)
-        latency = self._knob("latency_ms", 50) / 1000
-        jitter = self._knob("jitter_ms", 0) / 1000
-        tokens_per_s = self._knob("tokens_per_s", 0)
+        completion = min(int(self._knob("output_tokens")), max_tokens)
+        latency = self._knob("latency_ms") / 1000
+        jitter = self._knob("jitter_ms") / 1000
+        tokens_per_s = self._knob("tokens_per_s")
         delay = max(0.0, latency + random.uniform(-jitter, jitter))
         if tokens_per_s > 0:
             delay += completion / tokens_per_s
+        delay = min(delay, MAX_DELAY_S)
         if delay:
             await asyncio.sleep(delay)
-        if random.random() < self._knob("fail_rate", 0):
+        if random.random() < self._knob("fail_rate"):
             raise DispatchError("simulated failure (sim executor fail_rate)", retryable=False)
         if request.api == EMBEDDINGS_API:
             return self._embed(request)
@@ -68,7 +70,7 @@ class SimDriver(ExecutorDriver):
 
     def _embed(self, request: DispatchRequest) -> DispatchResult:
         texts = embedding_inputs(request.input.get("input"))
-        dims = int(self._knob("embedding_dims", 8))
+        dims = int(self._knob("embedding_dims"))
         return DispatchResult(
             output={
                 "simulated": True,

@@ -12,7 +12,7 @@ from scheduler.api.serializers import StrictSerializer
 from scheduler.models import QueuePolicy
 from scheduler.policy import BaseQueuePolicy
 from scheduler.policy_bounds import MAPS, SCALARS, field_problem
-from scheduler.selectors import queue_policy
+from scheduler.selectors import policy_seen_by, queue_policy
 from scheduler.services.policy import EDITABLE, queue_policy_update
 from telemachus import rbac
 from telemachus.models import Membership, Team
@@ -115,22 +115,6 @@ class PolicyOutput(serializers.ModelSerializer):
         model = QueuePolicy
         fields = [*EDITABLE, "updated_at"]
         read_only_fields = fields
-
-
-def policy_seen_by(user: rbac.Principal, data: dict[str, Any]) -> dict[str, Any]:
-    """What a user may see of the policy: operators all of it; others only the entries about their
-    own teams, themselves and the roles, so no other team's slug or weight and no other user's
-    name leaks (the rule everywhere else)."""
-    if rbac.is_operator(user):
-        return data
-    slugs = set(rbac.visible_teams(user).values_list("slug", flat=True))
-    mine = {*Membership.Role.values, *(f"team:{slug}" for slug in slugs), f"user:{user.get_username()}"}
-    return {
-        **data,
-        "team_weights": {k: v for k, v in data["team_weights"].items() if k in slugs},
-        "max_queue_depth": {k: v for k, v in data["max_queue_depth"].items() if k == "default" or k in slugs},
-        "priority_map": {k: v for k, v in data["priority_map"].items() if k in mine},
-    }
 
 
 class PolicyApi(APIView):

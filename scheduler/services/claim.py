@@ -163,7 +163,8 @@ def _start(chosen: list[tuple[Job, ExecutorView]], *, worker: str, state: ClaimS
     inputs = _mark_running(chosen, worker=worker, now=now, expires=expires, lease=lease)
     chosen = [(job, view) for job, view in chosen if job.pk in inputs]
     for job, view in chosen:
-        job.status, job.executor, job.started_at, job.worker = Job.Status.RUNNING, view.executor, now, worker
+        job.status, job.executor, job.worker = Job.Status.RUNNING, view.executor, worker
+        job.started_at = job.started_at or now  # a queued row's first start is stable: only a claim sets it
         job.attempts += 1
         job.lease, job.lease_expires_at = lease, expires
         job.input = inputs[job.pk]
@@ -186,12 +187,11 @@ def _start(chosen: list[tuple[Job, ExecutorView]], *, worker: str, state: ClaimS
     ]
 
 
-
-
 def _tool_claim(job: Job) -> Claim:
     """A tool job holds no executor and no slot; tool_jobs_start gave it its lease."""
     assert job.lease is not None
     return Claim(job=job, executor=None, slot_id=None, lease=job.lease)
+
 
 def _column(name: str) -> "Field[Any, Any]":
     """A column of Job (`get_field` also answers reverse relations, which have none)."""
@@ -200,12 +200,15 @@ def _column(name: str) -> "Field[Any, Any]":
         raise TypeError(f"Job.{name} is not a column")
     return found
 
+
 def _mark_running(
     chosen: list[tuple[Job, ExecutorView]], *, worker: str, now: datetime, expires: datetime, lease: uuid.UUID
 ) -> dict[int, dict[str, Any]]:
     """One statement for all the chosen rows: lock them (SKIP LOCKED on PostgreSQL; SQLite holds
     the whole database), check they are still queued, mark them running on their executor with
-    their budget reservation, and read back their payload, left out of the heads the policy read.
+    their budget reservation (its first start kept: `started_at` is when the job first started,
+    a flow's first round; each attempt's start is its slot's `acquired_at`), and read back their
+    payload, left out of the heads the policy read.
     Returns job id -> input for the rows it changed (lock level 3)."""
     qn = connection.ops.quote_name
     table, field = qn(Job._meta.db_table), _column
@@ -214,9 +217,9 @@ def _mark_running(
     params: list[Any] = []
     for job, view in chosen:
         params += [job.pk, view.pk, field("reservation").get_db_prep_save(job.reservation, connection)]
-    fixed = {"status": Job.Status.RUNNING.value, "started_at": now, "worker": worker, "lease": lease,
-             "lease_expires_at": expires}
+    fixed = {"status": Job.Status.RUNNING.value, "worker": worker, "lease": lease, "lease_expires_at": expires}
     params += [field(name).get_db_prep_save(value, connection) for name, value in fixed.items()]
+    params.append(field("started_at").get_db_prep_save(now, connection))
     queued = f"{qn('status')} = '{Job.Status.QUEUED.value}'"
     if postgres:
         still_queued = (f"{table}.{qn('id')} IN (SELECT j.{qn('id')} FROM {table} j JOIN v ON j.{qn('id')} = v.job "
@@ -227,6 +230,7 @@ def _mark_running(
         f"WITH v(job, executor, reservation) AS (VALUES {', '.join([row] * len(chosen))}) "
         f"UPDATE {table} SET {qn('executor_id')} = v.executor, {qn('reservation')} = v.reservation, "
         + ", ".join(f"{qn(field(name).get_attname_column()[1] or name)} = %s" for name in fixed)
+        + f", {qn('started_at')} = COALESCE({table}.{qn('started_at')}, %s)"
         + f", {qn('attempts')} = {table}.{qn('attempts')} + 1 "
         f"FROM v WHERE {table}.{qn('id')} = v.job AND {still_queued} RETURNING {qn('id')}, {qn('input')}"
     )

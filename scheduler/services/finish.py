@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import OuterRef, Subquery
 from django.db.models.functions import Now
 
 from quotas.budget import Bill, quota_settle
@@ -80,7 +81,7 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
             row.pk: row
             for row in Job.objects.select_for_update(of=("self",))
             .filter(pk__in=sorted(by_job))
-            .annotate(db_now=Now(), config_version=version_annotation())
+            .annotate(db_now=Now(), config_version=version_annotation(), attempt_started_at=attempt_start())
             .order_by("pk")
             .only("pk", "status", "lease", "lease_expires_at", "executor_id", "tokens_used", "worker", "attempts",
                   "team_id", "user_id", "reservation", "started_at", "cost_estimate")
@@ -108,12 +109,12 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
             bills.append(Bill(team_id=job.team_id, user_id=job.user_id, executor_id=job.executor_id,
                               tokens=outcome.tokens_used or 0))
             if job.executor_id is not None:  # a tool job held no executor slot: nothing to charge
-                charges[job.team_id] += attempt_cost(record, started_at=job.started_at, now=now,
+                charges[job.team_id] += attempt_cost(record, started_at=job.attempt_started_at or now, now=now,
                                                      tokens=outcome.tokens_used or 0, estimate=job.cost_estimate)
             if not outcome.ok and outcome.retryable and job.attempts < max_attempts:
                 delay = retry_delay(attempt=job.attempts, retry_after=outcome.retry_after)
                 retrying.append({
-                    "id": job_id, "status": Job.Status.QUEUED, "executor": None, "started_at": None,
+                    "id": job_id, "status": Job.Status.QUEUED, "executor": None,
                     "lease": None, "lease_expires_at": None, "error": outcome.error, "tokens_used": tokens,
                     "run_after": job.db_now + timedelta(seconds=delay), "avoid_executor": job.executor_id,
                     "reservation": None,
@@ -158,6 +159,12 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
     return FinishReport(
         accepted=[row["id"] for row in finished], refused=refused, retrying=[row["id"] for row in retrying]
     )
+
+
+def attempt_start() -> Subquery:
+    """The start of a running job's attempt (or round): its slot's `acquired_at`. `Job.started_at`
+    is when the job first started, which for a retry or a flow's later round is long before."""
+    return Subquery(Slot.objects.filter(job=OuterRef("pk")).order_by("id").values("acquired_at")[:1])
 
 
 def attempt_cost(record: QueuePolicy, *, started_at: datetime | None, now: datetime, tokens: int, estimate: int) -> float:

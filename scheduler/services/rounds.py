@@ -110,6 +110,7 @@ def _attempt_end(job: Job, *, now: datetime, record: QueuePolicy, tokens: int | 
     attempt cost. Runs last in its transaction: ledger rows (level 4), then team shares (5).
     `wake`: tell the workers a slot is free (not for a flow under `continue` going on to its
     tools: its next round keeps its place, and the requeue wakes them)."""
+    acquired = Slot.objects.filter(job=job).order_by("id").values_list("acquired_at", flat=True).first()
     Slot.objects.filter(job=job).delete()
     if wake:
         signals.notify_workers(signals.FREED)
@@ -118,8 +119,8 @@ def _attempt_end(job: Job, *, now: datetime, record: QueuePolicy, tokens: int | 
     ]
     quota_settle(reservations=[job.reservation], bills=bills, now=now)
     job.reservation = None
-    if job.started_at is not None:
-        cost = attempt_cost(record, started_at=job.started_at, now=now, tokens=tokens or 0, estimate=job.cost_estimate)
+    if acquired is not None:
+        cost = attempt_cost(record, started_at=acquired, now=now, tokens=tokens or 0, estimate=job.cost_estimate)
         team_shares_charge(charges={job.team_id: cost}, now=now, half_life=record.half_life_seconds)
 
 

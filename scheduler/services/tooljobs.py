@@ -10,7 +10,8 @@ the finish are a job's like any other."""
 import uuid
 from datetime import datetime
 
-from django.db.models import F, Q
+from django.db.models import F, Q, Value
+from django.db.models.functions import Coalesce
 
 from scheduler.models import Job, JobEvent
 from scheduler.services.events import events_record, job_event
@@ -32,11 +33,11 @@ def tool_jobs_start(*, worker: str, limit: int, now: datetime, expires: datetime
         return []
     lease = uuid.uuid4()
     Job.objects.filter(pk__in=[job.pk for job in jobs]).update(
-        status=Job.Status.RUNNING, started_at=now, attempts=F("attempts") + 1, worker=worker, lease=lease,
+        status=Job.Status.RUNNING, started_at=Coalesce("started_at", Value(now)), attempts=F("attempts") + 1, worker=worker, lease=lease,
         lease_expires_at=expires,
     )
     for job in jobs:
-        job.status, job.started_at, job.worker = Job.Status.RUNNING, now, worker
+        job.status, job.started_at, job.worker = Job.Status.RUNNING, job.started_at or now, worker
         job.attempts += 1
         job.lease, job.lease_expires_at = lease, expires
     events_record(

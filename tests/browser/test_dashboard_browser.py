@@ -10,6 +10,7 @@ only speaks HTTP, as a person and their scripts would (Playwright's sync API run
 where Django refuses ORM calls)."""
 
 import json
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -119,4 +120,66 @@ def test_operators_act_on_the_dashboard_and_members_only_watch(server):
         finally:
             browser.close()
     assert ARTIFACT.stat().st_size > 10_000
+    assert errors == []
+
+
+def test_live_updates_leave_a_field_being_edited_alone(server):
+    """An operator types slowly into a capacity and into the policy's JSON while updates keep
+    arriving (a member's script submits a job every 150 ms): what they type, where the caret is
+    and the focus survive every push, and the rest of the page still updates."""
+    base, token, executor_id = server
+    member_token = Token.objects.create(user=get_user_model().objects.get(username="alice")).key
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def submit_forever() -> None:
+        body = json.dumps({"type": "chat", "team": "a", "requirements": {"model": "m"},
+                           "input": {"messages": [{"role": "user", "content": "hi"}]}}).encode()
+        while not stop.wait(0.15):
+            request = urllib.request.Request(base + "/api/jobs/", data=body, method="POST", headers={
+                "Authorization": f"Token {member_token}", "Content-Type": "application/json"})
+            urllib.request.urlopen(request, timeout=10).close()
+
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=FLAGS)
+        submitter = threading.Thread(target=submit_forever, daemon=True)
+        try:
+            page = sign_in(browser, base, "root", "operator pass 1", errors)
+            submitter.start()
+            capacity = page.get_by_label("capacity of shared", exact=True)
+            capacity.click()
+            capacity.press("Control+a")
+            before = page.evaluate("document.body.dataset.updated")
+            capacity.press_sequentially("-12", delay=350)
+            assert page.evaluate("document.body.dataset.updated") != before, "no update arrived while typing"
+            assert capacity.input_value() == "-12"
+            assert page.evaluate("document.activeElement.getAttribute('aria-label')") == "capacity of shared"
+
+            priorities = page.get_by_label("priority_map", exact=True)
+            priorities.click()
+            priorities.press("Control+a")
+            priorities.press_sequentially('{"member": 9}', delay=150)
+            for _ in range(2):  # the caret before the 9, where it must stay while updates arrive
+                priorities.press("ArrowLeft")
+            page.wait_for_timeout(600)
+            priorities.press_sequentially("4", delay=350)
+            assert priorities.input_value() == '{"member": 49}'
+            # Away from the field, the unsaved edit still stands while updates go on.
+            page.locator("#jobs").click()
+            shown = page.locator("#jobs-count").inner_text()
+            wait_until(lambda: page.locator("#jobs-count").inner_text() != shown, timeout=10, what="another update")
+            assert priorities.input_value() == '{"member": 49}' and capacity.input_value() == "-12"
+
+            # Saved, the field shows the server's value again.
+            capacity.fill("7")
+            page.get_by_label("save capacity of shared", exact=True).click()
+            sync_api.expect(page.locator("#executors")).to_contain_text("0 / 7")
+            page.get_by_label("save queue policy", exact=True).click()
+            sync_api.expect(page.locator("#notice")).to_have_text("queue policy: done")
+            assert api_get(base, token, "/api/policy/")["priority_map"] == {"member": 49}
+        finally:
+            stop.set()
+            if submitter.is_alive():
+                submitter.join(timeout=10)
+            browser.close()
     assert errors == []

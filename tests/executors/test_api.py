@@ -88,3 +88,44 @@ class TestExecutorsApi:
         assert Slot.objects.filter(executor=executor).exists()
         response = api(operator).delete(f"/api/executors/{executor.pk}/")
         assert response.status_code == 409 and response.json()["error"] == "conflict"
+
+
+class TestSimKnobs:
+    """A sim executor's meta is checked against the knobs' bounds (executors/simknobs.py): a 400
+    names the knob, by the API on create and edit, and by the admin's form."""
+
+    SIM = {"name": "sim-1", "kind": "sim", "capabilities": {"models": ["m"]}}
+
+    @pytest.mark.parametrize(("meta", "knob"), [
+        ({"latency_ms": -5}, "latency_ms"), ({"latency_ms": "abc"}, "latency_ms"), ({"latency_ms": 1e12}, "latency_ms"),
+        ({"fail_rate": 2}, "fail_rate"), ({"output_tokens": 2.5}, "output_tokens"), ({"tokens_per_s": True}, "tokens_per_s"),
+        ({"embedding_dims": 0}, "embedding_dims"), ({"jitter_ms": None}, "jitter_ms"),
+    ])
+    def test_nonsense_is_a_400_naming_the_knob(self, api, operator, meta, knob):
+        response = api(operator).post("/api/executors/", {**self.SIM, "meta": meta}, format="json")
+        assert response.status_code == 400
+        assert list(response.json()["fields"]["meta"]) == [knob]
+        assert "must be" in response.json()["fields"]["meta"][knob][0]
+        assert not Executor.objects.exists()
+
+    def test_edits_are_checked_and_good_values_pass(self, api, operator):
+        client = api(operator)
+        meta = {"latency_ms": 20, "jitter_ms": 5, "tokens_per_s": 40.5, "output_tokens": 8, "fail_rate": 0.1, "note": "x"}
+        created = client.post("/api/executors/", {**self.SIM, "meta": meta}, format="json")
+        assert created.status_code == 201, created.json()
+        path = f"/api/executors/{created.json()['id']}/"
+        response = client.patch(path, {"meta": {"latency_ms": float("1e12")}}, format="json")
+        assert response.status_code == 400 and "latency_ms" in response.json()["fields"]["meta"]
+        assert Executor.objects.get().meta == meta
+        # Other kinds' meta is theirs to read: not checked against the sim's knobs.
+        other = client.post("/api/executors/", {**BODY, "meta": {"latency_ms": -5}}, format="json")
+        assert other.status_code == 201
+
+    def test_the_admin_form_refuses_nonsense(self, operator, client):
+        client.force_login(operator)
+        response = client.post("/admin/executors/executor/add/", {
+            "name": "sim-2", "kind": "sim", "capabilities": '{"models": ["m"]}', "max_concurrency": 4, "weight": 1,
+            "enabled": "on", "transport": "{}", "meta": '{"latency_ms": "abc"}',
+        })
+        assert response.status_code == 200 and b"meta.latency_ms must be a number" in response.content
+        assert not Executor.objects.exists()

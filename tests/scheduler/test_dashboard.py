@@ -19,7 +19,7 @@ from scheduler.services.rounds import round_begin, round_finish, round_requeue
 from scheduler.services.submit import job_submit
 from scheduler.snapshot import dashboard_state
 from telemachus.asgi import application
-from telemachus.models import AuditEvent, FeatureSwitch
+from telemachus.models import AuditEvent, FeatureSwitch, Team
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -283,3 +283,56 @@ def test_a_running_flow_shows_its_round(member_setup):
     job_claim(worker="w", limit=1)
     (job,) = dashboard_state(user=alice)["jobs"]
     assert (job["status"], job["round"], job["round_label"]) == ("running", 2, "round 2")
+
+
+class TestMembersSeeOnlyTheirTeams:
+    """A member of one team must not learn another team's slug, weight, depth cap, priority or
+    people from any view of the queue: the dashboard's socket, GET /api/queue/, GET /api/policy/.
+    Operators see it all. The other team's names are distinctive so a leak anywhere shows."""
+
+    @pytest.fixture
+    def two_teams(self, make_user, make_team, make_executor, operator):
+        alice, secretbob = make_user("alice"), make_user("secretbob")
+        make_team("alpha", {alice: "member"})
+        make_team("secretteam", {secretbob: "member"})
+        make_executor("shared", models=["m"])
+        make_executor("secretexec", models=["m"], team=Team.objects.get(slug="secretteam"))
+        QueuePolicy.objects.update_or_create(pk=QueuePolicy.SINGLETON_ID, defaults={
+            "team_weights": {"alpha": 2.0, "secretteam": 7.0},
+            "max_queue_depth": {"default": 100, "alpha": 50, "secretteam": 9},
+            "priority_map": {"member": 0, "team:alpha": 1, "team:secretteam": 5, "user:secretbob": 3},
+        })
+        job_submit(user=secretbob, team="secretteam", type="chat", requirements={"model": "m"},
+                   input={"messages": [{"role": "user", "content": "hi"}]})
+        return alice, operator
+
+    def test_dashboard_socket(self, two_teams):
+        alice, operator = two_teams
+
+        def first_state(user):
+            session = signed_in(user)
+
+            async def scenario():
+                communicator = socket(session)
+                assert (await communicator.connect())[0]
+                state = await receive_state(communicator)
+                await communicator.disconnect()
+                return state
+
+            return run(scenario)
+
+        mine = first_state(alice)
+        assert "secret" not in json.dumps(mine)
+        assert mine["policy"]["team_weights"] == {"alpha": 2.0}
+        assert mine["policy"]["max_queue_depth"] == {"default": 100, "alpha": 50}
+        assert mine["policy"]["priority_map"] == {"member": 0, "team:alpha": 1}
+        everything = first_state(operator)
+        assert everything["policy"]["team_weights"] == {"alpha": 2.0, "secretteam": 7.0}
+        assert "secretexec" in json.dumps(everything["queue"])
+
+    def test_http_views(self, two_teams, api):
+        alice, operator = two_teams
+        for path in ("/api/queue/", "/api/policy/"):
+            response = api(alice).get(path)
+            assert response.status_code == 200 and "secret" not in response.content.decode(), path
+            assert "secret" in api(operator).get(path).content.decode(), path

@@ -7,7 +7,7 @@ import pytest
 from django.utils import timezone
 
 from quotas.models import QuotaPolicy
-from scheduler.models import Job, JobEvent, QueuePolicy, TeamShare
+from scheduler.models import Job, JobEvent, QueuePolicy, Slot, TeamShare
 from scheduler.policy import FairSharePolicy, policy_for
 from scheduler.services.claim import job_claim
 from scheduler.services.finish import job_finish
@@ -87,7 +87,7 @@ class TestFairShare:
         (claim,) = job_claim(worker="w", limit=1).claims
         share = TeamShare.objects.get(team_id=job.team_id)
         assert share.usage == pytest.approx(2.5)
-        Job.objects.filter(pk=job.pk).update(started_at=timezone.now() - timedelta(seconds=4))
+        Slot.objects.filter(job=job).update(acquired_at=timezone.now() - timedelta(seconds=4))
         job_finish(job_id=job.pk, lease=claim.lease, result={})
         share.refresh_from_db()
         assert share.usage == pytest.approx(4.0, abs=0.2), "history keeps the 4 slot-seconds, not the penalty"

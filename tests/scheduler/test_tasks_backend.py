@@ -3,7 +3,9 @@ jobs, run on a cpu-node executor by a real worker process, and read back through
 
 import asyncio
 import math
+import sys
 import time
+import types
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -17,6 +19,7 @@ from quotas.services import quota_policy_create
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
 from scheduler.services.cancel import job_cancel
 from scheduler.services.claim import job_claim
+from scheduler.services.finish import Outcome, jobs_finish
 from scheduler.services.policy import queue_policy_update
 from scheduler.services.submit import job_submit
 from scheduler.tasks_backend import JobCanceled, JobFailed, TelemachusBackend, enqueue_as
@@ -29,6 +32,7 @@ from telemachus.tasks_api import (
     TaskResultDoesNotExist,
     TaskResultMismatch,
     TaskResultStatus,
+    task,
     task_backends,
 )
 from tests.executors.test_cpu_node import alive, max_overlap
@@ -241,6 +245,21 @@ class TestGetResult:
         with django_assert_num_queries(2):  # the job, its start, retry and cancel events
             result.refresh()
 
+    def test_a_retry_keeps_the_first_start_and_moves_the_last_attempt(self, alice):
+        with enqueue_as(user=alice):
+            result = add.enqueue(1, 2)
+        (claim,) = job_claim(worker="w1", limit=1).claims
+        jobs_finish(outcomes=[Outcome(job_id=claim.job.pk, lease=claim.lease, ok=False, error="pool died",
+                                      retryable=True)])
+        Job.objects.filter(pk=claim.job.pk).update(run_after=None)
+        first = Job.objects.get(pk=claim.job.pk).started_at
+        time.sleep(0.01)
+        job_claim(worker="w2", limit=1)
+
+        result.refresh()
+        assert result.attempts == 2 and result.worker_ids == ["w1", "w2"]
+        assert result.started_at == first and result.last_attempted_at > first
+
     @pytest.mark.django_db(transaction=True)
     def test_aenqueue_and_aget_result_keep_the_submitter(self, alice):
         async def enqueue_and_read() -> tuple[TaskResult, TaskResult]:
@@ -369,3 +388,34 @@ class TestWithAWorkerProcess:
         assert max(slots for slots, _ in seen) == 2 and max(running for _, running in seen) == 2
         assert max_overlap([(r.return_value["started"], r.return_value["finished"]) for r in results]) == 2
         connection.close()
+
+
+class TestRefusedBeforeAWorkerSeesIt:
+    """A task a worker could not import is refused at enqueue, with nothing written, rather than
+    failing every attempt in the worker."""
+
+    def test_a_module_that_exists_only_in_this_process(self, alice, monkeypatch):
+        module = types.ModuleType("tests.scheduler.made_at_run_time")
+        exec("def work(a):\n    return a\n", module.__dict__)
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        module.work = task(module.work)
+
+        with enqueue_as(user=alice), pytest.raises(InvalidTask, match=(
+            r"tests.scheduler.made_at_run_time.work: module tests.scheduler.made_at_run_time is not importable "
+            r"from a file, so workers could not find it")):
+            module.work.enqueue(1)
+        assert not Job.objects.exists()
+
+    def test_a_function_that_is_not_module_level(self, alice):
+        def inner(a: int) -> int:
+            return a
+
+        with pytest.raises(InvalidTask, match="Task function must be defined at a module level"):
+            task(inner)
+        with pytest.raises(InvalidTask, match="Task function must be defined at a module level"):
+            type(add)(priority=0, func=inner, backend="default", queue_name="default", run_after=None).enqueue(1)
+        assert not Job.objects.exists()
+
+    def test_declared_tasks_still_pass(self, alice):
+        with enqueue_as(user=alice):
+            assert Job.objects.get(pk=int(add.enqueue(1, 2).id)).input["callable"] == "tests.scheduler.declared_tasks.add"

@@ -4,6 +4,7 @@ with 403 feature_disabled; a team's own switch wins over the global one."""
 import pytest
 
 from scheduler.models import Job
+from scheduler.services.submit import job_submit
 from telemachus.errors import FeatureDisabled
 from telemachus.features import feature_enabled, feature_require
 from tests.conftest import chat_body
@@ -67,3 +68,17 @@ def test_states_read_by_everyone_switched_by_operators(api, operator, member_set
 def test_bad_input(api, operator, member_setup, body, field):
     response = api(operator).put("/api/features/", body, format="json")
     assert response.status_code == 400 and field in response.json()["fields"]
+
+
+@pytest.mark.parametrize("kind", [Job.Type.CHAT, Job.Type.TASK])
+def test_a_refusal_names_the_feature_plainly_whoever_submits(api, operator, member_setup, kind):
+    """The OpenAI endpoint and the tasks backend submit with the Job.Type member, not a string: the
+    refusal still reads 'chat', never the enum's repr."""
+    alice = member_setup[0]
+    switch(api(operator), kind.value, False)
+    with pytest.raises(FeatureDisabled) as refused:
+        job_submit(user=alice, team="a", type=kind, requirements={"model": "m"},
+                   input={"messages": [{"role": "user", "content": "hi"}]})
+    assert refused.value.body() == {"error": "feature_disabled", "detail": f"'{kind.value}' is switched off for team 'a'.",
+                                    "feature": kind.value, "team": "a"}
+    assert type(refused.value.body()["feature"]) is str

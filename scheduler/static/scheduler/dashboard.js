@@ -41,26 +41,54 @@ function button(label, onClick, props = {}) {
   return node("button", { type: "button", text: label, on: { click: onClick }, ...props });
 }
 
+// The key of the editable field among a cell's content (an input, a select, or [input, button]).
+function keyOf(content) {
+  const nodes = Array.isArray(content) ? content : [content];
+  const found = nodes.find((n) => n instanceof Element && n.dataset.key);
+  return found ? found.dataset.key : null;
+}
+
+// A field the operator is using: focused, or holding what they typed and have not saved.
+function editing(cell, key) {
+  const current = key && cell.querySelector(`[data-key="${CSS.escape(key)}"]`);
+  return Boolean(current) && (current === document.activeElement || drafts.has(key));
+}
+
+// Rows are updated in place, cell by cell: a cell whose field is being edited is left as it is, so
+// a pushed update never takes its focus, caret, selection or half-typed value (a number input's
+// "-" or "1e" reads as "" and could not be put back).
 function fill(table, headers, rows) {
-  table.replaceChildren();
-  const head = table.insertRow();
-  for (const h of headers) head.appendChild(node("th", { text: h }));
+  const heading = headers.join("\u0000");
+  if (!table.rows.length || table.dataset.heading !== heading) {
+    table.replaceChildren();
+    const head = table.insertRow();
+    for (const h of headers) head.appendChild(node("th", { text: h }));
+    table.dataset.heading = heading;
+  }
+  while (table.rows.length > rows.length + 1) table.deleteRow(-1);
   if (!rows.length) {
     const cell = table.insertRow().insertCell();
     cell.colSpan = headers.length;
     cell.className = "muted";
     cell.textContent = "none";
+    return;
   }
-  for (const row of rows) {
-    const tr = table.insertRow();
-    for (const [content, cls] of row) {
-      const td = tr.insertCell();
-      if (content instanceof Node) td.append(content);
-      else if (Array.isArray(content)) td.append(...content);
-      else td.textContent = content === null || content === undefined ? "" : String(content);
-      if (cls) td.className = cls;
+  rows.forEach((row, index) => {
+    let tr = table.rows[index + 1];
+    if (!tr || tr.cells.length !== row.length || tr.cells[0].colSpan !== 1) {
+      if (tr) tr.remove();
+      tr = table.insertRow(index + 1);
+      for (let i = 0; i < row.length; i++) tr.insertCell();
     }
-  }
+    row.forEach(([content, cls], i) => {
+      const td = tr.cells[i];
+      td.className = cls || "";
+      if (editing(td, keyOf(content))) return;
+      if (content instanceof Node) td.replaceChildren(content);
+      else if (Array.isArray(content)) td.replaceChildren(...content);
+      else td.textContent = content === null || content === undefined ? "" : String(content);
+    });
+  });
 }
 
 function notice(text, kind) {

@@ -8,6 +8,7 @@ from quotas.models import QuotaPolicy
 from scheduler.models import Job, QueuePolicy
 from scheduler.services.claim import job_claim
 from scheduler.services.submit import job_submit
+from scheduler.snapshot import dashboard_state
 
 pytestmark = pytest.mark.django_db
 
@@ -154,3 +155,25 @@ class TestEveryWaitReasonIsNamed:
         teams = {t["team"]: t for t in api(operator).get("/api/queue/").json()["teams"]}
         assert teams["a"]["waits"] == [{"code": "depth_cap", "cap": 2,
                                         "text": "queue at its depth cap (2): new jobs are refused"}]
+
+
+@pytest.mark.parametrize(("change", "code", "text"), [
+    ({"max_concurrency": 0}, "executor_no_capacity", "executor shared has capacity 0"),
+    ({"enabled": False}, "executor_disabled", "executor shared is disabled"),
+    ({"rule": 0}, "executor_no_capacity", "executor shared has capacity 0 (an executor concurrency rule)"),
+])
+def test_an_executor_with_no_capacity_is_named_as_the_reason(api, operator, member_setup, change, code, text):
+    """A queue that waits on an executor someone set to 0 (or disabled) says so, on the queue
+    (GET /api/queue/) and on the job's row of the dashboard, not "full" or nothing."""
+    alice, _, _, _, executor = member_setup
+    job = submit(alice, "a")
+    if "rule" in change:
+        QuotaPolicy.objects.create(scope="executor", subject="shared", dimension="ai.concurrency", limit=0)
+    else:
+        Executor.objects.filter(pk=executor.pk).update(**change)
+    assert job_claim(worker="w", limit=5).claims == []
+
+    team = {t["team"]: t for t in api(operator).get("/api/queue/").json()["teams"]}["a"]
+    assert team["not_served"] == [text] and [w["code"] for w in team["waits"]] == [code]
+    (row,) = dashboard_state(user=alice)["jobs"]
+    assert row["id"] == job.pk and row["waits"] == [text]

@@ -8,12 +8,14 @@ from django.utils import timezone
 
 from executors.tools import ToolOutcome
 from quotas.models import QuotaPolicy, Usage
-from scheduler.models import Job, JobEvent, QueuePolicy, Slot
+from scheduler.models import Job, JobEvent, QueuePolicy, Slot, TeamShare
 from scheduler.services.claim import job_claim
+from scheduler.services.finish import Outcome, jobs_finish
 from scheduler.services.recover import jobs_recover
 from scheduler.services.requeue import job_requeue
 from scheduler.services.rounds import LeaseLost, round_begin, round_finish, round_requeue
 from scheduler.services.submit import job_submit
+from scheduler.snapshot import dashboard_state
 
 pytestmark = pytest.mark.django_db
 
@@ -271,3 +273,46 @@ def test_an_operator_requeue_starts_a_failed_flow_afresh(member_setup, operator)
     assert (job.status, job.rounds, job.conversation, job.error, job.tokens_used) == ("queued", 0, [], "", 4)
     again = claim_one()
     assert round_begin(job_id=flow.pk, lease=again.lease).round == 1
+
+
+class TestAFlowStartsOnce:
+    """`started_at` is when a flow's first round started: later rounds, a retried round and a
+    round recovered after a crash do not move it (their starts are the `round_started` events and
+    the slot's `acquired_at`). So the API and the dashboard show the flow's start, the wait
+    histogram counts one wait per flow (submit to first round), and each round is charged to fair
+    share for its own slot-seconds, not for the flow's whole life."""
+
+    def test_later_rounds_keep_the_first_start(self, member_setup, api, operator):
+        alice = member_setup[0]
+        QueuePolicy.objects.update_or_create(pk=QueuePolicy.SINGLETON_ID, defaults={"entry_penalty": 0})
+        flow = submit_flow(alice)
+        Job.objects.filter(pk=flow.pk).update(submitted_at=timezone.now() - timedelta(seconds=5))
+        (claim,) = job_claim(worker="w", limit=1).claims
+        first = Job.objects.get(pk=flow.pk).started_at
+        round_begin(job_id=flow.pk, lease=claim.lease)
+        round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=calling(1))
+        round_requeue(job_id=flow.pk, lease=claim.lease, round=1, results=[echoed(1)])
+        # Round 2's model call fails and is retried; the worker running the retry dies.
+        (claim,) = job_claim(worker="w", limit=1).claims
+        jobs_finish(outcomes=[Outcome(job_id=flow.pk, lease=claim.lease, ok=False, error="boom", retryable=True)])
+        Job.objects.filter(pk=flow.pk).update(run_after=None)
+        (claim,) = job_claim(worker="w", limit=1).claims
+        Job.objects.filter(pk=flow.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+        jobs_recover()
+        (claim,) = job_claim(worker="w", limit=1).claims
+        assert Job.objects.get(pk=flow.pk).started_at == first
+        round_begin(job_id=flow.pk, lease=claim.lease)
+        # The flow is 100 s old by now; its round has held its slot for a moment only.
+        Job.objects.filter(pk=flow.pk).update(started_at=first - timedelta(seconds=100))
+        first = first - timedelta(seconds=100)
+        usage_before = TeamShare.objects.get(team_id=flow.team_id).usage
+        round_finish(job_id=flow.pk, lease=claim.lease, round=2, message=answer())
+        assert TeamShare.objects.get(team_id=flow.team_id).usage - usage_before < 5
+
+        done = Job.objects.get(pk=flow.pk)
+        assert done.status == "done" and done.started_at == first
+        assert api(alice).get(f"/api/jobs/{flow.pk}/").json()["started_at"].startswith(first.isoformat()[:19])
+        (row,) = dashboard_state(user=alice)["jobs"]
+        assert row["started_at"] == first
+        scrape = api(operator).get("/metrics").content.decode()
+        assert 'telemachus_job_wait_seconds_count{team="a"} 1.0' in scrape
