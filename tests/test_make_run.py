@@ -40,14 +40,16 @@ def call(url: str, token: str, body: dict | None = None) -> dict:
 
 
 def children(pid: int) -> list[int]:
-    """Live (not zombie) processes whose parent is `pid`."""
+    """Live (not zombie) processes whose parent is `pid`, but for the `sleep` bin/run polls with
+    (a child of it most of the time: counted, it made "daphne and the worker" a race)."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            name, rest = stat.read_text().split("(", 1)[1].rsplit(")", 1)
+        except (OSError, ValueError):
             continue
-        if int(fields[1]) == pid and fields[0] != "Z":
+        fields = rest.split()
+        if int(fields[1]) == pid and fields[0] != "Z" and name != "sleep":
             found.append(int(stat.parent.name))
     return found
 
