@@ -9,7 +9,7 @@ from scheduler.configuration import policy_record
 from scheduler.locks import lock_job
 from scheduler.models import Job, JobEvent, Slot
 from scheduler.services.events import event_record
-from scheduler.services.finish import attempt_cost
+from scheduler.services.finish import attempt_began, attempt_cost
 from scheduler.services.shares import team_shares_charge
 from telemachus.audit import Actor, audit_record
 from telemachus.config import config_snapshot
@@ -42,6 +42,7 @@ def job_cancel(*, job_id: int, by: Actor = None, reason: str = "", bill: bool = 
         billed = bill and was == Job.Status.RUNNING and job.executor_id is not None
         tokens = _attempt_estimate(job) if billed else 0
         who = by.get_username() if by is not None else None
+        began = attempt_began(job) if billed else None
         Slot.objects.filter(job=job).delete()
         job.status = Job.Status.CANCELED
         job.finished_at = now
@@ -63,9 +64,9 @@ def job_cancel(*, job_id: int, by: Actor = None, reason: str = "", bill: bool = 
         bills = [Bill(team_id=job.team_id, user_id=job.user_id, executor_id=job.executor_id, tokens=tokens)] \
             if billed else []
         quota_settle(reservations=[reservation], bills=bills, now=now)
-        if billed and job.started_at is not None:
+        if began is not None:
             record = policy_record(config_snapshot())
-            cost = attempt_cost(record, started_at=job.started_at, now=now, tokens=tokens, estimate=job.cost_estimate)
+            cost = attempt_cost(record, started_at=began, now=now, tokens=tokens, estimate=job.cost_estimate)
             team_shares_charge(charges={job.team_id: cost}, now=now, half_life=record.half_life_seconds)
     return job
 

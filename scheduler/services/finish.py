@@ -167,6 +167,12 @@ def attempt_start() -> Subquery:
     return Subquery(Slot.objects.filter(job=OuterRef("pk")).order_by("id").values("acquired_at")[:1])
 
 
+def attempt_began(job: Job) -> datetime | None:
+    """`attempt_start` for one job already locked, read before its slot is deleted; None when it
+    holds no slot (a tool job)."""
+    return Slot.objects.filter(job=job).order_by("id").values_list("acquired_at", flat=True).first()
+
+
 def attempt_cost(record: QueuePolicy, *, started_at: datetime | None, now: datetime, tokens: int, estimate: int) -> float:
     """What an attempt adds to its team's fair-share usage when it ends: its real cost (slot-seconds
     or tokens) less the entry penalty charged when it started. The penalty only holds a burst back

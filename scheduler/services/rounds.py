@@ -37,7 +37,7 @@ from scheduler.locks import lock_job
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
 from scheduler.selectors import queue_policy
 from scheduler.services.events import events_record, job_event
-from scheduler.services.finish import attempt_cost
+from scheduler.services.finish import attempt_began, attempt_cost
 from scheduler.services.shares import team_shares_charge
 from telemachus.errors import Conflict
 
@@ -110,7 +110,7 @@ def _attempt_end(job: Job, *, now: datetime, record: QueuePolicy, tokens: int | 
     attempt cost. Runs last in its transaction: ledger rows (level 4), then team shares (5).
     `wake`: tell the workers a slot is free (not for a flow under `continue` going on to its
     tools: its next round keeps its place, and the requeue wakes them)."""
-    acquired = Slot.objects.filter(job=job).order_by("id").values_list("acquired_at", flat=True).first()
+    acquired = attempt_began(job)
     Slot.objects.filter(job=job).delete()
     if wake:
         signals.notify_workers(signals.FREED)

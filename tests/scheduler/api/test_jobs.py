@@ -1,11 +1,13 @@
 import json
+from datetime import timedelta
 
 import pytest
 from django.db import connection
 from django.test import Client, override_settings
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
-from scheduler.models import Job, JobEvent
+from scheduler.models import Job, JobEvent, TeamShare
 from scheduler.services.claim import job_claim
 from scheduler.services.finish import job_finish
 from scheduler.services.submit import job_submit
@@ -292,6 +294,16 @@ class TestCancel:
         events = api(alice).get(f"/api/jobs/{job['id']}/events/").json()["results"]
         assert events[-1]["meta"] == {"was": "running", "by": "alice", "reason": "canceled by alice", "tokens": 70,
                                       "billed": "estimate"}
+
+    def test_cancel_charges_fair_share_for_the_attempt_not_since_the_first_start(self, api, member_setup):
+        # Given a job whose first attempt started an hour ago, running again now (a retry)...
+        alice = member_setup[0]
+        job = submit(api(alice), chat_body("a")).json()
+        Job.objects.filter(pk=job["id"]).update(started_at=timezone.now() - timedelta(hours=1))
+        job_claim(worker="w", limit=1)
+        # When it is canceled, fair share is charged the seconds this attempt held its slot.
+        api(alice).post(f"/api/jobs/{job['id']}/cancel/")
+        assert TeamShare.objects.get(team__slug="a").usage < 60
 
     def test_cancel_finished_job_is_409(self, api, member_setup):
         alice = member_setup[0]
