@@ -17,12 +17,20 @@ User = get_user_model()
 admin = User.objects.get(username="admin")
 member = User.objects.filter(username="member").first() or User.objects.create_user("member", password="x-unused-x")
 if not member.memberships.exists():
-    team_create(slug="members", name="Members", members=[{"username": "member", "role": "manager"},
-                                                         {"username": "admin", "role": "member"}])
+    team_create(
+        slug="members",
+        name="Members",
+        members=[{"username": "member", "role": "manager"}, {"username": "admin", "role": "member"}],
+    )
 for user, team in ((admin, "demo"), (member, "members"), (member, "members")):
     for _ in range(3):
-        job_submit(user=user, team=team, type="chat", requirements={"model": "sim", "est_tokens": 10},
-                   input={"messages": [{"role": "user", "content": "seed"}]})
+        job_submit(
+            user=user,
+            team=team,
+            type="chat",
+            requirements={"model": "sim", "est_tokens": 10},
+            input={"messages": [{"role": "user", "content": "seed"}]},
+        )
 claims = job_claim(worker="seed", limit=3).claims
 job_finish(job_id=claims[0].job.pk, lease=claims[0].lease, result={"seed": True})
 job_finish(job_id=claims[1].job.pk, lease=claims[1].lease, error="seeded failure")

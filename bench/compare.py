@@ -43,8 +43,13 @@ PG_BENCH_DB = "telemachus_bench_compare"
 PEERS_VENV = BENCH / ".venv-peers"
 BULK = 1000
 SYSTEMS = ("telemachus", "procrastinate", "celery")
-PRODUCTION_ENV = {"DJANGO_SETTINGS_MODULE": "telemachus.settings", "LOG_LEVEL": "WARNING", "DEBUG": "0",
-                  "SECRET_KEY": "bench-only-" + "x" * 50, "ALLOWED_HOSTS": "127.0.0.1"}
+PRODUCTION_ENV = {
+    "DJANGO_SETTINGS_MODULE": "telemachus.settings",
+    "LOG_LEVEL": "WARNING",
+    "DEBUG": "0",
+    "SECRET_KEY": "bench-only-" + "x" * 50,
+    "ALLOWED_HOSTS": "127.0.0.1",
+}
 
 
 def timed_rate(n: int, per_call: int, call) -> float:
@@ -85,7 +90,11 @@ def telemachus_run(database_url: str, jobs: int, workers: int) -> dict:
 
         setup = {"users": [(get_user_model().objects.get(username=n), Team.objects.get(slug=n)) for n in ("t1", "t2")]}
     user, team = setup["users"][0]
-    body = {"type": "chat", "requirements": {"model": "noop"}, "input": {"messages": [{"role": "user", "content": "x"}]}}
+    body = {
+        "type": "chat",
+        "requirements": {"model": "noop"},
+        "input": {"messages": [{"role": "user", "content": "x"}]},
+    }
     result = {}
     throughput.clear()
     result["enqueue one by one"] = timed_rate(jobs, 1, lambda: job_submit(user=user, team=team.slug, **body))
@@ -109,8 +118,9 @@ def telemachus_run(database_url: str, jobs: int, workers: int) -> dict:
 def procrastinate_app(database_url: str):
     import procrastinate
 
-    app = procrastinate.App(connector=procrastinate.PsycopgConnector(
-        conninfo=database_url.replace("postgres://", "postgresql://")))
+    app = procrastinate.App(
+        connector=procrastinate.PsycopgConnector(conninfo=database_url.replace("postgres://", "postgresql://"))
+    )
 
     @app.task(name="noop")
     def noop() -> None:
@@ -139,15 +149,18 @@ def procrastinate_run(database_url: str, jobs: int, workers: int) -> dict:
         result["enqueue one by one"] = timed_rate(jobs, 1, noop.defer)
         clear()
         result["enqueue bulk"] = timed_rate(jobs, BULK, lambda: noop.batch_defer(*([{}] * BULK)))
-    procs = [subprocess.Popen([sys.executable, __file__, "--peer", "procrastinate-worker", database_url])
-             for _ in range(workers)]
+    procs = [
+        subprocess.Popen([sys.executable, __file__, "--peer", "procrastinate-worker", database_url])
+        for _ in range(workers)
+    ]
     for proc in procs:
         proc.wait(timeout=1800)
     with psycopg.connect(conninfo) as conn:
         succeeded = conn.execute("SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded'").fetchone()[0]
         first, last = conn.execute(
             "SELECT min(at) FILTER (WHERE type = 'started'), max(at) FILTER (WHERE type = 'succeeded') "
-            "FROM procrastinate_events").fetchone()
+            "FROM procrastinate_events"
+        ).fetchone()
         conn.execute("TRUNCATE procrastinate_jobs CASCADE")
     assert succeeded == jobs, f"procrastinate: {succeeded} of {jobs} succeeded"
     result["process"] = jobs / (last - first).total_seconds()
@@ -165,8 +178,12 @@ def celery_app(redis_url: str):
     from celery import Celery
 
     app = Celery("bench", broker=redis_url)
-    app.conf.update(task_ignore_result=True, worker_prefetch_multiplier=64, worker_hijack_root_logger=False,
-                    broker_connection_retry_on_startup=True)
+    app.conf.update(
+        task_ignore_result=True,
+        worker_prefetch_multiplier=64,
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+    )
     store = redis.Redis.from_url(redis_url)
 
     @app.task(name="noop")
@@ -190,8 +207,11 @@ def celery_run(redis_url: str, jobs: int, workers: int) -> dict:
     result["enqueue one by one"] = timed_rate(jobs, 1, noop.delay)
     store.flushdb()
     result["enqueue bulk"] = timed_rate(jobs, BULK, lambda: group(noop.s() for _ in range(BULK)).apply_async())
-    worker = subprocess.Popen([sys.executable, __file__, "--peer", "celery-worker", redis_url, str(workers)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = subprocess.Popen(
+        [sys.executable, __file__, "--peer", "celery-worker", redis_url, str(workers)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 1800
         while int(store.get("bench:done") or 0) < jobs:
@@ -208,8 +228,20 @@ def celery_run(redis_url: str, jobs: int, workers: int) -> dict:
 
 def celery_worker(redis_url: str, workers: int) -> None:
     app, _, _ = celery_app(redis_url)
-    app.worker_main(["worker", "--pool", "prefork", "--concurrency", str(workers), "--loglevel", "WARNING",
-                     "--without-gossip", "--without-mingle", "--without-heartbeat"])
+    app.worker_main(
+        [
+            "worker",
+            "--pool",
+            "prefork",
+            "--concurrency",
+            str(workers),
+            "--loglevel",
+            "WARNING",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ]
+    )
 
 
 # --- the run --------------------------------------------------------------------------------------
@@ -257,7 +289,7 @@ def main() -> None:
     try:
         database_url = pg_url(PG_BENCH_DB)
         for repeat in range(args.repeats):
-            order = SYSTEMS[repeat % 3:] + SYSTEMS[:repeat % 3]
+            order = SYSTEMS[repeat % 3 :] + SYSTEMS[: repeat % 3]
             for system in order:
                 results[system].append(run(system, args, database_url, redis_url, peers))
                 print(f"repeat {repeat + 1}, {system}: {results[system][-1]}", file=sys.stderr)
@@ -266,8 +298,10 @@ def main() -> None:
 
     measures = ("enqueue one by one", "enqueue bulk", "process")
     median = {s: {m: statistics.median(r[m] for r in results[s]) for m in measures} for s in SYSTEMS}
-    print(f"\n{args.jobs} no-op jobs, {args.workers} worker processes each, medians of {args.repeats} "
-          "interleaved repeats (jobs/s; ratio: Telemachus / peer)\n")
+    print(
+        f"\n{args.jobs} no-op jobs, {args.workers} worker processes each, medians of {args.repeats} "
+        "interleaved repeats (jobs/s; ratio: Telemachus / peer)\n"
+    )
     print("| measure | Telemachus | Procrastinate | Celery | vs Procrastinate | vs Celery |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for m in measures:

@@ -38,8 +38,6 @@ WARM_UP_JOBS = 20
 SLOW_LATENCY_MS = 2000
 
 
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -52,14 +50,21 @@ def http_json(url: str, method: str = "GET") -> dict:
 
 
 def child_env(database_url: str) -> dict[str, str]:
-    return {**os.environ, "DATABASE_URL": database_url, "DJANGO_SETTINGS_MODULE": "telemachus.settings",
-            "LOG_LEVEL": "WARNING"}
+    return {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "DJANGO_SETTINGS_MODULE": "telemachus.settings",
+        "LOG_LEVEL": "WARNING",
+    }
 
 
 def start_simllm(latency_ms: int, database_url: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "manage.py", "simllm", "--port", str(port), "--latency-ms",
-                             str(latency_ms), "--models", "m"], cwd=ROOT, env=child_env(database_url))
+    proc = subprocess.Popen(
+        [sys.executable, "manage.py", "simllm", "--port", str(port), "--latency-ms", str(latency_ms), "--models", "m"],
+        cwd=ROOT,
+        env=child_env(database_url),
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 20
     while True:
@@ -115,12 +120,19 @@ async def _overhead(base: str, requests: int) -> dict:
 
     executor = Executor(name="bench", kind="local-model", endpoint=f"{base}/v1", capabilities={"models": ["m"]})
     driver = LocalModelDriver(executor)
-    request = DispatchRequest(job_id=1, type="chat", model="m",
-                              input={"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16})
+    request = DispatchRequest(
+        job_id=1,
+        type="chat",
+        model="m",
+        input={"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16},
+    )
     body = driver.request_body(request)
     # The same client settings as the driver's own, so the comparison isolates the driver's work.
-    direct = httpx.AsyncClient(base_url=f"{base}/v1", timeout=httpx.Timeout(120, connect=5),
-                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+    direct = httpx.AsyncClient(
+        base_url=f"{base}/v1",
+        timeout=httpx.Timeout(120, connect=5),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+    )
 
     async def via_driver() -> None:
         await driver.dispatch(request)
@@ -163,8 +175,9 @@ def seed(endpoint: str) -> tuple:
     team = team_create(slug="bench", name="bench")
     team_member_set(team=team, username="bench", role="member")
     # No quota policy: the worker's --concurrency is the only limit in play.
-    Executor.objects.create(name="llm", kind="local-model", endpoint=endpoint, capabilities={"models": ["m"]},
-                            max_concurrency=100_000)
+    Executor.objects.create(
+        name="llm", kind="local-model", endpoint=endpoint, capabilities={"models": ["m"]}, max_concurrency=100_000
+    )
     return user, team
 
 
@@ -176,9 +189,18 @@ def queue(n: int, user, team) -> None:
     from scheduler.models import Job
 
     now = timezone.now()
-    rows = [Job(type="chat", user=user, team=team, requirements={"model": "m"}, model="m",
-                input={"messages": [{"role": "user", "content": f"job {i}"}], "max_tokens": 16}, submitted_at=now)
-            for i in range(n)]
+    rows = [
+        Job(
+            type="chat",
+            user=user,
+            team=team,
+            requirements={"model": "m"},
+            model="m",
+            input={"messages": [{"role": "user", "content": f"job {i}"}], "max_tokens": 16},
+            submitted_at=now,
+        )
+        for i in range(n)
+    ]
     with transaction.atomic():
         Job.objects.bulk_create(rows, batch_size=5000)
         signals.notify_workers(signals.QUEUED)
@@ -222,8 +244,19 @@ def in_flight(concurrency: int, setup: tuple, base: str, database_url: str) -> d
     JobEvent.objects.all().delete()
     Job.objects.all().delete()
     http_json(f"{base}/stats/reset", method="POST")
-    worker = subprocess.Popen([sys.executable, "manage.py", "scheduler_worker", "--concurrency", str(concurrency),
-                               "--name", f"bench-{concurrency}"], cwd=ROOT, env=child_env(database_url))
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "manage.py",
+            "scheduler_worker",
+            "--concurrency",
+            str(concurrency),
+            "--name",
+            f"bench-{concurrency}",
+        ],
+        cwd=ROOT,
+        env=child_env(database_url),
+    )
     try:
         time.sleep(5)  # start-up: imports, recovery, LISTEN
         rss_started = rss_kib(worker.pid)
@@ -246,8 +279,14 @@ def in_flight(concurrency: int, setup: tuple, base: str, database_url: str) -> d
         stop(worker)
     peak = stats["peak"]
     return {
-        "concurrency": concurrency, "jobs": jobs, "seconds": seconds, "cpu_ms_per_job": cpu * 1000 / jobs, "peak": peak, "rss_started": rss_started,
-        "rss_warm": rss_warm, "rss_peak": sampler.max_rss,
+        "concurrency": concurrency,
+        "jobs": jobs,
+        "seconds": seconds,
+        "cpu_ms_per_job": cpu * 1000 / jobs,
+        "peak": peak,
+        "rss_started": rss_started,
+        "rss_warm": rss_warm,
+        "rss_peak": sampler.max_rss,
         "per_request_kib": (sampler.max_rss - rss_warm) / peak if peak else None,
     }
 
@@ -277,8 +316,6 @@ def child(database_url: str, requests: int, concurrencies: list[int]) -> dict:
 # --- parent: a scratch database, the child, the tables ------------------------------------------
 
 
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=3000, help="timed requests per way in (a)")
@@ -293,8 +330,21 @@ def main() -> None:
     pg_database(PG_BENCH_DB, "create")
     try:
         url = pg_url(PG_BENCH_DB)
-        result = subprocess.run([sys.executable, __file__, "--child", url, "--requests", str(args.requests),
-                                 "--concurrency", args.concurrency], cwd=ROOT, capture_output=True, text=True)
+        result = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                url,
+                "--requests",
+                str(args.requests),
+                "--concurrency",
+                args.concurrency,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
     finally:
         pg_database(PG_BENCH_DB, "drop")
     if result.returncode != 0:
@@ -309,14 +359,18 @@ def main() -> None:
     print(f"{'driver - post':<22} {'':>9} {d['p50'] - p['p50']:>8.3f} {d['p99'] - p['p99']:>8.3f}")
 
     print(f"\n(b) one worker process, simllm answering after {SLOW_LATENCY_MS} ms, 2 x concurrency jobs queued\n")
-    print(f"{'concurrency':>11} {'jobs':>6} {'peak in flight':>15} {'drain s':>8} {'CPU ms/job':>11} "
-          f"{'RSS start MiB':>14} {'RSS warm MiB':>13} {'RSS peak MiB':>13} {'KiB/in flight':>14}")
+    print(
+        f"{'concurrency':>11} {'jobs':>6} {'peak in flight':>15} {'drain s':>8} {'CPU ms/job':>11} "
+        f"{'RSS start MiB':>14} {'RSS warm MiB':>13} {'RSS peak MiB':>13} {'KiB/in flight':>14}"
+    )
     for row in r["in_flight"]:
         per = row["per_request_kib"]
-        print(f"{row['concurrency']:>11} {row['jobs']:>6} {row['peak']:>15} {row['seconds']:>8.1f} "
-              f"{row['cpu_ms_per_job']:>11.2f} "
-              f"{row['rss_started'] / 1024:>14.1f} {row['rss_warm'] / 1024:>13.1f} {row['rss_peak'] / 1024:>13.1f} "
-              f"{'-' if per is None else f'{per:.1f}':>14}")
+        print(
+            f"{row['concurrency']:>11} {row['jobs']:>6} {row['peak']:>15} {row['seconds']:>8.1f} "
+            f"{row['cpu_ms_per_job']:>11.2f} "
+            f"{row['rss_started'] / 1024:>14.1f} {row['rss_warm'] / 1024:>13.1f} {row['rss_peak'] / 1024:>13.1f} "
+            f"{'-' if per is None else f'{per:.1f}':>14}"
+        )
 
 
 if __name__ == "__main__":

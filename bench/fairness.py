@@ -69,8 +69,7 @@ PG_BENCH_DB = "telemachus_bench_fairness"
 
 # Django is configured for the scratch database before any model is imported; the worker processes
 # inherit the same environment.
-os.environ.update(DATABASE_URL=pg_url(PG_BENCH_DB),
-                  DJANGO_SETTINGS_MODULE="telemachus.settings", LOG_LEVEL="WARNING")
+os.environ.update(DATABASE_URL=pg_url(PG_BENCH_DB), DJANGO_SETTINGS_MODULE="telemachus.settings", LOG_LEVEL="WARNING")
 sys.path.insert(0, str(ROOT))
 django.setup()
 
@@ -118,15 +117,11 @@ class Member:
     team: Team
 
 
-
-
 def jain(xs: list[float]) -> float:
     return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs))
 
 
 # --- the scratch database and its contents --------------------------------------------------------
-
-
 
 
 def db_now() -> datetime:
@@ -138,8 +133,9 @@ def db_now() -> datetime:
 
 def seed() -> None:
     """The sim executor (offering only MODEL) and the global slot cap."""
-    Executor.objects.create(name="sim", kind="sim", capabilities={"models": [MODEL]}, max_concurrency=1_000,
-                            meta=SHORT_JOBS)
+    Executor.objects.create(
+        name="sim", kind="sim", capabilities={"models": [MODEL]}, max_concurrency=1_000, meta=SHORT_JOBS
+    )
     QuotaPolicy.objects.create(scope="global", dimension="ai.concurrency", limit=SLOTS)
 
 
@@ -159,17 +155,23 @@ def members(n: int) -> list[Member]:
 
 
 def configure(
-    *, job_meta: dict, team_weights: dict[str, float] | None = None, entry_penalty: float | None = None,
+    *,
+    job_meta: dict,
+    team_weights: dict[str, float] | None = None,
+    entry_penalty: float | None = None,
     half_life: float | None = None,
 ) -> None:
     """Sim latency for the part, and the policy fields it varies (the model's defaults otherwise)."""
     Executor.objects.filter(name="sim").update(meta=job_meta)
     defaults = {name: QueuePolicy._meta.get_field(name).default for name in ("entry_penalty", "half_life_seconds")}
-    queue_policy_update(by=None, changes={
-        "team_weights": team_weights or {},
-        "entry_penalty": defaults["entry_penalty"] if entry_penalty is None else entry_penalty,
-        "half_life_seconds": defaults["half_life_seconds"] if half_life is None else half_life,
-    })
+    queue_policy_update(
+        by=None,
+        changes={
+            "team_weights": team_weights or {},
+            "entry_penalty": defaults["entry_penalty"] if entry_penalty is None else entry_penalty,
+            "half_life_seconds": defaults["half_life_seconds"] if half_life is None else half_life,
+        },
+    )
 
 
 def reset() -> None:
@@ -189,8 +191,18 @@ def queue_jobs(counts: list[tuple[Member, int]], *, interleaved: bool = False) -
     else:
         owners = [m for m, n in counts for _ in range(n)]
     now = timezone.now()
-    rows = [Job(type="chat", user=m.user, team=m.team, requirements={"model": MODEL}, model=MODEL, input=INPUT,
-                submitted_at=now) for m in owners]
+    rows = [
+        Job(
+            type="chat",
+            user=m.user,
+            team=m.team,
+            requirements={"model": MODEL},
+            model=MODEL,
+            input=INPUT,
+            submitted_at=now,
+        )
+        for m in owners
+    ]
     with transaction.atomic():
         Job.objects.bulk_create(rows, batch_size=5_000)
         signals.notify_workers(signals.QUEUED)
@@ -206,8 +218,12 @@ def analyze() -> None:
 def top_up(flooding: list[Member]) -> int:
     """Refill each flooding team whose queue fell below the low-water mark; return the smallest
     queue depth seen before refilling."""
-    depth = dict(Job.objects.filter(status=Job.Status.QUEUED, team__in=[m.team for m in flooding])
-                 .order_by().values_list("team").annotate(n=Count("id")))
+    depth = dict(
+        Job.objects.filter(status=Job.Status.QUEUED, team__in=[m.team for m in flooding])
+        .order_by()
+        .values_list("team")
+        .annotate(n=Count("id"))
+    )
     depths = {m: depth.get(m.team.pk, 0) for m in flooding}
     refill = [(m, FLOOD_QUEUED - d) for m, d in depths.items() if d < FLOOD_LOW_WATER]
     if refill:
@@ -230,8 +246,19 @@ def keep_flooding(flooding: list[Member], *, until: datetime) -> int:
 
 def start_workers() -> list[subprocess.Popen]:
     return [
-        subprocess.Popen([sys.executable, "manage.py", "scheduler_worker", "--concurrency", str(WORKER_CONCURRENCY),
-                          "--name", f"bench-{i}"], cwd=ROOT, env=os.environ)
+        subprocess.Popen(
+            [
+                sys.executable,
+                "manage.py",
+                "scheduler_worker",
+                "--concurrency",
+                str(WORKER_CONCURRENCY),
+                "--name",
+                f"bench-{i}",
+            ],
+            cwd=ROOT,
+            env=os.environ,
+        )
         for i in range(WORKERS)
     ]
 
@@ -248,8 +275,12 @@ def stop_workers(procs: list[subprocess.Popen]) -> None:
 def first_start(timeout: float = 60.0) -> datetime:
     """When the first job started (the workers are up and claiming)."""
     deadline = time.monotonic() + timeout
-    while (started := Job.objects.exclude(started_at=None).order_by("started_at")
-           .values_list("started_at", flat=True).first()) is None:
+    while (
+        started := Job.objects.exclude(started_at=None)
+        .order_by("started_at")
+        .values_list("started_at", flat=True)
+        .first()
+    ) is None:
         if time.monotonic() > deadline:
             raise SystemExit("no job started: did the workers come up?")
         time.sleep(0.1)
@@ -293,11 +324,23 @@ def weighted_shares(*, warmup: float, duration: float) -> dict:
     rows = []
     for m, weight in zip(teams, WEIGHTS, strict=True):
         target, share = weight / sum(WEIGHTS), held[m.team.pk] / total
-        rows.append({"team": m.team.slug, "weight": weight, "slot_s": held[m.team.pk], "target": target,
-                     "share": share, "x": share / target, "deviation": abs(share - target) / target})
+        rows.append(
+            {
+                "team": m.team.slug,
+                "weight": weight,
+                "slot_s": held[m.team.pk],
+                "target": target,
+                "share": share,
+                "x": share / target,
+                "deviation": abs(share - target) / target,
+            }
+        )
     return {
-        "rows": rows, "jain": jain([r["x"] for r in rows]), "max_deviation": max(r["deviation"] for r in rows),
-        "utilisation": total / (SLOTS * duration), "lowest_queue": lowest,
+        "rows": rows,
+        "jain": jain([r["x"] for r in rows]),
+        "max_deviation": max(r["deviation"] for r in rows),
+        "utilisation": total / (SLOTS * duration),
+        "lowest_queue": lowest,
         "jobs": Job.objects.filter(started_at__gte=start, started_at__lt=end).count(),
     }
 
@@ -320,8 +363,9 @@ def trickle(*, jobs: int, pause: float) -> dict:
         began = db_now()
         for _ in range(jobs):
             called = time.monotonic()
-            job = job_submit(user=lone.user, team=lone.team.slug, type="chat", requirements={"model": MODEL},
-                             input=INPUT)
+            job = job_submit(
+                user=lone.user, team=lone.team.slug, type="chat", requirements={"model": MODEL}, input=INPUT
+            )
             returned = time.monotonic()
             committed[job.pk] = db_now()
             while not Job.objects.filter(pk=job.pk).exclude(started_at=None).exists():
@@ -335,23 +379,33 @@ def trickle(*, jobs: int, pause: float) -> dict:
         ended = db_now()
     finally:
         stop_workers(procs)
-    stamps = {pk: (queued, started) for pk, queued, started in
-              Job.objects.filter(pk__in=observed_ms).values_list("pk", "submitted_at", "started_at")}
+    stamps = {
+        pk: (queued, started)
+        for pk, queued, started in Job.objects.filter(pk__in=observed_ms).values_list(
+            "pk", "submitted_at", "started_at"
+        )
+    }
     stamped_ms = [(started - queued).total_seconds() * 1000 for queued, started in stamps.values()]
     waited = claims_waited(list(observed_ms))
     cycles = [len(claims) for claims in waited.values()]
     flood_held = slot_seconds(began, ended, team=flood.team)[flood.team.pk]
     return {
-        "jobs": len(observed_ms), "cycles": Counter(cycles), "cycles_p50": percentile(cycles, 0.5),
-        "cycles_p95": percentile(cycles, 0.95), "cycles_max": max(cycles),
+        "jobs": len(observed_ms),
+        "cycles": Counter(cycles),
+        "cycles_p50": percentile(cycles, 0.5),
+        "cycles_p95": percentile(cycles, 0.95),
+        "cycles_max": max(cycles),
         # Counted claims that asked for the claim lock (`at`) before job_submit had returned: they
         # may have read the queue before the job was committed, so could not have taken it.
         "counted": sum(cycles),
         "under_way": sum(at < committed[pk] for pk, claims in waited.items() for _, at in claims),
-        "stamped": stamped_ms, "observed": list(observed_ms.values()), "submit_p50": percentile(submit_ms, 0.5),
+        "stamped": stamped_ms,
+        "observed": list(observed_ms.values()),
+        "submit_p50": percentile(submit_ms, 0.5),
         "started_before_submitted": sum(ms < 0 for ms in stamped_ms),
         "seconds": (ended - began).total_seconds(),
-        "flood_utilisation": flood_held / (SLOTS * (ended - began).total_seconds()), "lowest_queue": lowest,
+        "flood_utilisation": flood_held / (SLOTS * (ended - began).total_seconds()),
+        "lowest_queue": lowest,
         "claims_per_s": claim_rate(began, ended),
     }
 
@@ -360,13 +414,17 @@ def claims_waited(job_ids: list[int]) -> dict[int, set[tuple[str, datetime]]]:
     """For each job, the claims that started other jobs after its `queued` event was written and
     before the claim that started it (ordered by event id; a claim is its started events'
     (worker, at))."""
-    started = list(JobEvent.objects.filter(event=JobEvent.Type.STARTED).order_by("id")
-                   .values_list("id", "job_id", "meta__worker", "at"))
+    started = list(
+        JobEvent.objects.filter(event=JobEvent.Type.STARTED)
+        .order_by("id")
+        .values_list("id", "job_id", "meta__worker", "at")
+    )
     ids = [row[0] for row in started]
     claim_of = {job_id: (worker, at) for _, job_id, worker, at in started}
     start_event = {job_id: event_id for event_id, job_id, _, _ in started}
-    queued_event = dict(JobEvent.objects.filter(event=JobEvent.Type.QUEUED, job_id__in=job_ids)
-                        .values_list("job_id", "id"))
+    queued_event = dict(
+        JobEvent.objects.filter(event=JobEvent.Type.QUEUED, job_id__in=job_ids).values_list("job_id", "id")
+    )
     waited = {}
     for job_id in job_ids:
         low = bisect.bisect_right(ids, queued_event[job_id])
@@ -377,8 +435,13 @@ def claims_waited(job_ids: list[int]) -> dict[int, set[tuple[str, datetime]]]:
 
 def claim_rate(start: datetime, end: datetime) -> float:
     """Claims that started jobs, per second, in [start, end)."""
-    claims = (JobEvent.objects.filter(event=JobEvent.Type.STARTED, at__gte=start, at__lt=end)
-              .order_by().values_list("meta__worker", "at").distinct().count())
+    claims = (
+        JobEvent.objects.filter(event=JobEvent.Type.STARTED, at__gte=start, at__lt=end)
+        .order_by()
+        .values_list("meta__worker", "at")
+        .distinct()
+        .count()
+    )
     return claims / (end - start).total_seconds()
 
 
@@ -405,11 +468,14 @@ def burst(*, penalty: float, half_life: float, busy_for: float) -> dict:
     finally:
         stop_workers(procs)
     return {
-        "penalty": penalty, "half_life": half_life, "fair": SLOTS / len(teams),
+        "penalty": penalty,
+        "half_life": half_life,
+        "fair": SLOTS / len(teams),
         "starts_1s": Job.objects.filter(team=newcomer.team, started_at__lt=one_second).count(),
         "all_starts_1s": Job.objects.filter(started_at__gte=burst_at, started_at__lt=one_second).count(),
         "held_5s": slots_held(newcomer.team, burst_at + timedelta(seconds=BURST_OBSERVE)),
-        "before": before, "after": after,
+        "before": before,
+        "after": after,
     }
 
 
@@ -424,12 +490,16 @@ def key_terms(teams: list[Member]) -> list[dict]:
     rows = []
     for m in teams:
         weight = record.weight(m.team.slug)
-        rows.append({
-            "team": m.team.slug, "running": running[m.team.pk],
-            "usage_term": usage.get(m.team.pk, 0.0) / record.half_life_seconds / weight,
-            "key": policy.share_key(running=running[m.team.pk], next_cost=1, usage=usage.get(m.team.pk, 0.0),
-                                    weight=weight),
-        })
+        rows.append(
+            {
+                "team": m.team.slug,
+                "running": running[m.team.pk],
+                "usage_term": usage.get(m.team.pk, 0.0) / record.half_life_seconds / weight,
+                "key": policy.share_key(
+                    running=running[m.team.pk], next_cost=1, usage=usage.get(m.team.pk, 0.0), weight=weight
+                ),
+            }
+        )
     return rows
 
 
@@ -485,65 +555,96 @@ def heads_plan() -> dict:
 
 
 def print_shares(r: dict, *, warmup: float, duration: float) -> None:
-    print(f"\n1. weighted shares: weights 1:2:3, {SLOTS} slots, sim 50-200 ms; {duration:.0f} s window "
-          f"after {warmup:.0f} s warm-up; {r['jobs']} jobs started in it\n")
+    print(
+        f"\n1. weighted shares: weights 1:2:3, {SLOTS} slots, sim 50-200 ms; {duration:.0f} s window "
+        f"after {warmup:.0f} s warm-up; {r['jobs']} jobs started in it\n"
+    )
     print(f"{'team':<6} {'weight':>6} {'slot-s':>8} {'target':>7} {'share':>7} {'share/target':>13} {'deviation':>10}")
     for row in r["rows"]:
-        print(f"{row['team']:<6} {row['weight']:>6} {row['slot_s']:>8.1f} {row['target']:>7.3f} {row['share']:>7.3f} "
-              f"{row['x']:>13.3f} {row['deviation']:>9.1%}")
-    print(f"Jain's index {r['jain']:.4f} (aim >= 0.99); largest deviation {r['max_deviation']:.1%} (aim <= 10%); "
-          f"slot utilisation {r['utilisation']:.1%}; lowest queue seen {r['lowest_queue']}")
+        print(
+            f"{row['team']:<6} {row['weight']:>6} {row['slot_s']:>8.1f} {row['target']:>7.3f} {row['share']:>7.3f} "
+            f"{row['x']:>13.3f} {row['deviation']:>9.1%}"
+        )
+    print(
+        f"Jain's index {r['jain']:.4f} (aim >= 0.99); largest deviation {r['max_deviation']:.1%} (aim <= 10%); "
+        f"slot utilisation {r['utilisation']:.1%}; lowest queue seen {r['lowest_queue']}"
+    )
 
 
 def print_trickle(r: dict, *, pause: float) -> None:
-    print(f"\n2. trickle beside flood: t1 floods, t2 submits {r['jobs']} jobs one at a time ({pause} s apart) "
-          f"over {r['seconds']:.0f} s; sim 50-200 ms\n")
+    print(
+        f"\n2. trickle beside flood: t1 floods, t2 submits {r['jobs']} jobs one at a time ({pause} s apart) "
+        f"over {r['seconds']:.0f} s; sim 50-200 ms\n"
+    )
     print(f"{'wait':<46} {'p50':>8} {'p95':>8} {'max':>8}")
     print(f"{'claim cycles':<46} {r['cycles_p50']:>8} {r['cycles_p95']:>8} {r['cycles_max']:>8}   (aim: p95 <= 2)")
-    for label, key in (("ms, started_at - submitted_at", "stamped"),
-                       (f"ms, submit returned -> seen started ({TRICKLE_POLL * 1000:.0f} ms polls)", "observed")):
+    for label, key in (
+        ("ms, started_at - submitted_at", "stamped"),
+        (f"ms, submit returned -> seen started ({TRICKLE_POLL * 1000:.0f} ms polls)", "observed"),
+    ):
         values = r[key]
         print(f"{label:<46} {percentile(values, 0.5):>8.1f} {percentile(values, 0.95):>8.1f} {max(values):>8.1f}")
-    print("claim cycles waited: trickle jobs = "
-          + ", ".join(f"{c}: {n}" for c, n in sorted(r["cycles"].items())))
-    print(f"claims counted {r['counted']}, of which {r['under_way']} had asked for the claim lock before job_submit "
-          f"returned; started_at < submitted_at for {r['started_before_submitted']} of {r['jobs']} jobs")
-    print(f"flood held {r['flood_utilisation']:.1%} of the slots; {r['claims_per_s']:.0f} job-starting claims/s; "
-          f"lowest flood queue seen {r['lowest_queue']}; job_submit took {r['submit_p50']:.1f} ms (p50)")
+    print("claim cycles waited: trickle jobs = " + ", ".join(f"{c}: {n}" for c, n in sorted(r["cycles"].items())))
+    print(
+        f"claims counted {r['counted']}, of which {r['under_way']} had asked for the claim lock before job_submit "
+        f"returned; started_at < submitted_at for {r['started_before_submitted']} of {r['jobs']} jobs"
+    )
+    print(
+        f"flood held {r['flood_utilisation']:.1%} of the slots; {r['claims_per_s']:.0f} job-starting claims/s; "
+        f"lowest flood queue seen {r['lowest_queue']}; job_submit took {r['submit_p50']:.1f} ms (p50)"
+    )
 
 
 def print_burst(results: list[dict], *, busy_for: float) -> None:
     fair = results[0]["fair"]
-    print(f"\n3. burst: t1, t2 flood (sim 1-2 s) for {busy_for:.0f} s, then t3 queues {BURST_JOBS} jobs at once; "
-          f"equal weights, fair share {fair:.0f} of {SLOTS} slots (aim: t3 starts in the 1st s <= {fair + 1:.0f})\n")
-    print(f"{'entry_penalty':>13} {'half-life s':>11} {'t3 starts in 1st s':>19} {'all starts in 1st s':>20} "
-          f"{'t3 slots at +5 s':>17}")
+    print(
+        f"\n3. burst: t1, t2 flood (sim 1-2 s) for {busy_for:.0f} s, then t3 queues {BURST_JOBS} jobs at once; "
+        f"equal weights, fair share {fair:.0f} of {SLOTS} slots (aim: t3 starts in the 1st s <= {fair + 1:.0f})\n"
+    )
+    print(
+        f"{'entry_penalty':>13} {'half-life s':>11} {'t3 starts in 1st s':>19} {'all starts in 1st s':>20} "
+        f"{'t3 slots at +5 s':>17}"
+    )
     for r in results:
-        print(f"{r['penalty']:>13g} {r['half_life']:>11g} {r['starts_1s']:>19} {r['all_starts_1s']:>20} "
-              f"{r['held_5s']:>17}")
+        print(
+            f"{r['penalty']:>13g} {r['half_life']:>11g} {r['starts_1s']:>19} {r['all_starts_1s']:>20} "
+            f"{r['held_5s']:>17}"
+        )
     for r in results:
-        print(f"\nentry_penalty {r['penalty']:g}, half-life {r['half_life']:g} s: "
-              f"key = (running + next job 1 + usage/half-life) / weight")
+        print(
+            f"\nentry_penalty {r['penalty']:g}, half-life {r['half_life']:g} s: "
+            f"key = (running + next job 1 + usage/half-life) / weight"
+        )
         print(f"{'':<6} {'just before the burst':>29}   {'1 s after':>29}")
-        print(f"{'team':<6} {'running':>8} {'usage term':>11} {'key':>8}   {'running':>8} {'usage term':>11} {'key':>8}")
+        print(
+            f"{'team':<6} {'running':>8} {'usage term':>11} {'key':>8}   {'running':>8} {'usage term':>11} {'key':>8}"
+        )
         for b, a in zip(r["before"], r["after"], strict=True):
-            print(f"{b['team']:<6} {b['running']:>8} {b['usage_term']:>11.2f} {b['key']:>8.2f}   "
-                  f"{a['running']:>8} {a['usage_term']:>11.2f} {a['key']:>8.2f}")
+            print(
+                f"{b['team']:<6} {b['running']:>8} {b['usage_term']:>11.2f} {b['key']:>8.2f}   "
+                f"{a['running']:>8} {a['usage_term']:>11.2f} {a['key']:>8.2f}"
+            )
 
 
 def print_latency(latency: dict[tuple[str, int], dict]) -> None:
     print("\n4. claim latency, job_claim(limit=1) in-process, each followed by job_finish; 10 teams\n")
-    print(f"{'order':<12} {'queued':>8} {'p50 ms':>8} {'p99 ms':>8} {'lookup ms':>10} {'rows filtered':>14}   "
-          "indexes of the lookup's subqueries (EXPLAIN ANALYZE of one more claim)")
+    print(
+        f"{'order':<12} {'queued':>8} {'p50 ms':>8} {'p99 ms':>8} {'lookup ms':>10} {'rows filtered':>14}   "
+        "indexes of the lookup's subqueries (EXPLAIN ANALYZE of one more claim)"
+    )
     for (order, depth), r in latency.items():
         indexes = ", ".join(f"{name} {n}" for name, n in sorted(r["indexes"].items()))
-        print(f"{order:<12} {depth:>8} {r['p50']:>8.2f} {r['p99']:>8.2f} {r['lookup_ms']:>10.2f} "
-              f"{r['filtered']:>14}   {indexes}")
+        print(
+            f"{order:<12} {depth:>8} {r['p50']:>8.2f} {r['p99']:>8.2f} {r['lookup_ms']:>10.2f} "
+            f"{r['filtered']:>14}   {indexes}"
+        )
     for order in dict.fromkeys(order for order, _ in latency):
         depths = sorted(depth for o, depth in latency if o == order)
         small, big = latency[order, depths[0]], latency[order, depths[-1]]
-        print(f"{order}: {depths[-1]} / {depths[0]} queued: p50 {big['p50'] / small['p50']:.2f}x, "
-              f"p99 {big['p99'] / small['p99']:.2f}x")
+        print(
+            f"{order}: {depths[-1]} / {depths[0]} queued: p50 {big['p50'] / small['p50']:.2f}x, "
+            f"p99 {big['p99'] / small['p99']:.2f}x"
+        )
 
 
 def main() -> None:
@@ -554,8 +655,11 @@ def main() -> None:
     parser.add_argument("--trickle-jobs", type=int, default=60, help="part 2: jobs the trickle team submits")
     parser.add_argument("--trickle-pause", type=float, default=0.5, help="part 2: seconds between them")
     parser.add_argument("--burst-after", type=float, default=30, help="part 3: seconds the busy teams run first")
-    parser.add_argument("--burst-variants", default="1:300,0:300,10:300,1:10",
-                        help="part 3: entry_penalty:half_life_seconds pairs, one run each (1:300: the defaults)")
+    parser.add_argument(
+        "--burst-variants",
+        default="1:300,0:300,10:300,1:10",
+        help="part 3: entry_penalty:half_life_seconds pairs, one run each (1:300: the defaults)",
+    )
     parser.add_argument("--samples", type=int, default=300, help="part 4: timed claims per queue depth")
     args = parser.parse_args()
     parts = {int(p) for p in args.parts.split(",")}
@@ -565,19 +669,28 @@ def main() -> None:
         call_command("migrate", verbosity=0)
         seed()
         if 1 in parts:
-            print_shares(weighted_shares(warmup=args.warmup, duration=args.duration),
-                         warmup=args.warmup, duration=args.duration)
+            print_shares(
+                weighted_shares(warmup=args.warmup, duration=args.duration), warmup=args.warmup, duration=args.duration
+            )
         if 2 in parts:
             print_trickle(trickle(jobs=args.trickle_jobs, pause=args.trickle_pause), pause=args.trickle_pause)
         if 3 in parts:
             variants = [tuple(map(float, v.split(":"))) for v in args.burst_variants.split(",")]
-            print_burst([burst(penalty=penalty, half_life=half_life, busy_for=args.burst_after)
-                         for penalty, half_life in variants], busy_for=args.burst_after)
+            print_burst(
+                [
+                    burst(penalty=penalty, half_life=half_life, busy_for=args.burst_after)
+                    for penalty, half_life in variants
+                ],
+                busy_for=args.burst_after,
+            )
         if 4 in parts:
-            print_latency({
-                (order, depth): claim_latency(depth=depth, interleaved=order == "interleaved", samples=args.samples)
-                for order in ("interleaved", "blocks") for depth in (1_000, 100_000)
-            })
+            print_latency(
+                {
+                    (order, depth): claim_latency(depth=depth, interleaved=order == "interleaved", samples=args.samples)
+                    for order in ("interleaved", "blocks")
+                    for depth in (1_000, 100_000)
+                }
+            )
     finally:
         connection.close()
         pg_database(PG_BENCH_DB, "drop")

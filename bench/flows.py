@@ -59,8 +59,13 @@ def seed(latency_ms: float) -> tuple:
     user = get_user_model().objects.create_user("bench")
     team = team_create(slug="bench", name="bench", grants=["chat:use", "tools:invoke", "flows:run"])
     team_member_set(team=team, username="bench", role="member")
-    Executor.objects.create(name="sim", kind="sim", capabilities={"models": [MODEL]}, max_concurrency=1,
-                            meta={"latency_ms": latency_ms, "output_tokens": 8})
+    Executor.objects.create(
+        name="sim",
+        kind="sim",
+        capabilities={"models": [MODEL]},
+        max_concurrency=1,
+        meta={"latency_ms": latency_ms, "output_tokens": 8},
+    )
     return user, team
 
 
@@ -72,19 +77,40 @@ def reset(*, slots: int) -> None:
 
 
 def flow_input(rounds: int) -> dict:
-    return {"messages": [{"role": "user", "content": f"work [rounds:{rounds}]"}], "tools": ["echo"],
-            "max_rounds": rounds, "max_tokens": 8}
+    return {
+        "messages": [{"role": "user", "content": f"work [rounds:{rounds}]"}],
+        "tools": ["echo"],
+        "max_rounds": rounds,
+        "max_tokens": 8,
+    }
 
 
 def chat_job(user, team) -> Job:
-    return Job(type="chat", user=user, team=team, requirements={"model": MODEL}, model=MODEL,
-               input={"messages": [{"role": "user", "content": "x"}], "max_tokens": 8})
+    return Job(
+        type="chat",
+        user=user,
+        team=team,
+        requirements={"model": MODEL},
+        model=MODEL,
+        input={"messages": [{"role": "user", "content": "x"}], "max_tokens": 8},
+    )
 
 
 def start_workers() -> list[subprocess.Popen]:
     return [
-        subprocess.Popen([sys.executable, "manage.py", "scheduler_worker", "--concurrency", str(WORKER_CONCURRENCY),
-                          "--name", f"bench-{i}"], cwd=ROOT, env=os.environ)
+        subprocess.Popen(
+            [
+                sys.executable,
+                "manage.py",
+                "scheduler_worker",
+                "--concurrency",
+                str(WORKER_CONCURRENCY),
+                "--name",
+                f"bench-{i}",
+            ],
+            cwd=ROOT,
+            env=os.environ,
+        )
         for i in range(WORKERS)
     ]
 
@@ -123,14 +149,25 @@ def shared_slot(user, team, *, mode: str, rounds: int, chats: int) -> dict:
     queue_policy_update(changes={"flow_rounds": mode}, by=None)
     procs = start_workers()
     try:
-        flow = job_submit(user=user, team=team.slug, type="flow", requirements={"model": MODEL, "est_tokens": 10},
-                          input=flow_input(rounds))
-        wait_for(lambda: JobEvent.objects.filter(job=flow, event="round_started").exists(), timeout=60,
-                 what="the flow's first round")
+        flow = job_submit(
+            user=user,
+            team=team.slug,
+            type="flow",
+            requirements={"model": MODEL, "est_tokens": 10},
+            input=flow_input(rounds),
+        )
+        wait_for(
+            lambda: JobEvent.objects.filter(job=flow, event="round_started").exists(),
+            timeout=60,
+            what="the flow's first round",
+        )
         queued = bulk_queue([chat_job(user, team) for _ in range(chats)])
         ids = [job.pk for job in queued] + [flow.pk]
-        wait_for(lambda: Job.objects.filter(pk__in=ids, status="done").count() == len(ids),
-                 timeout=60 + rounds * 5, what="the flow and the chats")
+        wait_for(
+            lambda: Job.objects.filter(pk__in=ids, status="done").count() == len(ids),
+            timeout=60 + rounds * 5,
+            what="the flow and the chats",
+        )
     finally:
         stop_workers(procs)
     flow.refresh_from_db()
@@ -138,14 +175,22 @@ def shared_slot(user, team, *, mode: str, rounds: int, chats: int) -> dict:
     for job in Job.objects.filter(pk__in=[job.pk for job in queued]):
         waits.append((job.started_at - job.submitted_at).total_seconds())
         before += job.finished_at < flow.finished_at
-    return {"mode": mode, "p50": percentile(waits, 0.5), "p95": percentile(waits, 0.95),
-            "flow": (flow.finished_at - flow.submitted_at).total_seconds(), "before": before, "chats": chats,
-            "rounds": flow.rounds}
+    return {
+        "mode": mode,
+        "p50": percentile(waits, 0.5),
+        "p95": percentile(waits, 0.95),
+        "flow": (flow.finished_at - flow.submitted_at).total_seconds(),
+        "before": before,
+        "chats": chats,
+        "rounds": flow.rounds,
+    }
 
 
 def print_shared(rows: list[dict], *, latency_ms: float) -> None:
-    print(f"\n## 1. One slot: a {rows[0]['rounds']}-round flow and {rows[0]['chats']} chats "
-          f"(model call {latency_ms:g} ms)\n")
+    print(
+        f"\n## 1. One slot: a {rows[0]['rounds']}-round flow and {rows[0]['chats']} chats "
+        f"(model call {latency_ms:g} ms)\n"
+    )
     print("| flow_rounds | chats' wait p50 s | chats' wait p95 s | flow duration s | chats done before the flow |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for r in rows:
@@ -159,15 +204,28 @@ def calls_per_second(user, team, *, kind: str, flows: int, rounds: int, slots: i
     reset(slots=slots)
     queue_policy_update(changes={"flow_rounds": "requeue"}, by=None)
     if kind == "flows":
-        jobs = [Job(type="flow", user=user, team=team, requirements={"model": MODEL, "est_tokens": 10}, model=MODEL,
-                    cost_estimate=10, input=flow_input(rounds)) for _ in range(flows)]
+        jobs = [
+            Job(
+                type="flow",
+                user=user,
+                team=team,
+                requirements={"model": MODEL, "est_tokens": 10},
+                model=MODEL,
+                cost_estimate=10,
+                input=flow_input(rounds),
+            )
+            for _ in range(flows)
+        ]
     else:
         jobs = [chat_job(user, team) for _ in range(flows * rounds)]
     procs = start_workers()
     try:
         ids = [job.pk for job in bulk_queue(jobs)]
-        wait_for(lambda: Job.objects.filter(pk__in=ids, status__in=Job.TERMINAL).count() == len(ids),
-                 timeout=60 + flows * rounds, what=f"the {kind}")
+        wait_for(
+            lambda: Job.objects.filter(pk__in=ids, status__in=Job.TERMINAL).count() == len(ids),
+            timeout=60 + flows * rounds,
+            what=f"the {kind}",
+        )
     finally:
         stop_workers(procs)
     done = Job.objects.filter(pk__in=ids, status="done")
@@ -185,8 +243,10 @@ def print_rates(rows: list[dict], *, slots: int, latency_ms: float) -> None:
     print("| work | jobs | model calls | seconds | calls/s | of ideal |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['kind']} | {r['jobs']} | {r['calls']} | {r['span']:.1f} | {r['rate']:.1f} | "
-              f"{r['rate'] / ideal:.0%} |")
+        print(
+            f"| {r['kind']} | {r['jobs']} | {r['calls']} | {r['span']:.1f} | {r['rate']:.1f} | "
+            f"{r['rate'] / ideal:.0%} |"
+        )
     if len(rows) == 2:
         print(f"\nflows / chats: {rows[0]['rate'] / rows[1]['rate']:.2f}x")
 
@@ -209,11 +269,22 @@ def main() -> None:
         user, team = seed(args.latency_ms)
         print(f"bench/flows.py at {timezone.now():%Y-%m-%d %H:%M} UTC; {WORKERS} workers x {WORKER_CONCURRENCY}")
         if 1 in parts:
-            print_shared([shared_slot(user, team, mode=mode, rounds=args.flow_rounds, chats=args.chats)
-                          for mode in ("requeue", "continue")], latency_ms=args.latency_ms)
+            print_shared(
+                [
+                    shared_slot(user, team, mode=mode, rounds=args.flow_rounds, chats=args.chats)
+                    for mode in ("requeue", "continue")
+                ],
+                latency_ms=args.latency_ms,
+            )
         if 2 in parts:
-            print_rates([calls_per_second(user, team, kind=kind, flows=args.flows, rounds=args.rounds, slots=args.slots)
-                         for kind in ("flows", "chats")], slots=args.slots, latency_ms=args.latency_ms)
+            print_rates(
+                [
+                    calls_per_second(user, team, kind=kind, flows=args.flows, rounds=args.rounds, slots=args.slots)
+                    for kind in ("flows", "chats")
+                ],
+                slots=args.slots,
+                latency_ms=args.latency_ms,
+            )
     finally:
         connection.close()
         pg_database(PG_BENCH_DB, "drop")

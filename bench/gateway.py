@@ -74,13 +74,37 @@ class Stack:
         self.env = env
         self.procs: list[subprocess.Popen] = []
         port = free_port()
-        self.spawn("manage.py", "simllm", "--port", str(port), "--latency-ms", str(latency_ms), "--models", "m",
-                   "--output-tokens", "16", "--tokens-per-s", "0")
+        self.spawn(
+            "manage.py",
+            "simllm",
+            "--port",
+            str(port),
+            "--latency-ms",
+            str(latency_ms),
+            "--models",
+            "m",
+            "--output-tokens",
+            "16",
+            "--tokens-per-s",
+            "0",
+        )
         self.simllm = f"http://127.0.0.1:{port}"
         wait_http(f"{self.simllm}/v1/models", "simllm")
         port = free_port()
-        self.spawn("manage.py", "simllm", "--port", str(port), "--latency-ms", str(latency_ms), "--models", "s",
-                   "--output-tokens", "16", "--tokens-per-s", "100")
+        self.spawn(
+            "manage.py",
+            "simllm",
+            "--port",
+            str(port),
+            "--latency-ms",
+            str(latency_ms),
+            "--models",
+            "s",
+            "--output-tokens",
+            "16",
+            "--tokens-per-s",
+            "100",
+        )
         self.streaming = f"http://127.0.0.1:{port}"
         wait_http(f"{self.streaming}/v1/models", "simllm (streaming)")
         self.spawn("manage.py", "scheduler_worker", "--concurrency", "256", "--name", "bench")
@@ -90,8 +114,11 @@ class Stack:
         wait_http(f"{self.api}/v1/models", "daphne")
 
     def spawn(self, *argv: str) -> None:
-        self.procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=self.env,
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self.procs.append(
+            subprocess.Popen(
+                [sys.executable, *argv], cwd=ROOT, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+        )
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -115,13 +142,19 @@ def seed(simllm: str, streaming: str) -> str:
     user = get_user_model().objects.create_user("bench")
     team_member_set(team=team_create(slug="bench", name="bench"), username="bench", role="member")
     for name, base, model in (("plain", simllm, "m"), ("streaming", streaming, "s")):
-        Executor.objects.create(name=name, kind="local-model", endpoint=f"{base}/v1", capabilities={"models": [model]},
-                                max_concurrency=100_000)
+        Executor.objects.create(
+            name=name,
+            kind="local-model",
+            endpoint=f"{base}/v1",
+            capabilities={"models": [model]},
+            max_concurrency=100_000,
+        )
     return Token.objects.create(user=user).key
 
 
-async def load(url: str, body: dict, *, concurrency: int, total: int, headers: dict[str, str],
-               stream: bool = False) -> list[tuple[float, float, float, int | None]]:
+async def load(
+    url: str, body: dict, *, concurrency: int, total: int, headers: dict[str, str], stream: bool = False
+) -> list[tuple[float, float, float, int | None]]:
     """`total` requests from `concurrency` clients: (sent at, answered at, latency or time to first
     token in ms, job id) each, on the wall clock (time.time) so they line up with the job's stamps."""
     import httpx
@@ -161,10 +194,18 @@ def phases(results: list[tuple[float, float, float, int | None]]) -> dict[str, f
     """Medians of the four phases of a call through Telemachus, from the jobs' timestamps."""
     from scheduler.models import Job
 
-    stamps = {pk: (sub, start, end) for pk, sub, start, end in Job.objects.filter(
-        pk__in=[r[3] for r in results if r[3]]).values_list("pk", "submitted_at", "started_at", "finished_at")}
-    parts: dict[str, list[float]] = {"send -> submitted": [], "submitted -> started": [],
-                                     "started -> finished": [], "finished -> answered": []}
+    stamps = {
+        pk: (sub, start, end)
+        for pk, sub, start, end in Job.objects.filter(pk__in=[r[3] for r in results if r[3]]).values_list(
+            "pk", "submitted_at", "started_at", "finished_at"
+        )
+    }
+    parts: dict[str, list[float]] = {
+        "send -> submitted": [],
+        "submitted -> started": [],
+        "started -> finished": [],
+        "finished -> answered": [],
+    }
     for sent, answered, _, job in results:
         if job not in stamps:
             continue
@@ -185,15 +226,21 @@ async def measure(stack: Stack, token: str, concurrencies: list[int], requests: 
         timings: dict[str, list] = {"direct": [], "through": []}
         for _ in range(BLOCKS):
             for name, way in (("direct", direct), ("through", through)):
-                timings[name] += await load(way["url"], BODY, concurrency=concurrency, total=block,
-                                            headers=way["headers"])
-        out["overhead"].append({
-            "concurrency": concurrency,
-            "n": len(timings["through"]),
-            **{f"{name}_{q}": percentile([r[2] for r in rows], level)
-               for name, rows in timings.items() for q, level in (("p50", 0.5), ("p99", 0.99))},
-            "phases": await asyncio.to_thread(phases, timings["through"]),
-        })
+                timings[name] += await load(
+                    way["url"], BODY, concurrency=concurrency, total=block, headers=way["headers"]
+                )
+        out["overhead"].append(
+            {
+                "concurrency": concurrency,
+                "n": len(timings["through"]),
+                **{
+                    f"{name}_{q}": percentile([r[2] for r in rows], level)
+                    for name, rows in timings.items()
+                    for q, level in (("p50", 0.5), ("p99", 0.99))
+                },
+                "phases": await asyncio.to_thread(phases, timings["through"]),
+            }
+        )
     streamed = {"url": f"{stack.streaming}/v1/chat/completions", "headers": {}}
     streamed_through = {"url": f"{stack.api}/v1/chat/completions", "headers": through["headers"]}
     body = {**BODY, "model": "s"}
@@ -204,20 +251,34 @@ async def measure(stack: Stack, token: str, concurrencies: list[int], requests: 
         timings = {"direct": [], "through": []}
         for _ in range(BLOCKS):
             for name, way in (("direct", streamed), ("through", streamed_through)):
-                timings[name] += await load(way["url"], body, concurrency=concurrency, total=block,
-                                            headers=way["headers"], stream=True)
-        out["ttft"].append({
-            "concurrency": concurrency, "n": len(timings["through"]),
-            **{f"{name}_{q}": percentile([r[2] for r in rows], level)
-               for name, rows in timings.items() for q, level in (("p50", 0.5), ("p99", 0.99))},
-        })
+                timings[name] += await load(
+                    way["url"], body, concurrency=concurrency, total=block, headers=way["headers"], stream=True
+                )
+        out["ttft"].append(
+            {
+                "concurrency": concurrency,
+                "n": len(timings["through"]),
+                **{
+                    f"{name}_{q}": percentile([r[2] for r in rows], level)
+                    for name, rows in timings.items()
+                    for q, level in (("p50", 0.5), ("p99", 0.99))
+                },
+            }
+        )
     return out
 
 
 def run(database_url: str, args: argparse.Namespace) -> dict:
-    env = {**os.environ, "DATABASE_URL": database_url, "DJANGO_SETTINGS_MODULE": "telemachus.settings",
-           "LOG_LEVEL": "WARNING", "DEBUG": "0", "SECRET_KEY": "bench-only-secret-key-" + "x" * 40,
-           "SECURE_SSL_REDIRECT": "0", "REDIS_URL": args.redis or ""}
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "DJANGO_SETTINGS_MODULE": "telemachus.settings",
+        "LOG_LEVEL": "WARNING",
+        "DEBUG": "0",
+        "SECRET_KEY": "bench-only-secret-key-" + "x" * 40,
+        "SECURE_SSL_REDIRECT": "0",
+        "REDIS_URL": args.redis or "",
+    }
     os.environ.update(env)
     sys.path.insert(0, str(ROOT))
     import django
@@ -258,12 +319,16 @@ def main() -> None:
     transport = "Redis" if args.redis else ("NOTIFY" if args.backend == "postgres" else "none (text at the end)")
     print(f"\n{args.backend}, simllm answering after {args.latency_ms} ms; deltas through {transport}\n")
     print("(a) POST /v1/chat/completions, latency in ms\n")
-    print(f"{'clients':>7} {'requests':>9} {'direct p50':>11} {'direct p99':>11} {'ours p50':>9} {'ours p99':>9} "
-          f"{'added p50':>10} {'added p99':>10}")
+    print(
+        f"{'clients':>7} {'requests':>9} {'direct p50':>11} {'direct p99':>11} {'ours p50':>9} {'ours p99':>9} "
+        f"{'added p50':>10} {'added p99':>10}"
+    )
     for row in result["overhead"]:
-        print(f"{row['concurrency']:>7} {row['n']:>9} {row['direct_p50']:>11.1f} {row['direct_p99']:>11.1f} "
-              f"{row['through_p50']:>9.1f} {row['through_p99']:>9.1f} "
-              f"{row['through_p50'] - row['direct_p50']:>10.1f} {row['through_p99'] - row['direct_p99']:>10.1f}")
+        print(
+            f"{row['concurrency']:>7} {row['n']:>9} {row['direct_p50']:>11.1f} {row['direct_p99']:>11.1f} "
+            f"{row['through_p50']:>9.1f} {row['through_p99']:>9.1f} "
+            f"{row['through_p50'] - row['direct_p50']:>10.1f} {row['through_p99'] - row['direct_p99']:>10.1f}"
+        )
     print("\n(b) through Telemachus: medians of each phase, ms\n")
     names = list(result["overhead"][0]["phases"])
     print(f"{'clients':>7} " + " ".join(f"{name:>22}" for name in names))
@@ -272,8 +337,10 @@ def main() -> None:
     print("\n(c) time to first token, streamed, ms\n")
     print(f"{'clients':>7} {'requests':>9} {'direct p50':>11} {'direct p99':>11} {'ours p50':>9} {'ours p99':>9}")
     for row in result["ttft"]:
-        print(f"{row['concurrency']:>7} {row['n']:>9} {row['direct_p50']:>11.1f} {row['direct_p99']:>11.1f} "
-              f"{row['through_p50']:>9.1f} {row['through_p99']:>9.1f}")
+        print(
+            f"{row['concurrency']:>7} {row['n']:>9} {row['direct_p50']:>11.1f} {row['direct_p99']:>11.1f} "
+            f"{row['through_p50']:>9.1f} {row['through_p99']:>9.1f}"
+        )
 
 
 if __name__ == "__main__":

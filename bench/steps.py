@@ -43,8 +43,13 @@ from benchlib import pg_database, pg_url
 
 ROOT = Path(__file__).resolve().parent.parent
 PG_BENCH_DB = "telemachus_bench_steps"
-PRODUCTION_ENV = {"DJANGO_SETTINGS_MODULE": "telemachus.settings", "LOG_LEVEL": "WARNING", "DEBUG": "0",
-                  "SECRET_KEY": "bench-only-" + "x" * 50, "ALLOWED_HOSTS": "127.0.0.1"}
+PRODUCTION_ENV = {
+    "DJANGO_SETTINGS_MODULE": "telemachus.settings",
+    "LOG_LEVEL": "WARNING",
+    "DEBUG": "0",
+    "SECRET_KEY": "bench-only-" + "x" * 50,
+    "ALLOWED_HOSTS": "127.0.0.1",
+}
 STEPS = ("configuration cache", "job rows", "fair-share charge")
 
 
@@ -91,11 +96,18 @@ def _mark_running_before(chosen, *, worker, now, expires, lease):
             by_executor.setdefault(view.pk, []).append(job.pk)
     for executor_id, job_ids in by_executor.items():
         Job.objects.filter(pk__in=job_ids).update(
-            status=Job.Status.RUNNING, executor_id=executor_id, started_at=now, attempts=F("attempts") + 1,
-            worker=worker, lease=lease, lease_expires_at=expires,
+            status=Job.Status.RUNNING,
+            executor_id=executor_id,
+            started_at=now,
+            attempts=F("attempts") + 1,
+            worker=worker,
+            lease=lease,
+            lease_expires_at=expires,
         )
-    update_rows(Job, [{"id": job.pk, "reservation": job.reservation} for job, _ in chosen
-                      if job.reservation and job.pk in owned])
+    update_rows(
+        Job,
+        [{"id": job.pk, "reservation": job.reservation} for job, _ in chosen if job.reservation and job.pk in owned],
+    )
     return owned
 
 
@@ -114,11 +126,18 @@ def _team_shares_charge_before(*, charges, now, half_life) -> None:
             [TeamShare(team_id=team_id, usage=0.0, updated_at=now) for team_id in missing], ignore_conflicts=True
         )
         shares = list(locked.all())
-    update_rows(TeamShare, [
-        {"team": share.team_id, "usage": max(share.decayed(now, half_life) + charges[share.team_id], 0.0),
-         "updated_at": max(now, share.updated_at)}
-        for share in shares
-    ], key="team")
+    update_rows(
+        TeamShare,
+        [
+            {
+                "team": share.team_id,
+                "usage": max(share.decayed(now, half_life) + charges[share.team_id], 0.0),
+                "updated_at": max(now, share.updated_at),
+            }
+            for share in shares
+        ],
+        key="team",
+    )
 
 
 # --- child: one backend -------------------------------------------------------------------------
@@ -173,8 +192,10 @@ def claim_finish(step: str, setup: dict, *, rounds: int, batch: int) -> dict:
         if i >= 2:  # the first round of each warms caches and plans
             timings[variant]["claim"].append((claimed - started) * 1000)
             timings[variant]["finish"].append((finished - started_finish) * 1000)
-    return {variant: {what: statistics.median(values) for what, values in parts.items()}
-            for variant, parts in timings.items()}
+    return {
+        variant: {what: statistics.median(values) for what, values in parts.items()}
+        for variant, parts in timings.items()
+    }
 
 
 def submit_latency(setup: dict, *, rounds: int, per_round: int) -> dict:
@@ -192,8 +213,13 @@ def submit_latency(setup: dict, *, rounds: int, per_round: int) -> dict:
             if variant == "A":
                 config_cache_clear()
             started = time.perf_counter()
-            job_submit(user=user, team=team.slug, type="chat", requirements={"model": "noop"},
-                       input={"messages": [{"role": "user", "content": "x"}]})
+            job_submit(
+                user=user,
+                team=team.slug,
+                type="chat",
+                requirements={"model": "noop"},
+                input={"messages": [{"role": "user", "content": "x"}]},
+            )
             timings[variant].append((time.perf_counter() - started) * 1000)
     return {variant: {"submit": statistics.median(values)} for variant, values in timings.items()}
 
@@ -247,8 +273,18 @@ def _nothing():
 
 
 def run_backend(url: str, args: argparse.Namespace) -> dict:
-    argv = [sys.executable, __file__, "--child", url, "--rounds", str(args.rounds), "--batch", str(args.batch),
-            "--drain", str(args.drain)]
+    argv = [
+        sys.executable,
+        __file__,
+        "--child",
+        url,
+        "--rounds",
+        str(args.rounds),
+        "--batch",
+        str(args.batch),
+        "--drain",
+        str(args.drain),
+    ]
     result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"benchmark on {url} failed:\n{result.stderr[-4000:]}")

@@ -34,10 +34,13 @@ from benchlib import percentile, pg_database, pg_url
 ROOT = Path(__file__).resolve().parent.parent
 PG_BENCH_DB = "telemachus_bench"
 # As a deployment runs: DEBUG off (Django then keeps no per-query log), quiet logs.
-PRODUCTION_ENV = {"DJANGO_SETTINGS_MODULE": "telemachus.settings", "LOG_LEVEL": "WARNING", "DEBUG": "0",
-                  "SECRET_KEY": "bench-only-" + "x" * 50, "ALLOWED_HOSTS": "127.0.0.1"}
-
-
+PRODUCTION_ENV = {
+    "DJANGO_SETTINGS_MODULE": "telemachus.settings",
+    "LOG_LEVEL": "WARNING",
+    "DEBUG": "0",
+    "SECRET_KEY": "bench-only-" + "x" * 50,
+    "ALLOWED_HOSTS": "127.0.0.1",
+}
 
 
 # --- child: one backend ---------------------------------------------------------------------
@@ -79,10 +82,21 @@ def seed() -> dict:
         team = team_create(slug=name, name=name)
         team_member_set(team=team, username=name, role="member")
         users.append((user, team))
-    Executor.objects.create(name="sim", kind="sim", capabilities={"models": ["noop"]}, max_concurrency=64,
-                            meta={"latency_ms": 0, "output_tokens": 1})
-    for scope, subject, limit in (("global", "", 64), ("executor", "sim", 64), ("team", "t1", 40),
-                                  ("team", "t2", 40), ("user", "t1", 40), ("user", "t2", 40)):
+    Executor.objects.create(
+        name="sim",
+        kind="sim",
+        capabilities={"models": ["noop"]},
+        max_concurrency=64,
+        meta={"latency_ms": 0, "output_tokens": 1},
+    )
+    for scope, subject, limit in (
+        ("global", "", 64),
+        ("executor", "sim", 64),
+        ("team", "t1", 40),
+        ("team", "t2", 40),
+        ("user", "t1", 40),
+        ("user", "t2", 40),
+    ):
         QuotaPolicy.objects.create(scope=scope, subject=subject, dimension="ai.concurrency", limit=limit)
     return {"users": users}
 
@@ -99,8 +113,17 @@ def queue(n: int, setup: dict) -> None:
             rows = []
             for i in range(start, min(n, start + 50_000)):
                 user, team = setup["users"][i % 2]
-                rows.append(Job(type="chat", user=user, team=team, requirements={"model": "noop"}, model="noop",
-                                input={"messages": [{"role": "user", "content": "x"}]}, submitted_at=now))
+                rows.append(
+                    Job(
+                        type="chat",
+                        user=user,
+                        team=team,
+                        requirements={"model": "noop"},
+                        model="noop",
+                        input={"messages": [{"role": "user", "content": "x"}]},
+                        submitted_at=now,
+                    )
+                )
             Job.objects.bulk_create(rows, batch_size=5000)
     if connection.vendor == "postgresql":
         # What autovacuum does within a minute of a bulk load; without fresh statistics the planner
@@ -128,8 +151,20 @@ def start_workers(n: int, database_url: str, *, burst: bool, concurrency: int = 
     env = {**os.environ, "DATABASE_URL": database_url, **PRODUCTION_ENV}
     args = ["--burst"] if burst else []
     return [
-        subprocess.Popen([sys.executable, "manage.py", "scheduler_worker", "--concurrency", str(concurrency),
-                          "--name", f"bench-{i}", *args], cwd=ROOT, env=env)
+        subprocess.Popen(
+            [
+                sys.executable,
+                "manage.py",
+                "scheduler_worker",
+                "--concurrency",
+                str(concurrency),
+                "--name",
+                f"bench-{i}",
+                *args,
+            ],
+            cwd=ROOT,
+            env=env,
+        )
         for i in range(n)
     ]
 
@@ -176,8 +211,13 @@ def placement_latency(setup: dict, database_url: str, samples: int = 200) -> tup
         time.sleep(3)  # let the worker start and go idle
         latencies = []
         for _ in range(samples):
-            job = job_submit(user=user, team=team.slug, type="chat", requirements={"model": "noop"},
-                             input={"messages": [{"role": "user", "content": "x"}]})
+            job = job_submit(
+                user=user,
+                team=team.slug,
+                type="chat",
+                requirements={"model": "noop"},
+                input={"messages": [{"role": "user", "content": "x"}]},
+            )
             deadline = time.monotonic() + 10
             while (started := Job.objects.filter(pk=job.pk).values_list("started_at", flat=True)[0]) is None:
                 assert time.monotonic() < deadline, "job never started"
@@ -191,7 +231,11 @@ def placement_latency(setup: dict, database_url: str, samples: int = 200) -> tup
     return percentile(latencies, 0.5), percentile(latencies, 0.99)
 
 
-SUBMIT_BODY = {"type": "chat", "requirements": {"model": "noop"}, "input": {"messages": [{"role": "user", "content": "x"}]}}
+SUBMIT_BODY = {
+    "type": "chat",
+    "requirements": {"model": "noop"},
+    "input": {"messages": [{"role": "user", "content": "x"}]},
+}
 BULK = 1000
 
 
@@ -216,8 +260,10 @@ def submit_rates(setup: dict, database_url: str, n: int) -> dict:
             one = time.perf_counter()
             call()
             latencies.append((time.perf_counter() - one) * 1000)
-        results[name] = {"jobs/s": calls * per_call / (time.perf_counter() - started),
-                         "p50 ms": percentile(latencies, 0.5)}
+        results[name] = {
+            "jobs/s": calls * per_call / (time.perf_counter() - started),
+            "p50 ms": percentile(latencies, 0.5),
+        }
 
     timed("service", n, 1, lambda: job_submit(user=user, team=team.slug, **SUBMIT_BODY))
     bulk = [JobSpec(team=team.slug, **SUBMIT_BODY) for _ in range(BULK)]
@@ -225,8 +271,12 @@ def submit_rates(setup: dict, database_url: str, n: int) -> dict:
 
     port = free_port()
     env = {**os.environ, "DATABASE_URL": database_url, **PRODUCTION_ENV, "SECURE_SSL_REDIRECT": "0"}
-    server = subprocess.Popen([sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
-                               "telemachus.asgi:application"], cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "telemachus.asgi:application"],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
     token, _ = Token.objects.get_or_create(user=user)
     headers = {"Authorization": f"Token {token.key}"}
     try:
@@ -264,14 +314,24 @@ def free_port() -> int:
 
 
 def run_backend(url: str, args: argparse.Namespace) -> dict:
-    argv = [sys.executable, __file__, "--child", url, "--jobs", str(args.jobs), "--concurrency", args.concurrency,
-            "--depths", args.depths, "--submits", str(args.submits)]
+    argv = [
+        sys.executable,
+        __file__,
+        "--child",
+        url,
+        "--jobs",
+        str(args.jobs),
+        "--concurrency",
+        args.concurrency,
+        "--depths",
+        args.depths,
+        "--submits",
+        str(args.submits),
+    ]
     result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"benchmark on {url} failed:\n{result.stderr[-4000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 
 
 def main() -> None:
@@ -284,8 +344,17 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.jobs, [int(c) for c in args.concurrency.split(",")],
-                               [int(d) for d in args.depths.split(",")], args.submits)))
+        print(
+            json.dumps(
+                child(
+                    args.child,
+                    args.jobs,
+                    [int(c) for c in args.concurrency.split(",")],
+                    [int(d) for d in args.depths.split(",")],
+                    args.submits,
+                )
+            )
+        )
         return
 
     table = {}

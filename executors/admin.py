@@ -12,13 +12,28 @@ class ExecutorAdmin(admin.ModelAdmin):
     services, so every change is audited like an API edit."""
 
     list_display = [
-        "name", "kind", "team", "enabled", "health", "breaker", "max_concurrency", "slots_in_use", "weight", "last_seen",
+        "name",
+        "kind",
+        "team",
+        "enabled",
+        "health",
+        "breaker",
+        "max_concurrency",
+        "slots_in_use",
+        "weight",
+        "last_seen",
     ]
     list_filter = ["kind", "enabled", "health", "breaker", "team"]
     search_fields = ["name", "endpoint"]
     list_editable = ["enabled", "max_concurrency"]
     readonly_fields = [
-        "health", "last_seen", "last_probed_at", "breaker", "consecutive_failures", "breaker_until", "created_at",
+        "health",
+        "last_seen",
+        "last_probed_at",
+        "breaker",
+        "consecutive_failures",
+        "breaker_until",
+        "created_at",
         "updated_at",
     ]
     actions = ["enable", "disable"]

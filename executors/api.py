@@ -84,7 +84,11 @@ class ExecutorInput(StrictSerializer):
         transport = attrs["transport"] if "transport" in attrs else getattr(self.instance, "transport", {})
         if kind == "remote-model" and not (transport or {}).get("api_key_env"):
             raise serializers.ValidationError(
-                {"transport": ["A remote-model executor needs transport.api_key_env (the variable holding its API key)."]}
+                {
+                    "transport": [
+                        "A remote-model executor needs transport.api_key_env (the variable holding its API key)."
+                    ]
+                }
             )
         meta = attrs["meta"] if "meta" in attrs else getattr(self.instance, "meta", {})
         if kind == "sim" and isinstance(meta, dict) and (problems := knob_problems(meta)):
@@ -101,8 +105,22 @@ class ExecutorOutput(serializers.ModelSerializer):
     class Meta:
         model = Executor
         fields = [
-            "id", "name", "kind", "team", "endpoint", "capabilities", "max_concurrency", "enabled", "health",
-            "last_seen", "breaker", "consecutive_failures", "breaker_until", "weight", "transport", "meta",
+            "id",
+            "name",
+            "kind",
+            "team",
+            "endpoint",
+            "capabilities",
+            "max_concurrency",
+            "enabled",
+            "health",
+            "last_seen",
+            "breaker",
+            "consecutive_failures",
+            "breaker_until",
+            "weight",
+            "transport",
+            "meta",
         ]
         read_only_fields = fields
 
@@ -154,4 +172,6 @@ class ExecutorSyncApi(APIView):
 
     @extend_schema(request=None, responses=ExecutorOutput)
     def post(self, request: Request, executor_id: int) -> Response:
-        return Response(ExecutorOutput(executor_sync(executor=managed_executor(request, executor_id), by=request.user)).data)
+        return Response(
+            ExecutorOutput(executor_sync(executor=managed_executor(request, executor_id), by=request.user)).data
+        )

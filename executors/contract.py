@@ -57,9 +57,14 @@ class DispatchResult:
         any, so whoever reads the result (the OpenAI-compatible endpoint) can report it."""
         if not self.tokens_used:
             return self.output
-        return {**self.output, "usage": {"prompt_tokens": self.prompt_tokens,
-                                         "completion_tokens": self.completion_tokens,
-                                         "total_tokens": self.tokens_used}}
+        return {
+            **self.output,
+            "usage": {
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.tokens_used,
+            },
+        }
 
 
 @dataclass(frozen=True)

@@ -107,12 +107,20 @@ def breaker_record(*, reports: Sequence[DispatchReport]) -> list[ExecutorEvent]:
             executor.consecutive_failures += 1
             changed.add(executor.pk)
             trial_failed = executor.breaker == Executor.Breaker.HALF_OPEN
-            if trial_failed or (executor.breaker == Executor.Breaker.CLOSED and executor.consecutive_failures >= threshold):
+            if trial_failed or (
+                executor.breaker == Executor.Breaker.CLOSED and executor.consecutive_failures >= threshold
+            ):
                 executor.breaker, executor.breaker_until = Executor.Breaker.OPEN, now + cooldown
-                events.append(_event(
-                    executor, BREAKER_OPENED, now, failures=executor.consecutive_failures,
-                    until=executor.breaker_until.isoformat(), trial_failed=trial_failed,
-                ))
+                events.append(
+                    _event(
+                        executor,
+                        BREAKER_OPENED,
+                        now,
+                        failures=executor.consecutive_failures,
+                        until=executor.breaker_until.isoformat(),
+                        trial_failed=trial_failed,
+                    )
+                )
         for pk in changed:
             executors[pk].save(update_fields=["last_seen", "breaker", "breaker_until", "consecutive_failures"])
         events_record(events)
@@ -126,7 +134,9 @@ def breaker_trial_started(*, executor: Executor, now: datetime) -> None:
     Runs inside the claim, after the claim lock (level 1) and before job rows (level 3). Leaves
     `executor` as it is: the claim's executors are shared configuration (the row's change bumps
     the configuration version, so the next claim reads it again)."""
-    if Executor.objects.filter(pk=executor.pk, breaker=Executor.Breaker.OPEN).update(breaker=Executor.Breaker.HALF_OPEN):
+    if Executor.objects.filter(pk=executor.pk, breaker=Executor.Breaker.OPEN).update(
+        breaker=Executor.Breaker.HALF_OPEN
+    ):
         events_record([_event(executor, BREAKER_HALF_OPEN, now)])
         changes_notify("breaker")
 
@@ -149,8 +159,10 @@ def probe_record(*, results: Sequence[tuple[int, Probe]]) -> list[ExecutorEvent]
     events = []
     with transaction.atomic(durable=True):
         for executor in (
-            Executor.objects.select_for_update().filter(pk__in=sorted(pk for pk, _ in results))
-            .annotate(db_now=Now()).order_by("pk")
+            Executor.objects.select_for_update()
+            .filter(pk__in=sorted(pk for pk, _ in results))
+            .annotate(db_now=Now())
+            .order_by("pk")
         ):
             probe = dict(results)[executor.pk]
             fields = ["health"]
@@ -158,10 +170,17 @@ def probe_record(*, results: Sequence[tuple[int, Probe]]) -> list[ExecutorEvent]
                 executor.last_seen = executor.db_now
                 fields.append("last_seen")
             if probe.health != executor.health:
-                events.append(_event(
-                    executor, HEALTH_CHANGED, executor.db_now, was=executor.health,
-                    health=probe.health, detail=probe.detail, latency_ms=probe.latency_ms,
-                ))
+                events.append(
+                    _event(
+                        executor,
+                        HEALTH_CHANGED,
+                        executor.db_now,
+                        was=executor.health,
+                        health=probe.health,
+                        detail=probe.detail,
+                        latency_ms=probe.latency_ms,
+                    )
+                )
             executor.health = probe.health
             executor.save(update_fields=fields)
         events_record(events)

@@ -24,7 +24,11 @@ class Executor(models.Model):
         HALF_OPEN = "half_open"
 
     team = models.ForeignKey(
-        Team, null=True, blank=True, on_delete=models.CASCADE, related_name="executors",
+        Team,
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="executors",
         help_text="Owning team; empty means shared by every team.",
     )
     kind = models.CharField(max_length=32)

@@ -1,7 +1,7 @@
 """From an executor's `kind` to its driver class, and one driver instance per executor row.
 
 Built-in kinds are listed here; a deployment adds kinds without touching the scheduler through
-TELEMACHUS_EXECUTOR_DRIVERS = "kind=dotted.path.Class,...". """
+TELEMACHUS_EXECUTOR_DRIVERS = "kind=dotted.path.Class,..."."""
 
 import json
 from functools import cache
@@ -78,7 +78,9 @@ class DriverPool:
     def get(self, executor: Executor) -> tuple[ExecutorDriver, ExecutorDriver | None]:
         """The driver for this version of the row, and the replaced driver (to close) if any."""
         version = (
-            executor.kind, executor.endpoint, executor.max_concurrency,
+            executor.kind,
+            executor.endpoint,
+            executor.max_concurrency,
             json.dumps([executor.transport, executor.meta], sort_keys=True),
         )
         cached = self._drivers.get(executor.pk)

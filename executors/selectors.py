@@ -41,7 +41,8 @@ def executor_teams(*, executors: Iterable[Executor] | None = None) -> dict[int, 
     if not owners:
         return {}
     granted = GroupObjectPermission.objects.filter(
-        permission__codename="use_executor", permission__content_type__app_label="executors",
+        permission__codename="use_executor",
+        permission__content_type__app_label="executors",
         group__team__isnull=False,
     ).values_list("object_pk", "group__team")
     teams: dict[int, set[int]] = {executor_id: {owner} for executor_id, owner in owners}
@@ -65,16 +66,24 @@ def executor_offers(executor: Executor, model: str | None, *, embeddings: bool =
 
 
 def usable_executors(
-    executors: Iterable[Executor], *, team_id: int, teams: dict[int, set[int]], model: str | None = None,
-    embeddings: bool = False, chat: bool = False,
+    executors: Iterable[Executor],
+    *,
+    team_id: int,
+    teams: dict[int, set[int]],
+    model: str | None = None,
+    embeddings: bool = False,
+    chat: bool = False,
 ) -> list[Executor]:
     """Of `executors`, the enabled ones the team may use that offer `model` (and embeddings; with
     `chat`, that answer model calls at all)."""
     from executors.registry import kind_chats  # the registry imports the contract, which imports this
 
     return [
-        e for e in executors
-        if e.enabled and executor_serves(e, team_id, teams) and executor_offers(e, model, embeddings=embeddings)
+        e
+        for e in executors
+        if e.enabled
+        and executor_serves(e, team_id, teams)
+        and executor_offers(e, model, embeddings=embeddings)
         and (not chat or kind_chats(e.kind))
     ]
 

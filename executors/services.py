@@ -11,20 +11,39 @@ from telemachus.audit import Actor, audit_record, changed_fields
 from telemachus.errors import Conflict, ExecutorUnreachable
 
 # What the audit log keeps of an executor (the runtime state, health and breaker, is not an edit).
-AUDITED = ("name", "kind", "team", "endpoint", "capabilities", "max_concurrency", "enabled", "weight", "transport", "meta")
+AUDITED = (
+    "name",
+    "kind",
+    "team",
+    "endpoint",
+    "capabilities",
+    "max_concurrency",
+    "enabled",
+    "weight",
+    "transport",
+    "meta",
+)
 
 
 def executor_audit_view(executor: Executor) -> dict[str, Any]:
-    return {name: (executor.team.slug if executor.team else None) if name == "team" else getattr(executor, name)
-            for name in AUDITED}
+    return {
+        name: (executor.team.slug if executor.team else None) if name == "team" else getattr(executor, name)
+        for name in AUDITED
+    }
 
 
 def executor_create(*, by: Actor = None, **fields: Any) -> Executor:
     """Register an executor; audited (`executor.create`)."""
     with transaction.atomic():
         executor = Executor.objects.create(**fields)
-        audit_record(by=by, action="executor.create", object_type="executor", object_id=executor.pk,
-                     object_repr=executor.name, after=executor_audit_view(executor))
+        audit_record(
+            by=by,
+            action="executor.create",
+            object_type="executor",
+            object_id=executor.pk,
+            object_repr=executor.name,
+            after=executor_audit_view(executor),
+        )
     return executor
 
 
@@ -43,8 +62,15 @@ def executor_update(
         return executor
     with transaction.atomic():
         executor.save(update_fields=[*fields, "updated_at"])
-        audit_record(by=by, action=action, object_type="executor", object_id=executor.pk,
-                     object_repr=executor.name, before=was, after=now)
+        audit_record(
+            by=by,
+            action=action,
+            object_type="executor",
+            object_id=executor.pk,
+            object_repr=executor.name,
+            before=was,
+            after=now,
+        )
     return executor
 
 
@@ -54,8 +80,14 @@ def executor_delete(*, executor: Executor, by: Actor = None) -> None:
     try:
         with transaction.atomic():
             executor.delete()
-            audit_record(by=by, action="executor.delete", object_type="executor", object_id=pk,
-                         object_repr=before["name"], before=before)
+            audit_record(
+                by=by,
+                action="executor.delete",
+                object_type="executor",
+                object_id=pk,
+                object_repr=before["name"],
+                before=before,
+            )
     except ProtectedError:
         raise Conflict(f"Executor {executor.name!r} is running jobs; disable it and retry when they finish.") from None
 
@@ -78,5 +110,6 @@ def executor_sync(*, executor: Executor, by: Actor = None) -> Executor:
         raise ExecutorUnreachable(str(exc)) from exc
     if models is None:
         raise Conflict(f"{executor.kind} executors do not report their models; set capabilities.models instead.")
-    return executor_update(executor=executor, by=by, action="executor.sync",
-                           capabilities={**executor.capabilities, "models": models})
+    return executor_update(
+        executor=executor, by=by, action="executor.sync", capabilities={**executor.capabilities, "models": models}
+    )

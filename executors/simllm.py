@@ -64,8 +64,12 @@ class Stats:
             "disconnects": sum(self.disconnects.values()),
             "jobs": dict(self.jobs),
             "prefixes": {
-                p: {"in_flight": self.in_flight[p], "peak": self.peak[p], "requests": self.requests[p],
-                    "disconnects": self.disconnects[p]}
+                p: {
+                    "in_flight": self.in_flight[p],
+                    "peak": self.peak[p],
+                    "requests": self.requests[p],
+                    "disconnects": self.disconnects[p],
+                }
                 for p in sorted(self.requests)
             },
         }
@@ -100,10 +104,14 @@ class SimLLM:
             self.stats = Stats()
             return await respond(send, 200, {"reset": True})
         if path.endswith("/v1/models") and method == "GET":
-            return await respond(send, 200, {
-                "object": "list",
-                "data": [{"id": m, "object": "model", "created": 0, "owned_by": "simllm"} for m in self.models],
-            })
+            return await respond(
+                send,
+                200,
+                {
+                    "object": "list",
+                    "data": [{"id": m, "object": "model", "created": 0, "owned_by": "simllm"} for m in self.models],
+                },
+            )
         for route, handler in (("/v1/chat/completions", self.chat), ("/v1/embeddings", self.embeddings)):
             if path.endswith(route) and method == "POST":
                 prefix = path[: -len(route)].strip("/")
@@ -136,8 +144,16 @@ class SimLLM:
                 vector = base64.b64encode(struct.pack(f"<{dims}f", *vector)).decode()
             data.append({"object": "embedding", "index": index, "embedding": vector})
         tokens = sum(len(text.split()) for text in texts)
-        await respond(send, 200, {"object": "list", "data": data, "model": model,
-                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        await respond(
+            send,
+            200,
+            {
+                "object": "list",
+                "data": data,
+                "model": model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            },
+        )
 
     async def chat(self, send: Any, body: Any, gone: asyncio.Future) -> None:
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
@@ -163,24 +179,52 @@ class SimLLM:
         else:
             message = {"role": "assistant", "content": reply_prefix(body) + " ".join(words)}
             finish = "length" if completion == body.get("max_tokens") else "stop"
-        await respond(send, 200, {
-            "id": ident, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-            "usage": usage,
-            "system_fingerprint": "simllm",
-        })
+        await respond(
+            send,
+            200,
+            {
+                "id": ident,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                "usage": usage,
+                "system_fingerprint": "simllm",
+            },
+        )
 
-    async def stream(self, send: Any, ident: str, created: int, model: str, words: list[str],
-                     usage: dict[str, int], body: dict[str, Any], gone: asyncio.Future,
-                     calls: list[dict[str, Any]]) -> None:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+    async def stream(
+        self,
+        send: Any,
+        ident: str,
+        created: int,
+        model: str,
+        words: list[str],
+        usage: dict[str, int],
+        body: dict[str, Any],
+        gone: asyncio.Future,
+        calls: list[dict[str, Any]],
+    ) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+            }
+        )
 
         async def event(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> None:
-            chunk = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
-            await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
-                        "more_body": True})
+            chunk = {
+                "id": ident,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                **extra,
+            }
+            await send(
+                {"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(), "more_body": True}
+            )
 
         include_usage = (body.get("stream_options") or {}).get("include_usage")
         per_token = 1 / self.tokens_per_s if self.tokens_per_s else 0
@@ -191,8 +235,18 @@ class SimLLM:
             for index, call in enumerate(calls):
                 function = call["function"]
                 arguments, half = function["arguments"], len(function["arguments"]) // 2
-                await event({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
-                                             "function": {"name": function["name"], "arguments": ""}}]})
+                await event(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": index,
+                                "id": call["id"],
+                                "type": "function",
+                                "function": {"name": function["name"], "arguments": ""},
+                            }
+                        ]
+                    }
+                )
                 await event({"tool_calls": [{"index": index, "function": {"arguments": arguments[:half]}}]})
                 await pause(per_token, gone)
                 await event({"tool_calls": [{"index": index, "function": {"arguments": arguments[half:]}}]})
@@ -273,6 +327,11 @@ async def read_json(receive: Any) -> Any:
 
 async def respond(send: Any, status: int, body: Any) -> None:
     payload = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": payload})

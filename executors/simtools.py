@@ -54,8 +54,13 @@ def sim_tool_calls(
             return []
         arguments = sample_arguments(function.get("parameters"), call=results + 1)
         ident = f"call_{results + 1}"
-    return [{"id": ident, "type": "function",
-             "function": {"name": str(function.get("name", "")), "arguments": json.dumps(arguments)}}]
+    return [
+        {
+            "id": ident,
+            "type": "function",
+            "function": {"name": str(function.get("name", "")), "arguments": json.dumps(arguments)},
+        }
+    ]
 
 
 def said_arguments(schema: Any, messages: list[dict[str, Any]]) -> dict[str, Any]:
@@ -63,8 +68,10 @@ def said_arguments(schema: Any, messages: list[dict[str, Any]]) -> dict[str, Any
     said = next((str(m.get("content") or "") for m in reversed(messages) if m.get("role") == "user"), "")
     kinds = {"string": said, "integer": len(said.split()), "number": len(said.split()), "boolean": True}
     properties = (schema if isinstance(schema, dict) else {}).get("properties") or {}
-    return {name: kinds.get((spec or {}).get("type") if isinstance(spec, dict) else None, said)  # type: ignore[arg-type]
-            for name, spec in properties.items()}
+    return {
+        name: kinds.get((spec or {}).get("type") if isinstance(spec, dict) else None, said)  # type: ignore[arg-type]
+        for name, spec in properties.items()
+    }
 
 
 def sample_arguments(schema: Any, *, call: int) -> dict[str, Any]:
@@ -79,4 +86,3 @@ def sample_arguments(schema: Any, *, call: int) -> dict[str, Any]:
             kind = (properties.get(name) or {}).get("type", "string")
             arguments[name] = PLACEHOLDERS.get(kind if isinstance(kind, str) else "string", "sim")
     return arguments
-

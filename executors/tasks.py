@@ -212,8 +212,10 @@ def task_run(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) ->
         value = fn(*args, **kwargs)
     except (Exception, SystemExit) as exc:
         return TaskOutcome(
-            ok=False, error=f"raised {type(exc).__name__}: {exc}",
-            exception_class=f"{type(exc).__module__}.{type(exc).__qualname__}", traceback=traceback.format_exc(),
+            ok=False,
+            error=f"raised {type(exc).__name__}: {exc}",
+            exception_class=f"{type(exc).__module__}.{type(exc).__qualname__}",
+            traceback=traceback.format_exc(),
             elapsed_s=time.perf_counter() - started,
         )
     elapsed = time.perf_counter() - started

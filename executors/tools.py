@@ -64,22 +64,32 @@ class Tool:
 
     def schema(self) -> dict[str, Any]:
         """The tool as the OpenAI chat API's `tools` list wants it."""
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
     def __call__(self, **arguments: Any) -> Any:
         return self.fn(**arguments)
 
 
 def tool(
-    *, parameters: dict[str, Any] | None = None, description: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+    *,
+    parameters: dict[str, Any] | None = None,
+    description: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
     name: str | None = None,
 ) -> Callable[[Callable[..., Any]], Tool]:
     """Make a function a Tool (its name and docstring are the defaults for the tool's)."""
 
     def wrap(fn: Callable[..., Any]) -> Tool:
-        return Tool(name=name or fn.__name__, fn=fn, description=description or (fn.__doc__ or "").strip(),
-                    parameters=parameters or dict(ANY_OBJECT), timeout_s=timeout_s)
+        return Tool(
+            name=name or fn.__name__,
+            fn=fn,
+            description=description or (fn.__doc__ or "").strip(),
+            parameters=parameters or dict(ANY_OBJECT),
+            timeout_s=timeout_s,
+        )
 
     return wrap
 
@@ -143,8 +153,9 @@ def tool_arguments_check(tool: Tool, arguments: Any) -> None:
     """Raise ToolError unless `arguments` is an object that fits the tool's schema."""
     if not isinstance(arguments, dict):
         raise ToolError(f"tool {tool.name!r}: arguments must be a JSON object, not {type(arguments).__name__}")
-    error = jsonschema.exceptions.best_match(jsonschema.validators.validator_for(tool.parameters)(
-        tool.parameters).iter_errors(arguments))
+    error = jsonschema.exceptions.best_match(
+        jsonschema.validators.validator_for(tool.parameters)(tool.parameters).iter_errors(arguments)
+    )
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path)
         raise ToolError(f"tool {tool.name!r}: invalid arguments{f' at {where}' if where else ''}: {error.message}")
@@ -180,12 +191,17 @@ class ToolOutcome:
 
     def describe(self) -> dict[str, Any]:
         """For events: what ran, how long, and whether it worked (not the content)."""
-        return {"name": self.name, "ok": self.ok, "seconds": round(self.seconds, 4),
-                **({} if self.ok else {"error": self.content[:500]})}
+        return {
+            "name": self.name,
+            "ok": self.ok,
+            "seconds": round(self.seconds, 4),
+            **({} if self.ok else {"error": self.content[:500]}),
+        }
 
 
-async def tool_invoke(*, name: str, arguments: Any, call_id: str = "", threads: Executor,
-                      allowed: set[str] | None = None) -> ToolOutcome:
+async def tool_invoke(
+    *, name: str, arguments: Any, call_id: str = "", threads: Executor, allowed: set[str] | None = None
+) -> ToolOutcome:
     """Run one tool call in `threads` (never on the event loop), within the tool's timeout. A
     `tool_calls` entry's arguments arrive as JSON text and are parsed here. `allowed` limits the
     names (a flow may call only the tools it listed). Never raises for the call's own failure:
@@ -193,8 +209,7 @@ async def tool_invoke(*, name: str, arguments: Any, call_id: str = "", threads: 
     started = time.perf_counter()
 
     def failed(message: str) -> ToolOutcome:
-        return ToolOutcome(name=name, call_id=call_id, ok=False, content=message,
-                           seconds=time.perf_counter() - started)
+        return ToolOutcome(name=name, call_id=call_id, ok=False, content=message, seconds=time.perf_counter() - started)
 
     try:
         if allowed is not None and name not in allowed:

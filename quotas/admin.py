@@ -26,8 +26,11 @@ class QuotaPolicyForm(forms.ModelForm[QuotaPolicy]):
         data = super().clean() or {}
         if all(name in data for name in ("scope", "dimension")):
             errors = quota_rule_errors(
-                scope=data["scope"], subject=data.get("subject", ""), dimension=data["dimension"],
-                window=data.get("window", ""), exclude_pk=self.instance.pk,
+                scope=data["scope"],
+                subject=data.get("subject", ""),
+                dimension=data["dimension"],
+                window=data.get("window", ""),
+                exclude_pk=self.instance.pk,
             )
             for name, messages in errors.items():
                 self.add_error(None if name == "non_field_errors" else name, messages)
@@ -94,8 +97,17 @@ class QuotaPolicyAdmin(admin.ModelAdmin[QuotaPolicy]):
 class UsageAdmin(ReadOnlyAdmin):
     """The ledger, read-only: it changes only through claims and finishes."""
 
-    list_display = ["scope", "subject", "window", "window_start", "tokens", "requests", "reserved_tokens",
-                    "reserved_requests", "exhausted_at"]
+    list_display = [
+        "scope",
+        "subject",
+        "window",
+        "window_start",
+        "tokens",
+        "requests",
+        "reserved_tokens",
+        "reserved_requests",
+        "exhausted_at",
+    ]
     list_filter = ["scope", "window"]
     search_fields = ["subject"]
     date_hierarchy = "window_start"

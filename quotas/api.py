@@ -19,7 +19,6 @@ from telemachus.pagination import query_params_check
 from telemachus.serializers import StrictSerializer
 
 
-
 class QuotaPolicyInput(StrictSerializer):
     scope = serializers.ChoiceField(choices=QuotaPolicy.Scope.choices)
     subject = serializers.CharField(max_length=150, allow_null=True, required=False)
@@ -34,7 +33,10 @@ class QuotaPolicyInput(StrictSerializer):
         for name in ("subject", "window"):
             if name in stored:
                 stored[name] = stored[name] or ""
-        rule = {name: stored.get(name, getattr(self.instance, name, "")) for name in ("scope", "subject", "dimension", "window")}
+        rule = {
+            name: stored.get(name, getattr(self.instance, name, ""))
+            for name in ("scope", "subject", "dimension", "window")
+        }
         errors = quota_rule_errors(**rule, exclude_pk=getattr(self.instance, "pk", None))
         if errors:
             raise serializers.ValidationError(errors)
@@ -98,7 +100,9 @@ class QuotaPolicyDetailApi(APIView):
         policy = managed_policy(request, policy_id)
         data = QuotaPolicyInput(policy, data=request.data, partial=partial)
         data.is_valid(raise_exception=True)
-        return Response(QuotaPolicyOutput(quota_policy_update(policy=policy, by=request.user, **data.validated_data)).data)
+        return Response(
+            QuotaPolicyOutput(quota_policy_update(policy=policy, by=request.user, **data.validated_data)).data
+        )
 
     @extend_schema(responses={204: None})
     def delete(self, request: Request, policy_id: int) -> Response:
@@ -119,6 +123,7 @@ class UsageApi(APIView):
         query_params_check(request, UsageFilter().fields)
         filters = UsageFilter(data=request.query_params)
         filters.is_valid(raise_exception=True)
-        report = usage_report(user=request.user, team=filters.validated_data.get("team"),
-                              username=filters.validated_data.get("user"))
+        report = usage_report(
+            user=request.user, team=filters.validated_data.get("team"), username=filters.validated_data.get("user")
+        )
         return Response({"results": report})

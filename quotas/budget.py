@@ -76,8 +76,12 @@ class Account:
     def describe(self) -> dict[str, Any]:
         """The fields of a quota_exceeded error and a deferred event."""
         return {
-            "dimension": self.rule.dimension, "scope": self.rule.scope, "subject": self.rule.subject or None,
-            "limit": self.rule.limit, "used": self.used + self.reserved, "reset_at": self.end.isoformat(),
+            "dimension": self.rule.dimension,
+            "scope": self.rule.scope,
+            "subject": self.rule.subject or None,
+            "limit": self.rule.limit,
+            "used": self.used + self.reserved,
+            "reset_at": self.end.isoformat(),
         }
 
 
@@ -87,8 +91,15 @@ class Deltas:
 
     rows: dict[LedgerKey, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0, 0, 0]))
 
-    def add(self, key: LedgerKey, *, tokens: int = 0, requests: int = 0, reserved_tokens: int = 0,
-            reserved_requests: int = 0) -> None:
+    def add(
+        self,
+        key: LedgerKey,
+        *,
+        tokens: int = 0,
+        requests: int = 0,
+        reserved_tokens: int = 0,
+        reserved_requests: int = 0,
+    ) -> None:
         row = self.rows[key]
         row[0] += tokens
         row[1] += requests
@@ -118,11 +129,13 @@ class Budgets:
         if budgets.accounts:
             wanted = Q()
             for account in budgets.accounts:
-                wanted |= Q(scope=account.rule.scope, subject=account.rule.subject, window=account.rule.window,
-                            window_start=account.start)
-            rows = {
-                (u.scope, u.subject, u.window, u.window_start): u for u in Usage.objects.filter(wanted)
-            }
+                wanted |= Q(
+                    scope=account.rule.scope,
+                    subject=account.rule.subject,
+                    window=account.rule.window,
+                    window_start=account.start,
+                )
+            rows = {(u.scope, u.subject, u.window, u.window_start): u for u in Usage.objects.filter(wanted)}
             for account in budgets.accounts:
                 row = rows.get(account.key)
                 if row is not None:
@@ -142,8 +155,11 @@ class Budgets:
         a statement the caller runs anyway: `fill` takes them back. Saves the ledger's round trip."""
         columns = {}
         for i, account in enumerate(self.accounts):
-            used, reserved = (("tokens", "reserved_tokens") if account.rule.dimension == Dimension.TOKENS
-                              else ("requests", "reserved_requests"))
+            used, reserved = (
+                ("tokens", "reserved_tokens")
+                if account.rule.dimension == Dimension.TOKENS
+                else ("requests", "reserved_requests")
+            )
             scope, subject, window, start = account.key
             row = Usage.objects.filter(scope=scope, subject=subject, window=window, window_start=start)
             columns[f"budget_{i}_used"] = Subquery(row.values(used)[:1])
@@ -172,8 +188,11 @@ class Budgets:
 
     def exhausted(self, scope: str) -> set[int]:
         """Ids of team or user subjects with nothing left in some budget."""
-        return {a.rule.subject_id for a in self.accounts
-                if a.rule.scope == scope and a.remaining <= 0 and a.rule.subject_id is not None}
+        return {
+            a.rule.subject_id
+            for a in self.accounts
+            if a.rule.scope == scope and a.remaining <= 0 and a.rule.subject_id is not None
+        }
 
     def global_exhausted(self) -> bool:
         return any(a.rule.scope == QuotaPolicy.Scope.GLOBAL and a.remaining <= 0 for a in self.accounts)
@@ -209,8 +228,9 @@ class Budgets:
         self.pending.apply()
         for account in fresh:
             scope, subject, window, start = account.key
-            Usage.objects.filter(scope=scope, subject=subject, window=window, window_start=start,
-                                 exhausted_at__isnull=True).update(exhausted_at=self.now)
+            Usage.objects.filter(
+                scope=scope, subject=subject, window=window, window_start=start, exhausted_at__isnull=True
+            ).update(exhausted_at=self.now)
             account.exhausted_at = self.now
         return fresh
 
@@ -219,11 +239,15 @@ def admission_budgets(*, subjects: Iterable[tuple[int, int]], now: datetime, rul
     """The global, team and user budgets that count jobs of these (team id, user id) pairs, not
     yet read (`Budgets.columns` reads them with a statement of the caller's)."""
     subjects = list(subjects)
-    return Budgets.of(now=now, rules=[
-        rule for rule in rules
-        if rule.scope != QuotaPolicy.Scope.EXECUTOR
-        and any(rule.applies(team_id=team_id, user_id=user_id) for team_id, user_id in subjects)
-    ])
+    return Budgets.of(
+        now=now,
+        rules=[
+            rule
+            for rule in rules
+            if rule.scope != QuotaPolicy.Scope.EXECUTOR
+            and any(rule.applies(team_id=team_id, user_id=user_id) for team_id, user_id in subjects)
+        ],
+    )
 
 
 def quota_check(*, team_id: int, user_id: int, tokens: int, now: datetime, budgets: Budgets | None = None) -> None:
@@ -253,7 +277,10 @@ class Bill:
 
 
 def quota_settle(
-    *, reservations: Iterable[dict[str, Any] | None], bills: Iterable[Bill], now: datetime,
+    *,
+    reservations: Iterable[dict[str, Any] | None],
+    bills: Iterable[Bill],
+    now: datetime,
     rules: Iterable[Rule] | None = None,
 ) -> None:
     """Quota.record: release the reservations of ended attempts and bill each dispatch's actual
@@ -264,8 +291,11 @@ def quota_settle(
         _add_reservation(deltas, reservation, sign=-1)
     bills = list(bills)
     if bills:
-        rules = [r for r in rules if r.dimension in BUDGET_DIMENSIONS] if rules is not None else \
-            quota_rules(dimensions=BUDGET_DIMENSIONS)
+        rules = (
+            [r for r in rules if r.dimension in BUDGET_DIMENSIONS]
+            if rules is not None
+            else quota_rules(dimensions=BUDGET_DIMENSIONS)
+        )
         budgets = Budgets.of(now=now, rules=rules)
         for bill in bills:
             for account in budgets.applicable(team_id=bill.team_id, user_id=bill.user_id, executor_id=bill.executor_id):
@@ -296,7 +326,16 @@ def ledger_add(rows: dict[LedgerKey, list[int]]) -> None:
     qn = connection.ops.quote_name
     table = qn(Usage._meta.db_table)
     start_field = Usage._meta.get_field("window_start")
-    columns = ["scope", "subject", "window", "window_start", "tokens", "requests", "reserved_tokens", "reserved_requests"]
+    columns = [
+        "scope",
+        "subject",
+        "window",
+        "window_start",
+        "tokens",
+        "requests",
+        "reserved_tokens",
+        "reserved_requests",
+    ]
     params: list[Any] = []
     for (scope, subject, window, start), values in sorted(rows.items()):
         params += [scope, subject, window, start_field.get_db_prep_value(start, connection), *values]

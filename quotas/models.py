@@ -37,9 +37,7 @@ class QuotaPolicy(models.Model):
         verbose_name_plural = "quota policies"
         ordering = ["dimension", "scope", "subject"]
         constraints = [
-            models.UniqueConstraint(
-                fields=["scope", "subject", "dimension", "window"], name="quotapolicy_unique_rule"
-            ),
+            models.UniqueConstraint(fields=["scope", "subject", "dimension", "window"], name="quotapolicy_unique_rule"),
             models.CheckConstraint(
                 condition=Q(scope="global", subject="") | (~Q(scope="global") & ~Q(subject="")),
                 name="quotapolicy_subject_matches_scope",

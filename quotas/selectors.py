@@ -22,13 +22,18 @@ def usage_report(*, user: rbac.Principal, team: str | None = None, username: str
     users: set[str] | None = None  # None: every user (an operator)
     if not operator and user.is_authenticated:
         managed = Membership.objects.filter(user=user, role=Membership.Role.MANAGER).values("team")
-        users = {user.get_username(), *Membership.objects.filter(team__in=managed).values_list("user__username", flat=True)}
+        users = {
+            user.get_username(),
+            *Membership.objects.filter(team__in=managed).values_list("user__username", flat=True),
+        }
     elif not operator:
         users = set()
     if team is not None and team not in teams:
         raise NotFound(f"Team {team!r} not found.")
-    if username is not None and not (operator and get_user_model().objects.filter(username=username).exists()) and (
-        users is None or username not in users
+    if (
+        username is not None
+        and not (operator and get_user_model().objects.filter(username=username).exists())
+        and (users is None or username not in users)
     ):
         raise NotFound(f"User {username!r} not found.")
 

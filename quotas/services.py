@@ -18,8 +18,14 @@ def quota_policy_create(*, by: Actor = None, **fields: Any) -> QuotaPolicy:
     """A new rule; the next claim and submit apply it. Audited (`quota_policy.create`)."""
     with transaction.atomic():
         policy = QuotaPolicy.objects.create(**fields)
-        audit_record(by=by, action="quota_policy.create", object_type="quota_policy", object_id=policy.pk,
-                     object_repr=str(policy), after=_view(policy))
+        audit_record(
+            by=by,
+            action="quota_policy.create",
+            object_type="quota_policy",
+            object_id=policy.pk,
+            object_repr=str(policy),
+            after=_view(policy),
+        )
     return policy
 
 
@@ -35,8 +41,15 @@ def quota_policy_update(*, policy: QuotaPolicy, by: Actor = None, **fields: Any)
         return policy
     with transaction.atomic():
         policy.save(update_fields=[*fields, "updated_at"])
-        audit_record(by=by, action="quota_policy.update", object_type="quota_policy", object_id=policy.pk,
-                     object_repr=str(policy), before=was, after=now)
+        audit_record(
+            by=by,
+            action="quota_policy.update",
+            object_type="quota_policy",
+            object_id=policy.pk,
+            object_repr=str(policy),
+            before=was,
+            after=now,
+        )
     return policy
 
 
@@ -44,5 +57,11 @@ def quota_policy_delete(*, policy: QuotaPolicy, by: Actor = None) -> None:
     pk, before, label = policy.pk, _view(policy), str(policy)
     with transaction.atomic():
         policy.delete()
-        audit_record(by=by, action="quota_policy.delete", object_type="quota_policy", object_id=pk,
-                     object_repr=label, before=before)
+        audit_record(
+            by=by,
+            action="quota_policy.delete",
+            object_type="quota_policy",
+            object_id=pk,
+            object_repr=label,
+            before=before,
+        )

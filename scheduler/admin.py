@@ -26,8 +26,21 @@ class JobEventInline(admin.TabularInline):
 
 @admin.register(Job)
 class JobAdmin(ReadOnlyAdmin):
-    list_display = ["id", "type", "team", "user", "priority", "status", "round", "model", "executor", "attempts",
-                    "tokens_used", "submitted_at", "finished_at"]
+    list_display = [
+        "id",
+        "type",
+        "team",
+        "user",
+        "priority",
+        "status",
+        "round",
+        "model",
+        "executor",
+        "attempts",
+        "tokens_used",
+        "submitted_at",
+        "finished_at",
+    ]
     list_filter = ["status", "type", "team", "executor"]
     search_fields = ["id", "model", "user__username", "team__slug", "error"]
     list_select_related = ["team", "user", "executor"]

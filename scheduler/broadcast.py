@@ -124,7 +124,7 @@ class DeltaPublisher:
         if self._conn is None or self._conn.closed:
             self._conn = await psycopg.AsyncConnection.connect(**signals.listen_connection_params(), autocommit=True)
         for start in range(0, len(payloads), 50):
-            chunk = payloads[start:start + 50]
+            chunk = payloads[start : start + 50]
             await self._conn.execute(
                 "SELECT " + ", ".join(["pg_notify(%s, %s)"] * len(chunk)),
                 [value for payload in chunk for value in (signals.JOBS_CHANNEL, payload)],
@@ -145,7 +145,7 @@ def _delta_payloads(message: dict[str, Any]) -> list[str]:
     text, offset, payloads = message["text"], message["offset"], []
     step = signals.MAX_PAYLOAD_BYTES // 13  # JSON may spend 12 bytes on one character; room for the rest
     for start in range(0, max(len(text), 1), step):
-        piece = {**message, "offset": offset + start, "text": text[start:start + step]}
+        piece = {**message, "offset": offset + start, "text": text[start : start + step]}
         del piece["type"]
         payloads.append(signals.DELTA + json.dumps(piece, separators=(",", ":")))
     return payloads

@@ -33,4 +33,3 @@ def update_rows(model: type[Model], rows: Sequence[dict[str, Any]], *, key: str 
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         return cursor.rowcount
-

@@ -42,8 +42,9 @@ class Configuration:
         team_id = self.team_ids.get(slug)
         return self.teams[team_id] if team_id is not None else None
 
-    def executors_usable_by(self, *, team_id: int, model: str, embeddings: bool = False,
-                            chat: bool = False) -> list[Executor]:
+    def executors_usable_by(
+        self, *, team_id: int, model: str, embeddings: bool = False, chat: bool = False
+    ) -> list[Executor]:
         """As executors.selectors.executors_usable_by, from the cached configuration (with `chat`,
         only executors that answer model calls)."""
         return usable_executors(
@@ -78,12 +79,21 @@ def _load(version: int) -> Configuration:
     executors = tuple(Executor.objects.all())
     teams = {team.pk: team for team in Team.objects.all()}
     team_ids = {team.slug: pk for pk, team in teams.items()}
-    rules = tuple(quota_rules(known={
-        QuotaPolicy.Scope.TEAM: team_ids,
-        QuotaPolicy.Scope.EXECUTOR: {e.name: e.pk for e in executors},
-    }))
+    rules = tuple(
+        quota_rules(
+            known={
+                QuotaPolicy.Scope.TEAM: team_ids,
+                QuotaPolicy.Scope.EXECUTOR: {e.name: e.pk for e in executors},
+            }
+        )
+    )
     return Configuration(
-        version=version, executors=executors, teams=teams, team_ids=team_ids, rules=rules,
-        caps=concurrency_caps(list(rules)), executor_teams=executor_teams(executors=executors),
+        version=version,
+        executors=executors,
+        teams=teams,
+        team_ids=team_ids,
+        rules=rules,
+        caps=concurrency_caps(list(rules)),
+        executor_teams=executor_teams(executors=executors),
         features=feature_switches(),
     )

@@ -111,8 +111,11 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
                 await asyncio.sleep(COALESCE_SECONDS)
                 reread = True
             except TimeoutError:
-                reread = (not self.feed.live or time.monotonic() - read_at >= REREAD_SECONDS  # type: ignore[union-attr]
-                          or (deadline is not None and time.time() >= deadline))
+                reread = (
+                    not self.feed.live
+                    or time.monotonic() - read_at >= REREAD_SECONDS  # type: ignore[union-attr]
+                    or (deadline is not None and time.time() >= deadline)
+                )
             self.wake.clear()  # type: ignore[union-attr]
 
     @classmethod

@@ -74,32 +74,52 @@ async def _round(host: RoundHost, flight: Any) -> None:
         result = await flight.driver.execute(request)
         dispatch_observe(executor=claim.executor, outcome="ok", seconds=time.monotonic() - began)
         end = await host.db_retrying(
-            _round_finish_then_record, job_id=job.pk, lease=claim.lease, round=start.round, result=result,
-            executor_id=claim.executor.pk, seconds=round(time.monotonic() - began, 4),
+            _round_finish_then_record,
+            job_id=job.pk,
+            lease=claim.lease,
+            round=start.round,
+            result=result,
+            executor_id=claim.executor.pk,
+            seconds=round(time.monotonic() - began, 4),
         )
         if not end.tools_to_run:
             log.info("job %d round %d: flow %s (%d tokens)", job.pk, start.round, end.status, result.tokens_used)
             return
         calls = end.tool_calls
     allowed = set(job.input.get("tools") or ())
-    results = await asyncio.gather(*(
-        tool_invoke(name=str((call.get("function") or {}).get("name", "")),
-                    arguments=(call.get("function") or {}).get("arguments", "{}"),
-                    call_id=str(call.get("id", "")), threads=host.tool_threads, allowed=allowed)
-        for call in calls
-    ))
-    status = await host.db_retrying(round_requeue, job_id=job.pk, lease=claim.lease, round=start.round,
-                                    results=list(results))
+    results = await asyncio.gather(
+        *(
+            tool_invoke(
+                name=str((call.get("function") or {}).get("name", "")),
+                arguments=(call.get("function") or {}).get("arguments", "{}"),
+                call_id=str(call.get("id", "")),
+                threads=host.tool_threads,
+                allowed=allowed,
+            )
+            for call in calls
+        )
+    )
+    status = await host.db_retrying(
+        round_requeue, job_id=job.pk, lease=claim.lease, round=start.round, results=list(results)
+    )
     log.info("job %d round %d: %d tool call(s), flow %s", job.pk, start.round, len(results), status)
 
 
-def _round_finish_then_record(*, job_id: int, lease: Any, round: int, result: DispatchResult, executor_id: int,
-                              seconds: float) -> RoundEnd:
+def _round_finish_then_record(
+    *, job_id: int, lease: Any, round: int, result: DispatchResult, executor_id: int, seconds: float
+) -> RoundEnd:
     """End the round, then tell the breaker the executor answered (two transactions, as the
     worker's finish does: job rows and executor rows are never locked together)."""
-    message = (result.output.get("message") or {"role": "assistant", "content": ""})
-    end = round_finish(job_id=job_id, lease=lease, round=round, message=message, prompt_tokens=result.prompt_tokens,
-                       completion_tokens=result.completion_tokens, meta={"seconds": seconds})
+    message = result.output.get("message") or {"role": "assistant", "content": ""}
+    end = round_finish(
+        job_id=job_id,
+        lease=lease,
+        round=round,
+        message=message,
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=result.completion_tokens,
+        meta={"seconds": seconds},
+    )
     try:
         breaker_record(reports=[DispatchReport(executor_id=executor_id, ok=True, executor_fault=False)])
     except DatabaseError as exc:
@@ -111,11 +131,22 @@ async def tool_job_outcome(host: RoundHost, claim: Any) -> Outcome:
     """Run a tool job's tool; its result is `{"value", "tool", "elapsed_s"}` (the value is what the
     tool returned), as a task job's is; its failure is the tool's error."""
     job = claim.job
-    outcome: ToolOutcome = await tool_invoke(name=job.input.get("tool", ""), arguments=job.input.get("arguments", {}),
-                                             threads=host.tool_threads)
+    outcome: ToolOutcome = await tool_invoke(
+        name=job.input.get("tool", ""), arguments=job.input.get("arguments", {}), threads=host.tool_threads
+    )
     if not outcome.ok:
-        return Outcome(job_id=job.pk, lease=claim.lease, ok=False, error=outcome.content,
-                       meta={"seconds": round(outcome.seconds, 4)})
-    return Outcome(job_id=job.pk, lease=claim.lease, ok=True, tokens_used=0, meta={"seconds": round(outcome.seconds, 4)},
-                   result={"value": json.loads(outcome.content), "tool": outcome.name,
-                           "elapsed_s": round(outcome.seconds, 4)})
+        return Outcome(
+            job_id=job.pk,
+            lease=claim.lease,
+            ok=False,
+            error=outcome.content,
+            meta={"seconds": round(outcome.seconds, 4)},
+        )
+    return Outcome(
+        job_id=job.pk,
+        lease=claim.lease,
+        ok=True,
+        tokens_used=0,
+        meta={"seconds": round(outcome.seconds, 4)},
+        result={"value": json.loads(outcome.content), "tool": outcome.name, "elapsed_s": round(outcome.seconds, 4)},
+    )

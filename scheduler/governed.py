@@ -91,8 +91,15 @@ class governed_slot:
     a function, as it is used). See the module docstring."""
 
     def __init__(
-        self, *, user: User, team: str, model: str, est_tokens: int = 0, priority: int = 0,
-        timeout: float | None = None, requirements: dict[str, Any] | None = None,
+        self,
+        *,
+        user: User,
+        team: str,
+        model: str,
+        est_tokens: int = 0,
+        priority: int = 0,
+        timeout: float | None = None,
+        requirements: dict[str, Any] | None = None,
     ) -> None:
         self.user, self.team, self.priority, self.timeout = user, team, priority, timeout
         self.requirements = {**(requirements or {}), "model": model, "est_tokens": est_tokens}
@@ -138,15 +145,22 @@ class governed_slot:
             raise
         return await sync_to_async(self._hold)(slot)
 
-    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await sync_to_async(self._release)(exc)
 
     # --- steps --------------------------------------------------------------------------------
 
     def _submit(self) -> int:
-        job = job_submit(user=self.user, team=self.team, type=Job.Type.GOVERNED, requirements=self.requirements,
-                         input={}, priority=self.priority)
+        job = job_submit(
+            user=self.user,
+            team=self.team,
+            type=Job.Type.GOVERNED,
+            requirements=self.requirements,
+            input={},
+            priority=self.priority,
+        )
         return job.pk
 
     def _granted(self) -> GovernedSlot | None:
@@ -158,8 +172,15 @@ class governed_slot:
         if row["status"] != Job.Status.RUNNING:
             return None
         executor = Executor.objects.get(pk=row["executor_id"])
-        return GovernedSlot(job_id=self.job_id, lease=row["lease"], executor=executor.name, kind=executor.kind,  # type: ignore[arg-type]
-                            endpoint=executor.endpoint, model=row["model"], transport=dict(executor.transport or {}))
+        return GovernedSlot(
+            job_id=self.job_id,
+            lease=row["lease"],
+            executor=executor.name,
+            kind=executor.kind,  # type: ignore[arg-type]
+            endpoint=executor.endpoint,
+            model=row["model"],
+            transport=dict(executor.transport or {}),
+        )
 
     def _hold(self, slot: GovernedSlot) -> GovernedSlot:
         """Take the lease over from the claim: start heartbeating it, and record the round."""
@@ -195,8 +216,14 @@ class governed_slot:
         assert slot is not None
         error = f"{type(exc).__name__}: {exc}"[:2000] if exc is not None else ""
         try:
-            round_finish(job_id=slot.job_id, lease=slot.lease, round=1, prompt_tokens=slot.prompt_tokens,
-                         completion_tokens=slot.completion_tokens, error=error)
+            round_finish(
+                job_id=slot.job_id,
+                lease=slot.lease,
+                round=1,
+                prompt_tokens=slot.prompt_tokens,
+                completion_tokens=slot.completion_tokens,
+                error=error,
+            )
         except LeaseLost:
             slot.lost.set()
             if exc is None:

@@ -54,8 +54,9 @@ def job_request(job: Job, *, messages: list[dict[str, Any]] | None = None) -> Di
     if job.type == Job.Type.TRANSLATE:
         data = {
             **{k: v for k, v in data.items() if k not in TRANSLATE_ONLY},
-            "messages": translate_messages(text=data["text"], target_lang=data["target_lang"],
-                                           source_lang=data.get("source_lang")),
+            "messages": translate_messages(
+                text=data["text"], target_lang=data["target_lang"], source_lang=data.get("source_lang")
+            ),
         }
     elif job.type == Job.Type.FLOW:
         schemas = [tool_resolve(name=name).schema() for name in data.get("tools") or ()]
@@ -87,9 +88,13 @@ def job_input_check(*, type: str, input: dict[str, Any], team: Team, require: Ca
         try:
             require(rbac.TOOLS)
         except Forbidden:
-            raise ValidationFailed({"input": {"tools": [
-                f"Calling tools needs {rbac.TOOLS} in team {team.slug!r}, which you do not have."
-            ]}}) from None
+            raise ValidationFailed(
+                {
+                    "input": {
+                        "tools": [f"Calling tools needs {rbac.TOOLS} in team {team.slug!r}, which you do not have."]
+                    }
+                }
+            ) from None
     elif type == Job.Type.TOOL:
         found = _resolve(input["tool"], field="tool")
         try:

@@ -66,8 +66,11 @@ class ChangeFeed:
             await self._watch_sqlite()
 
     async def _listen(self) -> None:
-        params = {k: v for k, v in connection.get_connection_params().items()
-                  if k not in {"cursor_factory", "context", "prepare_threshold"}}
+        params = {
+            k: v
+            for k, v in connection.get_connection_params().items()
+            if k not in {"cursor_factory", "context", "prepare_threshold"}
+        }
         delay = 0.5
         while True:
             try:

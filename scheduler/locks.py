@@ -67,7 +67,9 @@ def lock_claim(*, as_stored: bool = False) -> tuple[QueuePolicy, datetime]:
     SQL: this runs first in every claim, under the lock every claim waits for."""
     qn = connection.ops.quote_name
     table = qn(QueuePolicy._meta.db_table)
-    lock = f"SELECT 1 FROM {table} WHERE {qn('id')} = %s" + (" FOR UPDATE" if connection.features.has_select_for_update else "")
+    lock = f"SELECT 1 FROM {table} WHERE {qn('id')} = %s" + (
+        " FOR UPDATE" if connection.features.has_select_for_update else ""
+    )
     with connection.cursor() as cursor:
         cursor.execute(lock, [QueuePolicy.SINGLETON_ID])
         if cursor.fetchone() is None:
@@ -79,8 +81,10 @@ def lock_claim(*, as_stored: bool = False) -> tuple[QueuePolicy, datetime]:
         now, version, next_retry, tools_queued = cursor.fetchone()
     if connection.vendor != "postgresql":
         # SQLite's operations convert its text timestamps; the base class has no such method.
-        now, next_retry = (connection.ops.convert_datetimefield_value(v, None, connection)  # type: ignore[attr-defined]
-                           for v in (now, next_retry))
+        now, next_retry = (
+            connection.ops.convert_datetimefield_value(v, None, connection)  # type: ignore[attr-defined]
+            for v in (now, next_retry)
+        )
     if as_stored:
         policy = QueuePolicy.objects.get(pk=QueuePolicy.SINGLETON_ID)
     else:

@@ -36,12 +36,15 @@ from telemachus.models import Team
 WAIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
 
 CLAIM_SECONDS = Histogram(
-    "telemachus_claim_duration_seconds", "Time one claim transaction took (lock, choose, place, commit).",
+    "telemachus_claim_duration_seconds",
+    "Time one claim transaction took (lock, choose, place, commit).",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
 DISPATCH_SECONDS = Histogram(
-    "telemachus_dispatch_latency_seconds", "Time an executor took to answer a dispatch, by executor and outcome.",
-    ["executor", "outcome"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+    "telemachus_dispatch_latency_seconds",
+    "Time an executor took to answer a dispatch, by executor and outcome.",
+    ["executor", "outcome"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
 )
 
 
@@ -62,28 +65,39 @@ class DatabaseCollector:
         now = timezone.now()
         cluster = Cluster.load(now=now)
         teams = dict(Team.objects.values_list("pk", "slug"))
-        usernames = dict(get_user_model().objects.filter(
-            pk__in=set(cluster.caps.user) | set(cluster.slots.user)).values_list("pk", "username"))
+        usernames = dict(
+            get_user_model()
+            .objects.filter(pk__in=set(cluster.caps.user) | set(cluster.slots.user))
+            .values_list("pk", "username")
+        )
 
-        depth = GaugeMetricFamily("telemachus_queue_depth", "Queued jobs, by team and priority.",
-                                  labels=["team", "priority"])
+        depth = GaugeMetricFamily(
+            "telemachus_queue_depth", "Queued jobs, by team and priority.", labels=["team", "priority"]
+        )
         running = GaugeMetricFamily("telemachus_jobs_running", "Running jobs, by team.", labels=["team"])
         for team_id, status, priority, n in (
-            Job.objects.filter(status__in=[Job.Status.QUEUED, Job.Status.RUNNING]).order_by()
-            .values_list("team_id", "status", "priority").annotate(n=Count("id"))
+            Job.objects.filter(status__in=[Job.Status.QUEUED, Job.Status.RUNNING])
+            .order_by()
+            .values_list("team_id", "status", "priority")
+            .annotate(n=Count("id"))
         ):
             if status == Job.Status.QUEUED:
                 depth.add_metric([teams.get(team_id, str(team_id)), str(priority)], n)
-        for team_id, n in Job.objects.filter(status=Job.Status.RUNNING).order_by().values_list("team_id").annotate(
-                n=Count("id")):
+        for team_id, n in (
+            Job.objects.filter(status=Job.Status.RUNNING).order_by().values_list("team_id").annotate(n=Count("id"))
+        ):
             running.add_metric([teams.get(team_id, str(team_id))], n)
         yield depth
         yield running
 
-        in_use = GaugeMetricFamily("telemachus_slots_in_use", "Slots held, by scope and subject.",
-                                   labels=["scope", "subject"])
-        caps = GaugeMetricFamily("telemachus_slots_cap", "Slot cap in force, by scope and subject (absent: uncapped).",
-                                 labels=["scope", "subject"])
+        in_use = GaugeMetricFamily(
+            "telemachus_slots_in_use", "Slots held, by scope and subject.", labels=["scope", "subject"]
+        )
+        caps = GaugeMetricFamily(
+            "telemachus_slots_cap",
+            "Slot cap in force, by scope and subject (absent: uncapped).",
+            labels=["scope", "subject"],
+        )
         slots = cluster.slots
         in_use.add_metric(["global", ""], slots.total)
         if cluster.caps.global_cap is not None:
@@ -96,12 +110,15 @@ class DatabaseCollector:
             in_use.add_metric(["user", usernames.get(user_id, str(user_id))], slots.user[user_id])
             if user_id in cluster.caps.user:
                 caps.add_metric(["user", usernames.get(user_id, str(user_id))], cluster.caps.user[user_id])
-        health = GaugeMetricFamily("telemachus_executor_health", "1 for the executor's current health.",
-                                   labels=["executor", "health"])
-        breaker = GaugeMetricFamily("telemachus_executor_breaker", "1 for the executor's current breaker state.",
-                                    labels=["executor", "state"])
-        enabled = GaugeMetricFamily("telemachus_executor_enabled", "1 when the executor takes new work.",
-                                    labels=["executor"])
+        health = GaugeMetricFamily(
+            "telemachus_executor_health", "1 for the executor's current health.", labels=["executor", "health"]
+        )
+        breaker = GaugeMetricFamily(
+            "telemachus_executor_breaker", "1 for the executor's current breaker state.", labels=["executor", "state"]
+        )
+        enabled = GaugeMetricFamily(
+            "telemachus_executor_enabled", "1 when the executor takes new work.", labels=["executor"]
+        )
         for executor in cluster.executors:
             in_use.add_metric(["executor", executor.name], slots.executor[executor.pk])
             caps.add_metric(["executor", executor.name], cluster.limit(executor))
@@ -112,24 +129,33 @@ class DatabaseCollector:
             enabled.add_metric([executor.name], int(executor.enabled))
         yield from (in_use, caps, health, breaker, enabled)
 
-        remaining = GaugeMetricFamily("telemachus_budget_remaining", "What is left of a budget in its current window.",
-                                      labels=["scope", "subject", "dimension", "window"])
+        remaining = GaugeMetricFamily(
+            "telemachus_budget_remaining",
+            "What is left of a budget in its current window.",
+            labels=["scope", "subject", "dimension", "window"],
+        )
         for account in cluster.budgets.accounts:
             rule = account.rule
             remaining.add_metric([rule.scope, rule.subject, rule.dimension, rule.window], max(account.remaining, 0))
         yield remaining
 
-        finished = CounterMetricFamily("telemachus_jobs_finished", "Jobs that ended, by team, type and outcome.",
-                                       labels=["team", "type", "outcome"])
+        finished = CounterMetricFamily(
+            "telemachus_jobs_finished",
+            "Jobs that ended, by team, type and outcome.",
+            labels=["team", "type", "outcome"],
+        )
         for team_id, kind, status, n in (
-            Job.objects.filter(status__in=Job.TERMINAL).order_by().values_list("team_id", "type", "status")
+            Job.objects.filter(status__in=Job.TERMINAL)
+            .order_by()
+            .values_list("team_id", "type", "status")
             .annotate(n=Count("id"))
         ):
             finished.add_metric([teams.get(team_id, str(team_id)), kind, status], n)
         yield finished
 
-        billed = CounterMetricFamily("telemachus_tokens_billed", "Tokens billed (used by dispatches), by team.",
-                                     labels=["team"])
+        billed = CounterMetricFamily(
+            "telemachus_tokens_billed", "Tokens billed (used by dispatches), by team.", labels=["team"]
+        )
         for team_id, tokens in (
             Job.objects.filter(tokens_used__gt=0).order_by().values_list("team_id").annotate(tokens=Sum("tokens_used"))
         ):
@@ -141,20 +167,28 @@ class DatabaseCollector:
         """Queue wait (submitted to started) of every job that has started, per team: one grouped
         query with a conditional count per bucket."""
         wait = ExpressionWrapper(F("started_at") - F("submitted_at"), output_field=DurationField())
-        buckets = {f"le{i}": Count("id", filter=Q(wait__lte=timedelta(seconds=bound)))
-                   for i, bound in enumerate(WAIT_BUCKETS)}
+        buckets = {
+            f"le{i}": Count("id", filter=Q(wait__lte=timedelta(seconds=bound))) for i, bound in enumerate(WAIT_BUCKETS)
+        }
         rows = (
-            Job.objects.filter(started_at__isnull=False).order_by().annotate(wait=wait).values("team_id")
+            Job.objects.filter(started_at__isnull=False)
+            .order_by()
+            .annotate(wait=wait)
+            .values("team_id")
             .annotate(n=Count("id"), total=Sum("wait"), **buckets)
         )
-        family = HistogramMetricFamily("telemachus_job_wait_seconds", "Time jobs waited in the queue before starting.",
-                                       labels=["team"])
+        family = HistogramMetricFamily(
+            "telemachus_job_wait_seconds", "Time jobs waited in the queue before starting.", labels=["team"]
+        )
         for row in rows:
             cumulative = [(str(float(bound)), row[f"le{i}"]) for i, bound in enumerate(WAIT_BUCKETS)]  # type: ignore[literal-required]
             cumulative.append(("+Inf", row["n"]))
             total = row["total"]
-            family.add_metric([teams.get(row["team_id"], str(row["team_id"]))], cumulative,
-                              total.total_seconds() if total is not None else 0.0)
+            family.add_metric(
+                [teams.get(row["team_id"], str(row["team_id"]))],
+                cumulative,
+                total.total_seconds() if total is not None else 0.0,
+            )
         return family
 
 
@@ -176,4 +210,3 @@ def metrics_exposition(accept: str = "") -> tuple[bytes, str]:
     registry.register(DatabaseCollector())
     encoder, content_type = choose_encoder(accept)
     return encoder(registry), content_type
-

@@ -75,9 +75,7 @@ class Job(models.Model):
     deferred_until = models.DateTimeField(null=True, blank=True)
     # A retry waits until `run_after` and prefers an executor other than the one that failed.
     run_after = models.DateTimeField(null=True, blank=True)
-    avoid_executor = models.ForeignKey(
-        Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
-    )
+    avoid_executor = models.ForeignKey(Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     meta = models.JSONField(default=dict, blank=True)
     # A flow's durable state between rounds: rounds finished, and the messages they added after
     # input.messages (assistant replies, tool results). Written by scheduler/services/rounds.py.
@@ -92,15 +90,22 @@ class Job(models.Model):
         indexes = [
             # The claim reads each team's head of line: highest priority, then first ready.
             models.Index(
-                "team", models.F("priority").desc(), "ready_at", "id",
-                name="job_team_ready_idx", condition=Q(status="queued"),
+                "team",
+                models.F("priority").desc(),
+                "ready_at",
+                "id",
+                name="job_team_ready_idx",
+                condition=Q(status="queued"),
             ),
             models.Index(
                 models.F("priority").desc(), "ready_at", "id", name="job_ready_idx", condition=Q(status="queued")
             ),
             # Tool jobs take no executor slot; the claim reads them apart (services/tooljobs.py).
             models.Index(
-                models.F("priority").desc(), "ready_at", "id", name="job_tool_queue_idx",
+                models.F("priority").desc(),
+                "ready_at",
+                "id",
+                name="job_tool_queue_idx",
                 condition=Q(status="queued", type="tool"),
             ),
             # Recovery scans running jobs whose lease ran out.
@@ -118,9 +123,7 @@ class Job(models.Model):
                 | (~Q(status="running") & Q(lease__isnull=True)),
                 name="job_lease_iff_running",
             ),
-            models.CheckConstraint(
-                condition=Q(priority__gte=-100) & Q(priority__lte=100), name="job_priority_range"
-            ),
+            models.CheckConstraint(condition=Q(priority__gte=-100) & Q(priority__lte=100), name="job_priority_range"),
         ]
         permissions = [("manage", "Operate the scheduler (teams, executors, quotas, policy, every job)")]
 
@@ -199,7 +202,10 @@ class JobEvent(models.Model):
 
     class Meta:
         ordering = ["id"]
-        indexes = [models.Index("job", "id", name="jobevent_job_idx"), models.Index("event", "at", name="jobevent_event_idx")]
+        indexes = [
+            models.Index("job", "id", name="jobevent_job_idx"),
+            models.Index("event", "at", name="jobevent_event_idx"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.event} job={self.job_id} at {self.at:%Y-%m-%d %H:%M:%S}"
@@ -259,12 +265,15 @@ class QueuePolicy(models.Model):
     DEFAULT_MAX_QUEUE_DEPTH = 10_000
 
     # Weighted fair share across teams, within a priority.
-    team_weights = models.JSONField(default=dict, blank=True, help_text='{"<team slug>": weight}; 0 = spare capacity only')
+    team_weights = models.JSONField(
+        default=dict, blank=True, help_text='{"<team slug>": weight}; 0 = spare capacity only'
+    )
     default_weight = models.FloatField(default=1.0)
     cost = models.CharField(max_length=16, choices=Cost.choices, default=Cost.SLOT_SECONDS)
     half_life_seconds = models.FloatField(default=300.0, help_text="Half-life of past usage in the fair-share key.")
     entry_penalty = models.FloatField(
-        default=1.0, help_text="Charged to a team's usage when one of its jobs starts (slot-seconds; tokens: the estimate)."
+        default=1.0,
+        help_text="Charged to a team's usage when one of its jobs starts (slot-seconds; tokens: the estimate).",
     )
     # Starvation guard: a queued job gains one priority level per step after waiting, up to the boost.
     aging_after_seconds = models.FloatField(default=300.0)
@@ -273,7 +282,8 @@ class QueuePolicy(models.Model):
     # Admission.
     max_queue_depth = models.JSONField(default=dict, blank=True, help_text='{"default": N, "<team slug>": N}')
     priority_map = models.JSONField(
-        default=dict, blank=True,
+        default=dict,
+        blank=True,
         help_text='Highest priority allowed: {"member": 0, "manager": 10, "team:<slug>": N, "user:<name>": N}',
     )
     priority_over_limit = models.CharField(max_length=8, choices=OverLimit.choices, default=OverLimit.CLAMP)
@@ -300,7 +310,9 @@ class QueuePolicy(models.Model):
         return float(self.team_weights.get(team_slug, self.default_weight))
 
     def queue_depth_limit(self, team_slug: str) -> int:
-        return int(self.max_queue_depth.get(team_slug, self.max_queue_depth.get("default", self.DEFAULT_MAX_QUEUE_DEPTH)))
+        return int(
+            self.max_queue_depth.get(team_slug, self.max_queue_depth.get("default", self.DEFAULT_MAX_QUEUE_DEPTH))
+        )
 
 
 class TeamShare(models.Model):

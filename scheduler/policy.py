@@ -61,7 +61,9 @@ class AdmissionState:
         """The team's queue depth (with the submission's own jobs ahead of this one), counted no
         further than `at_most` (cheap on a deep queue)."""
         if at_most not in self._counted:
-            self._counted[at_most] = Job.objects.filter(team=self.team, status=Job.Status.QUEUED).order_by()[:at_most].count()
+            self._counted[at_most] = (
+                Job.objects.filter(team=self.team, status=Job.Status.QUEUED).order_by()[:at_most].count()
+            )
         return min(self._counted[at_most] + self.pending, at_most)
 
     def drain_rate(self) -> float:
@@ -86,8 +88,11 @@ class BaseQueuePolicy:
         rate = state.drain_rate()
         wait = (depth - limit + 1) / rate if rate > 0 else 60
         low, high = RETRY_AFTER_BOUNDS
-        return Admission(Admission.REJECT, f"team {state.team.slug!r} has {limit} jobs queued, its limit",
-                         retry_after=int(min(max(math.ceil(wait), low), high)))
+        return Admission(
+            Admission.REJECT,
+            f"team {state.team.slug!r} has {limit} jobs queued, its limit",
+            retry_after=int(min(max(math.ceil(wait), low), high)),
+        )
 
     def order(self, state: ClaimState, *, limit: int) -> Iterator[Job]:
         """Yield queued jobs in the order they should be tried, lazily: the claim takes slots
@@ -136,7 +141,8 @@ class BaseQueuePolicy:
         record = self.record
         aged_before = (
             state.now - timedelta(seconds=record.aging_after_seconds)
-            if record.aging_max_boost > 0 and record.aging_step_seconds > 0 else None
+            if record.aging_max_boost > 0 and record.aging_step_seconds > 0
+            else None
         )
         heads = queued_heads(wanted=wanted, exclude_users=state.blocked_users(), now=state.now, aged_before=aged_before)
         for jobs in heads.values():
@@ -151,8 +157,13 @@ class PriorityFifoPolicy(BaseQueuePolicy):
         heads = self.eligible_heads(state, limit=limit)
         cursor = dict.fromkeys(heads, 0)
         while cursor:
-            team_id = min(cursor, key=lambda t: (-self.effective_priority(heads[t][cursor[t]], state.now),
-                                                  *ready_order(heads[t][cursor[t]])))
+            team_id = min(
+                cursor,
+                key=lambda t: (
+                    -self.effective_priority(heads[t][cursor[t]], state.now),
+                    *ready_order(heads[t][cursor[t]]),
+                ),
+            )
             yield heads[team_id][cursor[team_id]]
             cursor[team_id] += 1
             if cursor[team_id] == len(heads[team_id]):
@@ -190,8 +201,12 @@ class FairSharePolicy(BaseQueuePolicy):
                 weight <= 0,
                 -self.effective_priority(job, state.now),
                 weight > 0 and state.team_in_use[team_id] >= share_cap(team_id),
-                self.share_key(running=running[team_id], next_cost=job.cost_estimate if tokens else 1,
-                               usage=usage.get(team_id, 0.0), weight=weight),
+                self.share_key(
+                    running=running[team_id],
+                    next_cost=job.cost_estimate if tokens else 1,
+                    usage=usage.get(team_id, 0.0),
+                    weight=weight,
+                ),
                 *ready_order(job),
             )
 
@@ -237,4 +252,3 @@ def policy_for(record: QueuePolicy) -> BaseQueuePolicy:
     """The policy in force: the setting wins, then the record's dotted path, then the default."""
     path = settings.TELEMACHUS_QUEUE_POLICY or record.policy_class or DEFAULT_POLICY
     return _policy_class(path)(record)
-

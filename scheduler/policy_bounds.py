@@ -111,6 +111,11 @@ def policy_in_force(record: QueuePolicy) -> QueuePolicy:
         key = (name, repr(getattr(record, name))[:200])
         if key not in _reported:
             _reported.add(key)
-            log.error("queue policy: stored %s %s (%r); using %r until an operator fixes it",
-                      name, problems[name], getattr(record, name), fallback)
+            log.error(
+                "queue policy: stored %s %s (%r); using %r until an operator fixes it",
+                name,
+                problems[name],
+                getattr(record, name),
+                fallback,
+            )
     return safe

@@ -20,7 +20,7 @@ DbCall = Callable[..., Awaitable]
 
 
 def heartbeat_check(*, beat_at: float, interval: float) -> str:
-    """"ok" while the worker's heartbeat loop has run within three of its intervals."""
+    """ "ok" while the worker's heartbeat loop has run within three of its intervals."""
     age = time.monotonic() - beat_at
     return "ok" if age <= 3 * interval else f"no heartbeat for {age:.0f}s"
 
@@ -54,8 +54,11 @@ async def probe_serve(*, db: DbCall, heartbeat: Callable[[], str]) -> asyncio.ba
                 status = 200 if ready else 503
                 body = json.dumps({"status": "ok" if ready else "unavailable", "checks": checks}).encode()
             reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}[status]
-            writer.write(f"HTTP/1.1 {status} {reason}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
-                         "Connection: close\r\n\r\n".encode() + body)
+            writer.write(
+                f"HTTP/1.1 {status} {reason}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n".encode()
+                + body
+            )
             await writer.drain()
         except Exception:  # a probe must never take the worker down
             log.warning("probe request failed", exc_info=True)

@@ -10,7 +10,11 @@ from telemachus.models import Membership
 from telemachus.rbac import CHAT, FLOWS, TOOLS, Principal, is_operator, team_role
 
 JOB_TYPE_PERMISSION: dict[str, str] = {
-    Job.Type.CHAT: CHAT, Job.Type.TRANSLATE: CHAT, Job.Type.TOOL: TOOLS, Job.Type.FLOW: FLOWS, Job.Type.TASK: FLOWS,
+    Job.Type.CHAT: CHAT,
+    Job.Type.TRANSLATE: CHAT,
+    Job.Type.TOOL: TOOLS,
+    Job.Type.FLOW: FLOWS,
+    Job.Type.TASK: FLOWS,
     Job.Type.GOVERNED: FLOWS,
 }
 
@@ -41,5 +45,6 @@ def require_cancel(user: Principal, job: Job) -> None:
         return
     if user.has_perm("scheduler.change_job", job):
         return
-    raise Forbidden("Only the job's owner, a manager of its team or an operator may cancel it.",
-                    permission="job:cancel")
+    raise Forbidden(
+        "Only the job's owner, a manager of its team or an operator may cancel it.", permission="job:cancel"
+    )

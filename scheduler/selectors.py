@@ -43,7 +43,10 @@ def policy_seen_by(user: rbac.Principal, data: dict[str, Any]) -> dict[str, Any]
 
 
 def queued_heads(
-    *, wanted: dict[int, tuple[set[str], int]], exclude_users: set[int], now: datetime,
+    *,
+    wanted: dict[int, tuple[set[str], int]],
+    exclude_users: set[int],
+    now: datetime,
     aged_before: datetime | None = None,
 ) -> dict[int, list[Job]]:
     """The head of each team's line: for each team id in `wanted`, up to n of its queued jobs for
@@ -76,20 +79,28 @@ def queued_heads(
             where.append(f"{qn('user_id')} NOT IN ({', '.join(['%s'] * len(exclude_users))})")
             params += sorted(exclude_users)
         table = qn(Job._meta.db_table)
-        lookups.append((f"SELECT {columns} FROM {table} WHERE {' AND '.join(where)} "
-                        f"ORDER BY {qn('priority')} DESC, {qn('ready_at')}, {qn('id')} LIMIT %s",
-                        [*params, max(n, 2)]))
+        lookups.append(
+            (
+                f"SELECT {columns} FROM {table} WHERE {' AND '.join(where)} "
+                f"ORDER BY {qn('priority')} DESC, {qn('ready_at')}, {qn('id')} LIMIT %s",
+                [*params, max(n, 2)],
+            )
+        )
         if aged_before is not None:
             # The n longest waiting, then those of them that have aged: filtering inside the lookup
             # would walk a whole deep queue whenever nothing has aged yet.
-            lookups.append((f"SELECT * FROM (SELECT {columns} FROM {table} WHERE {' AND '.join(where)} "
-                            f"ORDER BY {qn('queued_at')}, {qn('id')} LIMIT %s) AS oldest "
-                            f"WHERE {qn('queued_at')} <= %s",
-                            [*params, max(n, 2), connection.ops.adapt_datetimefield_value(aged_before)]))
+            lookups.append(
+                (
+                    f"SELECT * FROM (SELECT {columns} FROM {table} WHERE {' AND '.join(where)} "
+                    f"ORDER BY {qn('queued_at')}, {qn('id')} LIMIT %s) AS oldest "
+                    f"WHERE {qn('queued_at')} <= %s",
+                    [*params, max(n, 2), connection.ops.adapt_datetimefield_value(aged_before)],
+                )
+            )
     heads: dict[int, list[Job]] = {}
     seen: set[int] = set()
     for start in range(0, len(lookups), LOOKUPS_PER_STATEMENT):
-        chunk = lookups[start:start + LOOKUPS_PER_STATEMENT]
+        chunk = lookups[start : start + LOOKUPS_PER_STATEMENT]
         sql = " UNION ALL ".join(f"SELECT * FROM ({part}) AS head{i}" for i, (part, _) in enumerate(chunk))
         for job in Job.objects.raw(sql, [param for _, params in chunk for param in params]):
             if job.pk not in seen:

@@ -79,8 +79,11 @@ def chunked_payloads(prefix: str, items: list[str]) -> list[str]:
 def listen_connection_params() -> dict[str, Any]:
     """Parameters for a separate psycopg connection (LISTEN, or NOTIFY outside transactions) to
     the same database as Django's."""
-    return {k: v for k, v in connection.get_connection_params().items()
-            if k not in {"cursor_factory", "context", "prepare_threshold"}}
+    return {
+        k: v
+        for k, v in connection.get_connection_params().items()
+        if k not in {"cursor_factory", "context", "prepare_threshold"}
+    }
 
 
 def notify_column(message: str) -> Func | Value:

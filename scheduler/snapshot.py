@@ -36,7 +36,8 @@ from telemachus.models import Team
 RECENT_JOBS = 50
 POLICY_CHOICES = {
     field.name: [value for value, _ in field.choices]  # type: ignore[union-attr]
-    for field in QueuePolicy._meta.get_fields() if field.name in EDITABLE and getattr(field, "choices", None)
+    for field in QueuePolicy._meta.get_fields()
+    if field.name in EDITABLE and getattr(field, "choices", None)
 }
 
 
@@ -81,8 +82,12 @@ class Cluster:
     def load(cls, *, now: datetime) -> "Cluster":
         rules = quota_rules()
         return cls(
-            now=now, record=queue_policy(), caps=concurrency_caps(rules), slots=slot_counts(),
-            budgets=Budgets.load(now=now, rules=rules), executors=list(Executor.objects.select_related("team")),
+            now=now,
+            record=queue_policy(),
+            caps=concurrency_caps(rules),
+            slots=slot_counts(),
+            budgets=Budgets.load(now=now, rules=rules),
+            executors=list(Executor.objects.select_related("team")),
             executor_teams=executor_teams(),
         )
 
@@ -112,8 +117,13 @@ def wait_reasons(cluster: Cluster, *, team_id: int, model: str, user_id: int) ->
     for account in cluster.budgets.applicable(team_id=team_id, user_id=user_id):
         if account.remaining <= 0 and account.rule.scope != QuotaPolicy.Scope.EXECUTOR:
             who = f"{account.rule.scope} {account.rule.subject}".rstrip()
-            add("budget_empty", f"over budget: {who} {account.rule.dimension} empty until {account.end:%Y-%m-%d %H:%M} UTC",
-                scope=account.rule.scope, dimension=account.rule.dimension, reset_at=account.end.isoformat())
+            add(
+                "budget_empty",
+                f"over budget: {who} {account.rule.dimension} empty until {account.end:%Y-%m-%d %H:%M} UTC",
+                scope=account.rule.scope,
+                dimension=account.rule.dimension,
+                reset_at=account.end.isoformat(),
+            )
     offering = [e for e in cluster.executors if model in e.offered_models and cluster.usable_by(e, team_id)]
     blocked: list[tuple[str, str, Executor, dict[str, Any]]] = []
     for executor in offering:
@@ -121,17 +131,33 @@ def wait_reasons(cluster: Cluster, *, team_id: int, model: str, user_id: int) ->
             blocked.append(("executor_disabled", f"executor {executor.name} is disabled", executor, {}))
         elif executor.health == Executor.Health.DOWN:
             blocked.append(("executor_down", f"executor {executor.name} is down", executor, {}))
-        elif executor.breaker == Executor.Breaker.OPEN and executor.breaker_until and executor.breaker_until > cluster.now:
-            blocked.append(("executor_breaker_open",
-                            f"executor {executor.name}: breaker open until {executor.breaker_until:%H:%M:%S} UTC",
-                            executor, {"until": executor.breaker_until.isoformat()}))
+        elif (
+            executor.breaker == Executor.Breaker.OPEN
+            and executor.breaker_until
+            and executor.breaker_until > cluster.now
+        ):
+            blocked.append(
+                (
+                    "executor_breaker_open",
+                    f"executor {executor.name}: breaker open until {executor.breaker_until:%H:%M:%S} UTC",
+                    executor,
+                    {"until": executor.breaker_until.isoformat()},
+                )
+            )
         elif cluster.limit(executor) <= 0:
             rule = " (an executor concurrency rule)" if executor.max_concurrency > 0 else ""
-            blocked.append(("executor_no_capacity", f"executor {executor.name} has capacity 0{rule}", executor,
-                            {"limit": 0, "max_concurrency": executor.max_concurrency}))
+            blocked.append(
+                (
+                    "executor_no_capacity",
+                    f"executor {executor.name} has capacity 0{rule}",
+                    executor,
+                    {"limit": 0, "max_concurrency": executor.max_concurrency},
+                )
+            )
         elif slots.executor[executor.pk] >= cluster.limit(executor):
-            blocked.append(("executor_full", f"executor {executor.name} is full", executor,
-                            {"limit": cluster.limit(executor)}))
+            blocked.append(
+                ("executor_full", f"executor {executor.name} is full", executor, {"limit": cluster.limit(executor)})
+            )
     if not offering:
         add("no_executor", "no executor offers the model", model=model)
     elif len(blocked) == len(offering):  # every executor that could take it is out of reach
@@ -147,12 +173,17 @@ def slot_seconds(*, since: datetime, now: datetime) -> dict[int, float]:
     instead, so the time between its rounds, when it held no slot, is not."""
     totals: dict[int, float] = defaultdict(float)
     held = ExpressionWrapper(Value(now) - Greatest(F("acquired_at"), Value(since)), output_field=DurationField())
-    for team_id, span in Slot.objects.order_by().values_list("team_id").annotate(held=Coalesce(Sum(held), timedelta(0))):
+    for team_id, span in (
+        Slot.objects.order_by().values_list("team_id").annotate(held=Coalesce(Sum(held), timedelta(0)))
+    ):
         totals[team_id] += span.total_seconds()
     ended = ExpressionWrapper(F("finished_at") - Greatest(F("started_at"), Value(since)), output_field=DurationField())
     for team_id, span in (
         Job.objects.filter(finished_at__gte=since, started_at__isnull=False)
-        .exclude(type=Job.Type.FLOW).order_by().values_list("team_id").annotate(held=Coalesce(Sum(ended), timedelta(0)))
+        .exclude(type=Job.Type.FLOW)
+        .order_by()
+        .values_list("team_id")
+        .annotate(held=Coalesce(Sum(ended), timedelta(0)))
     ):
         totals[team_id] += span.total_seconds()
     rounds = JobEvent.objects.filter(event=JobEvent.Type.ROUND_FINISHED, at__gte=since, job__type=Job.Type.FLOW)
@@ -166,11 +197,19 @@ def queue_heads(team_ids: list[int]) -> dict[int, tuple[str, int]]:
     a lookup per team on its queue index. Tool jobs need no executor, so they never wait for one."""
     if not team_ids:
         return {}
-    head = (Job.objects.filter(team=OuterRef("pk"), status=Job.Status.QUEUED).exclude(type=Job.Type.TOOL)
-            .order_by("-priority", "ready_at", "id"))
-    rows = Team.objects.filter(pk__in=team_ids).annotate(
-        head_model=Subquery(head.values("model")[:1]), head_user=Subquery(head.values("user_id")[:1]),
-    ).values_list("pk", "head_model", "head_user")
+    head = (
+        Job.objects.filter(team=OuterRef("pk"), status=Job.Status.QUEUED)
+        .exclude(type=Job.Type.TOOL)
+        .order_by("-priority", "ready_at", "id")
+    )
+    rows = (
+        Team.objects.filter(pk__in=team_ids)
+        .annotate(
+            head_model=Subquery(head.values("model")[:1]),
+            head_user=Subquery(head.values("user_id")[:1]),
+        )
+        .values_list("pk", "head_model", "head_user")
+    )
     return {team_id: (model, user_id) for team_id, model, user_id in rows if model is not None}
 
 
@@ -187,8 +226,10 @@ def _queue_snapshot(*, user: rbac.Principal, cluster: Cluster) -> dict[str, Any]
     teams = list(rbac.visible_teams(user).order_by("slug"))
     depth: Counter = Counter()
     for team_id, status, n in (
-        Job.objects.filter(status__in=[Job.Status.QUEUED, Job.Status.RUNNING]).order_by()
-        .values_list("team_id", "status").annotate(n=Count("id"))
+        Job.objects.filter(status__in=[Job.Status.QUEUED, Job.Status.RUNNING])
+        .order_by()
+        .values_list("team_id", "status")
+        .annotate(n=Count("id"))
     ):
         depth[team_id, status] = n
     active = {team_id for team_id, _ in depth}
@@ -206,8 +247,13 @@ def _queue_snapshot(*, user: rbac.Principal, cluster: Cluster) -> dict[str, Any]
             reasons = wait_reasons(cluster, team_id=team.pk, model=model, user_id=user_id)
         depth_limit = record.queue_depth_limit(team.slug)
         if queued >= depth_limit:
-            reasons.append({"code": "depth_cap", "text": f"queue at its depth cap ({depth_limit}): new jobs are refused",
-                            "cap": depth_limit})
+            reasons.append(
+                {
+                    "code": "depth_cap",
+                    "text": f"queue at its depth cap ({depth_limit}): new jobs are refused",
+                    "cap": depth_limit,
+                }
+            )
         return reasons
 
     executors = [e for e in cluster.executors if operator or e.team_id is None or e.team_id in {t.pk for t in teams}]
@@ -216,19 +262,22 @@ def _queue_snapshot(*, user: rbac.Principal, cluster: Cluster) -> dict[str, Any]
     team_rows = []
     for team in teams:
         reasons = waits(team)
-        team_rows.append({
-            "team": team.slug,
-            "queued": depth[team.pk, Job.Status.QUEUED],
-            "running": depth[team.pk, Job.Status.RUNNING],
-            "in_use": slots.team[team.pk],
-            "cap": caps.team.get(team.pk),
-            "weight": record.weight(team.slug),
-            "target_share": round(weights.get(team.pk, 0) / total_weight, 4)
-            if team.pk in active and weights.get(team.pk, 0) > 0 else 0.0,
-            "actual_share": round(used[team.pk] / total_used, 4) if total_used else 0.0,
-            "not_served": [reason["text"] for reason in reasons],
-            "waits": reasons,
-        })
+        team_rows.append(
+            {
+                "team": team.slug,
+                "queued": depth[team.pk, Job.Status.QUEUED],
+                "running": depth[team.pk, Job.Status.RUNNING],
+                "in_use": slots.team[team.pk],
+                "cap": caps.team.get(team.pk),
+                "weight": record.weight(team.slug),
+                "target_share": round(weights.get(team.pk, 0) / total_weight, 4)
+                if team.pk in active and weights.get(team.pk, 0) > 0
+                else 0.0,
+                "actual_share": round(used[team.pk] / total_used, 4) if total_used else 0.0,
+                "not_served": [reason["text"] for reason in reasons],
+                "waits": reasons,
+            }
+        )
     return {
         "global": {"in_use": slots.total, "cap": caps.global_cap},
         "teams": team_rows,
@@ -264,7 +313,11 @@ def dashboard_state(*, user: rbac.Principal) -> dict[str, Any]:
         cluster = Cluster.load(now=timezone.now())
         queue = _queue_snapshot(user=user, cluster=cluster)
         visible = visible_jobs(user)
-        jobs = list(visible.select_related("team", "user", "executor").defer("input", "result", "conversation").order_by("-id")[:RECENT_JOBS])
+        jobs = list(
+            visible.select_related("team", "user", "executor")
+            .defer("input", "result", "conversation")
+            .order_by("-id")[:RECENT_JOBS]
+        )
         total = visible.count() if len(jobs) == RECENT_JOBS else len(jobs)
         operator = rbac.is_operator(user)
         return {
@@ -284,14 +337,30 @@ def _job_row(job: Job, cluster: Cluster, *, staff: bool) -> dict[str, Any]:
     if job.status == Job.Status.QUEUED:
         waits = wait_reasons(cluster, team_id=job.team_id, model=job.model, user_id=job.user_id)
         if job.run_after and job.run_after > cluster.now:
-            waits.append({"code": "retry_backoff", "text": f"retrying after {job.run_after:%H:%M:%S} UTC",
-                          "until": job.run_after.isoformat()})
+            waits.append(
+                {
+                    "code": "retry_backoff",
+                    "text": f"retrying after {job.run_after:%H:%M:%S} UTC",
+                    "until": job.run_after.isoformat(),
+                }
+            )
     return {
-        "id": job.pk, "team": job.team.slug, "user": job.user.get_username(), "type": job.type,
-        "model": job.model, "priority": job.priority, "status": job.status,
-        "round": job.current_round, "round_label": job.round_label,
-        "executor": job.executor.name if job.executor else None, "attempts": job.attempts,
-        "tokens_used": job.tokens_used, "submitted_at": job.submitted_at, "started_at": job.started_at,
-        "finished_at": job.finished_at, "error": job.error[:200], "waits": [w["text"] for w in waits],
+        "id": job.pk,
+        "team": job.team.slug,
+        "user": job.user.get_username(),
+        "type": job.type,
+        "model": job.model,
+        "priority": job.priority,
+        "status": job.status,
+        "round": job.current_round,
+        "round_label": job.round_label,
+        "executor": job.executor.name if job.executor else None,
+        "attempts": job.attempts,
+        "tokens_used": job.tokens_used,
+        "submitted_at": job.submitted_at,
+        "started_at": job.started_at,
+        "finished_at": job.finished_at,
+        "error": job.error[:200],
+        "waits": [w["text"] for w in waits],
         "link": reverse("admin:scheduler_job_change", args=[job.pk]) if staff else reverse("job-detail", args=[job.pk]),
     }

@@ -75,8 +75,14 @@ class ExecutorView:
 
 class ClaimState:
     def __init__(
-        self, *, now: datetime, policy: QueuePolicy, caps: ConcurrencyCaps, counts: SlotCounts,
-        executors: list[ExecutorView], budgets: Budgets,
+        self,
+        *,
+        now: datetime,
+        policy: QueuePolicy,
+        caps: ConcurrencyCaps,
+        counts: SlotCounts,
+        executors: list[ExecutorView],
+        budgets: Budgets,
     ) -> None:
         self.now = now
         self.policy = policy
@@ -104,17 +110,25 @@ class ClaimState:
         caps, owned_by = conf.caps, conf.executor_teams
         counts = slot_counts()
         usable = [e for e in conf.executors if e.enabled and e.health != Executor.Health.DOWN]
-        cooling = {e.pk: e.breaker_until for e in usable
-                   if e.breaker == Executor.Breaker.OPEN and e.breaker_until and e.breaker_until > now}
+        cooling = {
+            e.pk: e.breaker_until
+            for e in usable
+            if e.breaker == Executor.Breaker.OPEN and e.breaker_until and e.breaker_until > now
+        }
         placeable = [e for e in usable if e.pk not in cooling]
         executors = []
         for e in placeable:
             limit = executor_limit(name=e.name, max_concurrency=e.max_concurrency, caps=caps)
             trial = e.breaker != Executor.Breaker.CLOSED
-            executors.append(ExecutorView(
-                executor=e, limit=min(limit, 1) if trial else limit, in_use=counts.executor[e.pk], trial=trial,
-                teams=owned_by.get(e.pk, {e.team_id}) if e.team_id else None,
-            ))
+            executors.append(
+                ExecutorView(
+                    executor=e,
+                    limit=min(limit, 1) if trial else limit,
+                    in_use=counts.executor[e.pk],
+                    trial=trial,
+                    teams=owned_by.get(e.pk, {e.team_id}) if e.team_id else None,
+                )
+            )
         budgets = Budgets.load(now=now, rules=list(conf.rules))
         state = cls(now=now, policy=policy, caps=caps, counts=counts, executors=executors, budgets=budgets)
         state.team_slugs.update({pk: team.slug for pk, team in conf.teams.items()})
@@ -125,9 +139,9 @@ class ClaimState:
         """Estimated tokens of each team's running jobs (for fair share by tokens), read on first
         use and kept current as this claim takes jobs."""
         if self._running_tokens is None:
-            self._running_tokens = Counter(dict(
-                Slot.objects.order_by().values_list("team_id").annotate(tokens=Sum("job__cost_estimate"))
-            ))
+            self._running_tokens = Counter(
+                dict(Slot.objects.order_by().values_list("team_id").annotate(tokens=Sum("job__cost_estimate")))
+            )
         return self._running_tokens
 
     def capacity(self) -> float:
@@ -190,10 +204,15 @@ class ClaimState:
     def candidates(self, job: Job) -> list[ExecutorView]:
         """Executors that fit the job, have a free slot and whose own budget covers its estimate."""
         return [
-            v for v in self.executors
-            if v.free > 0 and v.usable_by(job.team_id) and v.matches(job)
-            and self.budgets.blocking(team_id=job.team_id, user_id=job.user_id, tokens=job.cost_estimate,
-                                      executor_id=v.pk) is None
+            v
+            for v in self.executors
+            if v.free > 0
+            and v.usable_by(job.team_id)
+            and v.matches(job)
+            and self.budgets.blocking(
+                team_id=job.team_id, user_id=job.user_id, tokens=job.cost_estimate, executor_id=v.pk
+            )
+            is None
         ]
 
     def take(self, job: Job, view: ExecutorView) -> None:

@@ -205,15 +205,19 @@ class TelemachusBackend(BaseTaskBackend):
             JobEvent.objects.filter(
                 job_id=job.pk,
                 event__in=[JobEvent.Type.STARTED, JobEvent.Type.RETRY_SCHEDULED, JobEvent.Type.CANCELED],
-            ).order_by("id").values_list("event", "meta", "at")
+            )
+            .order_by("id")
+            .values_list("event", "meta", "at")
         )
         return self._result(job, task=task, events=events)
 
     def check(self, **kwargs: Any) -> list[CheckMessage]:
         """Queues listed in QUEUES that have no requirements can never be enqueued to."""
         return [
-            Error(f"TASKS[{self.alias!r}]: queue {name!r} is in QUEUES but has no requirements in OPTIONS['queues']",
-                  id="telemachus.E001")
+            Error(
+                f"TASKS[{self.alias!r}]: queue {name!r} is in QUEUES but has no requirements in OPTIONS['queues']",
+                id="telemachus.E001",
+            )
             for name in sorted(self.queues - set(self.requirements))
         ]
 
@@ -241,16 +245,25 @@ class TelemachusBackend(BaseTaskBackend):
     def _result(self, job: Job, *, task: Task, events: list[tuple[str, dict, datetime]]) -> TaskResult:
         errors = [
             TaskError(exception_class_path=JOB_FAILED, traceback=meta.get("error", ""))
-            for event, meta, _ in events if event == JobEvent.Type.RETRY_SCHEDULED
+            for event, meta, _ in events
+            if event == JobEvent.Type.RETRY_SCHEDULED
         ]
         if job.status == Job.Status.FAILED:
             detail = job.result if isinstance(job.result, dict) else {}
-            errors.append(TaskError(exception_class_path=detail.get("exception_class") or JOB_FAILED,
-                                    traceback=detail.get("traceback") or job.error))
+            errors.append(
+                TaskError(
+                    exception_class_path=detail.get("exception_class") or JOB_FAILED,
+                    traceback=detail.get("traceback") or job.error,
+                )
+            )
         elif job.status == Job.Status.CANCELED:
             by = next((meta.get("by") for event, meta, _ in events if event == JobEvent.Type.CANCELED), None)
-            errors.append(TaskError(exception_class_path=JOB_CANCELED,
-                                    traceback=f"job {job.pk} was canceled" + (f" by {by}" if by else "")))
+            errors.append(
+                TaskError(
+                    exception_class_path=JOB_CANCELED,
+                    traceback=f"job {job.pk} was canceled" + (f" by {by}" if by else ""),
+                )
+            )
         result = TaskResult(  # type: ignore[var-annotated]
             task=task,
             id=str(job.pk),
@@ -259,8 +272,9 @@ class TelemachusBackend(BaseTaskBackend):
             started_at=job.started_at,
             finished_at=job.finished_at,
             # started_at is the first attempt's start; the last attempt's is its `started` event's.
-            last_attempted_at=max((at for event, _, at in events if event == JobEvent.Type.STARTED),
-                                  default=job.started_at),
+            last_attempted_at=max(
+                (at for event, _, at in events if event == JobEvent.Type.STARTED), default=job.started_at
+            ),
             args=job.input.get("args", []),
             kwargs=job.input.get("kwargs", {}),
             backend=self.alias,
@@ -292,11 +306,15 @@ def _importable_by_workers(path: str) -> None:
     search: list[str] | None = None
     for depth in range(1, len(parts) + 1):
         name = ".".join(parts[:depth])
-        spec = next(filter(None, (finder.find_spec(name, search) for finder in sys.meta_path
-                                  if hasattr(finder, "find_spec"))), None)
+        spec = next(
+            filter(None, (finder.find_spec(name, search) for finder in sys.meta_path if hasattr(finder, "find_spec"))),
+            None,
+        )
         if spec is None:
-            raise InvalidTask(f"{path}: module {name} is not importable from a file, so workers could not find it; "
-                              "declare tasks in a module of an installed app.")
+            raise InvalidTask(
+                f"{path}: module {name} is not importable from a file, so workers could not find it; "
+                "declare tasks in a module of an installed app."
+            )
         search = list(spec.submodule_search_locations or [])
 
 

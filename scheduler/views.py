@@ -26,10 +26,19 @@ def metrics(request: HttpRequest) -> HttpResponse:
     except AuthenticationFailed:
         user = None
     if user is None or not user.is_authenticated:
-        return JsonResponse({"error": "not_authenticated", "detail": "Authentication credentials were not provided."},
-                            status=401, headers={"WWW-Authenticate": "Token"})
+        return JsonResponse(
+            {"error": "not_authenticated", "detail": "Authentication credentials were not provided."},
+            status=401,
+            headers={"WWW-Authenticate": "Token"},
+        )
     if not rbac.is_operator(user):
-        return JsonResponse({"error": "forbidden", "detail": f"Requires the {rbac.MANAGE_PERMISSION} permission.",
-                             "permission": rbac.MANAGE_PERMISSION}, status=403)
+        return JsonResponse(
+            {
+                "error": "forbidden",
+                "detail": f"Requires the {rbac.MANAGE_PERMISSION} permission.",
+                "permission": rbac.MANAGE_PERMISSION,
+            },
+            status=403,
+        )
     body, content_type = metrics_exposition(request.headers.get("Accept", ""))
     return HttpResponse(body, content_type=content_type)

@@ -124,8 +124,9 @@ class Worker:
         )
         # Tools (a flow's calls between rounds, tool jobs) run here: never on the event loop, the
         # database threads or a model slot.
-        self.tool_threads: futures.Executor = ThreadPoolExecutor(max_workers=settings.TELEMACHUS_TOOL_THREADS,
-                                               thread_name_prefix="telemachus-tool")
+        self.tool_threads: futures.Executor = ThreadPoolExecutor(
+            max_workers=settings.TELEMACHUS_TOOL_THREADS, thread_name_prefix="telemachus-tool"
+        )
         self.processed = 0
         self.beat_at = time.monotonic()
 
@@ -147,8 +148,13 @@ class Worker:
 
     async def run(self) -> None:
         self._install_signal_handlers()
-        log.info("worker %s starting: concurrency %d, lease %ds, %s", self.name, self.concurrency,
-                 self.lease_seconds, connection.vendor)
+        log.info(
+            "worker %s starting: concurrency %d, lease %ds, %s",
+            self.name,
+            self.concurrency,
+            self.lease_seconds,
+            connection.vendor,
+        )
         await self._recover_once()
         background = [
             asyncio.create_task(self._finisher(), name="finisher"),
@@ -156,7 +162,9 @@ class Worker:
             asyncio.create_task(self._recovery(), name="recovery"),
             asyncio.create_task(self._probes(), name="probes"),
         ]
-        probes = await probe_serve(db=self.db, heartbeat=self._heartbeat_state) if settings.TELEMACHUS_METRICS_BIND else None
+        probes = (
+            await probe_serve(db=self.db, heartbeat=self._heartbeat_state) if settings.TELEMACHUS_METRICS_BIND else None
+        )
         if connection.vendor == "postgresql":
             background.append(asyncio.create_task(self._listen(), name="listener"))
         elif connection.vendor == "sqlite":
@@ -190,7 +198,9 @@ class Worker:
     def request_stop(self) -> None:
         if not self.stopping:
             self.stopping = True
-            log.info("worker %s stopping: draining %d in flight (signal again to abort them)", self.name, len(self.inflight))
+            log.info(
+                "worker %s stopping: draining %d in flight (signal again to abort them)", self.name, len(self.inflight)
+            )
             if self.grace is not None:
                 asyncio.get_running_loop().call_later(self.grace, self.force_stop)
         else:
@@ -285,8 +295,14 @@ class Worker:
             assert claim.executor is not None
             log.error("job %d: no driver for executor %s: %s", job.pk, claim.executor.name, exc)
             self.inflight[job.pk] = InFlight(claim=claim, driver=None, renewed_at=now, started=now, executor_fault=True)
-            self.outcomes.put_nowait(Outcome(job_id=job.pk, lease=claim.lease, ok=False,
-                                             error=f"executor {claim.executor.name} has no usable driver: {exc}"))
+            self.outcomes.put_nowait(
+                Outcome(
+                    job_id=job.pk,
+                    lease=claim.lease,
+                    ok=False,
+                    error=f"executor {claim.executor.name} has no usable driver: {exc}",
+                )
+            )
             return
         flight = InFlight(claim=claim, driver=driver, renewed_at=now, started=now)
         self.inflight[job.pk] = flight
@@ -315,10 +331,16 @@ class Worker:
                 result = await flight.driver.execute(request, on_delta)
                 dispatch_observe(executor=flight.claim.executor, outcome="ok", seconds=time.perf_counter() - started)
                 outcome = Outcome(
-                    job_id=job.pk, lease=flight.claim.lease, ok=True, result=job_output(job, result.stored_output()),
+                    job_id=job.pk,
+                    lease=flight.claim.lease,
+                    ok=True,
+                    result=job_output(job, result.stored_output()),
                     tokens_used=result.tokens_used,
-                    meta={"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                          "seconds": round(time.monotonic() - flight.started, 4)},
+                    meta={
+                        "prompt_tokens": result.prompt_tokens,
+                        "completion_tokens": result.completion_tokens,
+                        "seconds": round(time.monotonic() - flight.started, 4),
+                    },
                 )
         except asyncio.CancelledError:
             self.inflight.pop(job.pk, None)
@@ -332,9 +354,16 @@ class Worker:
         except DispatchError as exc:
             dispatch_observe(executor=flight.claim.executor, outcome="error", seconds=time.perf_counter() - started)
             flight.executor_fault = exc.executor_fault
-            outcome = Outcome(job_id=job.pk, lease=flight.claim.lease, ok=False, error=str(exc), result=exc.detail,
-                              retryable=exc.retryable, retry_after=exc.retry_after,
-                              meta={"status": exc.status, **({"timed_out": True} if exc.timed_out else {})})
+            outcome = Outcome(
+                job_id=job.pk,
+                lease=flight.claim.lease,
+                ok=False,
+                error=str(exc),
+                result=exc.detail,
+                retryable=exc.retryable,
+                retry_after=exc.retry_after,
+                meta={"status": exc.status, **({"timed_out": True} if exc.timed_out else {})},
+            )
         except Exception as exc:  # a driver bug must fail the job, not kill the worker
             log.exception("job %d: %s raised", job.pk, f"driver {flight.driver.kind}" if flight.driver else "its run")
             outcome = Outcome(job_id=job.pk, lease=flight.claim.lease, ok=False, error=f"driver error: {exc!r}")
@@ -416,13 +445,20 @@ class Worker:
         except DatabaseError as exc:
             if len(batch) > 1:
                 reports = [await self._finish([outcome]) for outcome in batch]
-                return FinishReport(accepted=[i for r in reports for i in r.accepted],
-                                    refused=[i for r in reports for i in r.refused],
-                                    retrying=[i for r in reports for i in r.retrying])
+                return FinishReport(
+                    accepted=[i for r in reports for i in r.accepted],
+                    refused=[i for r in reports for i in r.refused],
+                    retrying=[i for r in reports for i in r.retrying],
+                )
             (outcome,) = batch
             log.error("job %d: result could not be stored (%s); failing the job", outcome.job_id, exc)
-            stored = Outcome(job_id=outcome.job_id, lease=outcome.lease, ok=False, tokens_used=outcome.tokens_used,
-                             error=f"the result could not be stored: {exc}"[:2000])
+            stored = Outcome(
+                job_id=outcome.job_id,
+                lease=outcome.lease,
+                ok=False,
+                tokens_used=outcome.tokens_used,
+                error=f"the result could not be stored: {exc}"[:2000],
+            )
             return await self._retrying(jobs_finish, outcomes=[stored], wake_others=self.stopping)
 
     async def _breaker_record(self, dispatches: list[DispatchReport]) -> list[ExecutorEvent]:
@@ -507,8 +543,13 @@ class Worker:
                 if due:
                     results = await asyncio.gather(*(self._probe(executor) for executor in due))
                     for event in await self.db(probe_record, results=results):
-                        log.warning("executor %s: health %s -> %s (%s)", event.meta["executor_name"],
-                                    event.meta["was"], event.meta["health"], event.meta["detail"])
+                        log.warning(
+                            "executor %s: health %s -> %s (%s)",
+                            event.meta["executor_name"],
+                            event.meta["was"],
+                            event.meta["health"],
+                            event.meta["detail"],
+                        )
             except DatabaseError as exc:
                 log.warning("probing failed (%s)", exc)
             await asyncio.sleep(min(interval, 5.0))

@@ -96,8 +96,18 @@ class AuditEventAdmin(ReadOnlyAdmin):
     list_filter = ["source", "object_type", "action"]
     search_fields = ["actor_name", "object_id", "object_repr", "action"]
     date_hierarchy = "at"
-    readonly_fields = ["at", "actor", "actor_name", "source", "action", "object_type", "object_id", "object_repr",
-                       "before", "after"]
+    readonly_fields = [
+        "at",
+        "actor",
+        "actor_name",
+        "source",
+        "action",
+        "object_type",
+        "object_id",
+        "object_repr",
+        "before",
+        "after",
+    ]
 
     def has_view_permission(self, request: HttpRequest, obj=None) -> bool:
         return rbac.is_operator(request.user)

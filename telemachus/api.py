@@ -34,8 +34,11 @@ class TeamCreateInput(StrictSerializer):
     slug = serializers.SlugField(max_length=64)
     name = serializers.CharField(max_length=200)
     members = MemberInput(many=True, required=False)
-    grants = serializers.ListField(child=serializers.ChoiceField(choices=PERMISSION_CHOICES), required=False,
-                                   help_text="Permissions the team grants every member (default: chat:use).")
+    grants = serializers.ListField(
+        child=serializers.ChoiceField(choices=PERMISSION_CHOICES),
+        required=False,
+        help_text="Permissions the team grants every member (default: chat:use).",
+    )
 
 
 class GrantsInput(StrictSerializer):
@@ -125,8 +128,12 @@ class TeamGrantsApi(APIView):
         rbac.require_operator(request.user)
         data = GrantsInput(data=request.data)
         data.is_valid(raise_exception=True)
-        team_grants_set(team=team, team_grants=data.validated_data["team"],
-                        user_grants=data.validated_data.get("users"), by=request.user)
+        team_grants_set(
+            team=team,
+            team_grants=data.validated_data["team"],
+            user_grants=data.validated_data.get("users"),
+            by=request.user,
+        )
         return Response(team_grants(team=team))
 
 

@@ -22,14 +22,22 @@ from scheduler.gateway.asgi import GatewayRouter  # noqa: E402
 from telemachus.body_limit import BodyLimit  # noqa: E402
 from telemachus.websocket import SameOriginValidator  # noqa: E402
 
-application = ProtocolTypeRouter({
-    # The OpenAI-compatible endpoint, job waits and streams are served ahead of Django (they wait
-    # without holding a thread); other API bodies are limited (413) and read, chunked ones
-    # included, before Django sees them.
-    "http": GatewayRouter(BodyLimit(django_asgi_app)),
-    # Session authentication, as for the page itself; the Origin check (scheme, host and port)
-    # stops other sites' pages from opening the socket with a signed-in user's cookie.
-    "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter([
-        path("ws/dashboard/", DashboardConsumer.as_asgi()),
-    ]))),
-})
+application = ProtocolTypeRouter(
+    {
+        # The OpenAI-compatible endpoint, job waits and streams are served ahead of Django (they wait
+        # without holding a thread); other API bodies are limited (413) and read, chunked ones
+        # included, before Django sees them.
+        "http": GatewayRouter(BodyLimit(django_asgi_app)),
+        # Session authentication, as for the page itself; the Origin check (scheme, host and port)
+        # stops other sites' pages from opening the socket with a signed-in user's cookie.
+        "websocket": SameOriginValidator(
+            AuthMiddlewareStack(
+                URLRouter(
+                    [
+                        path("ws/dashboard/", DashboardConsumer.as_asgi()),
+                    ]
+                )
+            )
+        ),
+    }
+)

@@ -49,9 +49,15 @@ def audit_record(
     the change does. Tells live dashboards on commit."""
     actor = by if by is not None and by.is_authenticated else None
     event = AuditEvent.objects.create(
-        actor=actor, actor_name=actor.get_username() if actor else "", source=_source.get(), action=action,
-        object_type=object_type, object_id=str(object_id), object_repr=str(object_repr)[:200],
-        before=before, after=after,
+        actor=actor,
+        actor_name=actor.get_username() if actor else "",
+        source=_source.get(),
+        action=action,
+        object_type=object_type,
+        object_id=str(object_id),
+        object_repr=str(object_repr)[:200],
+        before=before,
+        after=after,
     )
     changes_notify("audit")
     return event

@@ -68,9 +68,15 @@ async def _too_large(send: Any, scope: Scope, limit: int) -> None:
 
 async def _refuse(send: Any, scope: Scope, status: int, code: str, detail: str, **extra: Any) -> None:
     body = json.dumps(error_payload(scope["path"], status=status, code=code, detail=detail, **extra)).encode()
-    await send({
-        "type": "http.response.start", "status": status,
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close")],
-    })
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -147,8 +147,9 @@ def install_bump_function() -> RunPython:
     return RunPython(forwards, backwards)
 
 
-def watch_config(model: str, *, m2m: str | None = None, only: Iterable[str] | None = None,
-                 ignore: Iterable[str] = ()) -> RunPython:
+def watch_config(
+    model: str, *, m2m: str | None = None, only: Iterable[str] | None = None, ignore: Iterable[str] = ()
+) -> RunPython:
     """A migration operation: every insert and delete on the table of `model` (or of its `m2m`
     field's through table) bumps the configuration version, and so does every update, or, with
     `only` or `ignore`, an update that changes one of those columns (field names), as they are at
@@ -184,7 +185,9 @@ def _trigger_sql(db: Any, table: str, columns: list[str] | None) -> list[str]:
     if db.vendor == "postgresql":
         changed = (
             f" WHEN (({', '.join(f'OLD.{qn(c)}' for c in columns)}) IS DISTINCT FROM "
-            f"({', '.join(f'NEW.{qn(c)}' for c in columns)}))" if columns else ""
+            f"({', '.join(f'NEW.{qn(c)}' for c in columns)}))"
+            if columns
+            else ""
         )
         return [
             f"CREATE TRIGGER {name}_write AFTER INSERT OR DELETE ON {qn(table)} "
@@ -193,8 +196,10 @@ def _trigger_sql(db: Any, table: str, columns: list[str] | None) -> list[str]:
             f"FOR EACH ROW{changed} EXECUTE FUNCTION {BUMP_FUNCTION}()",
         ]
     version = _version_table()
-    bump = (f"BEGIN INSERT INTO {version} (id, version) VALUES (1, {FRESH_VERSION_SQL['sqlite']}) "
-            f"ON CONFLICT (id) DO UPDATE SET version = version + 1; END")
+    bump = (
+        f"BEGIN INSERT INTO {version} (id, version) VALUES (1, {FRESH_VERSION_SQL['sqlite']}) "
+        f"ON CONFLICT (id) DO UPDATE SET version = version + 1; END"
+    )
     changed = f" WHEN NOT ({' AND '.join(f'OLD.{qn(c)} IS NEW.{qn(c)}' for c in columns)})" if columns else ""
     return [
         f"CREATE TRIGGER {name}_insert AFTER INSERT ON {qn(table)} {bump}",

@@ -18,8 +18,9 @@ FEATURES: tuple[str, ...] = tuple(FeatureSwitch.Feature.values)
 OPENAI = FeatureSwitch.Feature.OPENAI.value
 
 
-def feature_enabled(*, feature: str, team: Team | None, switches: Mapping[tuple[str, int | None], bool] | None = None
-                    ) -> bool:
+def feature_enabled(
+    *, feature: str, team: Team | None, switches: Mapping[tuple[str, int | None], bool] | None = None
+) -> bool:
     """Whether `feature` is on for `team` (None: the global switch). One query, or none from
     `switches` (all of them, (feature, team id or None) -> enabled: `feature_switches()`)."""
     if switches is not None:
@@ -35,18 +36,22 @@ def feature_enabled(*, feature: str, team: Team | None, switches: Mapping[tuple[
 
 def feature_switches() -> dict[tuple[str, int | None], bool]:
     """Every switch, for callers that keep them (the submit's configuration cache)."""
-    return {(feature, team_id): enabled for feature, team_id, enabled
-            in FeatureSwitch.objects.values_list("feature", "team_id", "enabled")}
+    return {
+        (feature, team_id): enabled
+        for feature, team_id, enabled in FeatureSwitch.objects.values_list("feature", "team_id", "enabled")
+    }
 
 
-def feature_require(*, feature: str, team: Team | None,
-                    switches: Mapping[tuple[str, int | None], bool] | None = None) -> None:
+def feature_require(
+    *, feature: str, team: Team | None, switches: Mapping[tuple[str, int | None], bool] | None = None
+) -> None:
     """Refuse (403 feature_disabled) when `feature` is switched off for `team` or for everyone."""
     feature = str(feature)  # callers pass Job.Type members too; the refusal names the plain value
     if not feature_enabled(feature=feature, team=team, switches=switches):
         where = f"team {team.slug!r}" if team is not None else "everyone"
-        raise FeatureDisabled(f"{feature!r} is switched off for {where}.", feature=feature,
-                              team=team.slug if team is not None else None)
+        raise FeatureDisabled(
+            f"{feature!r} is switched off for {where}.", feature=feature, team=team.slug if team is not None else None
+        )
 
 
 def feature_states(*, teams: Iterable[Team]) -> dict:
@@ -54,7 +59,9 @@ def feature_states(*, teams: Iterable[Team]) -> dict:
     for each of `teams` its own switches (true / false; null: follows the global one) and what is
     in force."""
     teams = list(teams)
-    rows = FeatureSwitch.objects.filter(Q(team__isnull=True) | Q(team__in=teams)).values_list("feature", "team_id", "enabled")
+    rows = FeatureSwitch.objects.filter(Q(team__isnull=True) | Q(team__in=teams)).values_list(
+        "feature", "team_id", "enabled"
+    )
     switches = {(feature, team_id): enabled for feature, team_id, enabled in rows}
     glob = {feature: switches.get((feature, None), True) for feature in FEATURES}  # type: ignore[arg-type]
     return {
@@ -91,6 +98,12 @@ def feature_set(*, feature: str, team: Team | None, enabled: bool | None, by: Ac
             row.enabled = enabled
             row.save(update_fields=["enabled", "updated_at"])
         scope = team.slug if team is not None else "global"
-        audit_record(by=by, action="feature.set", object_type="feature", object_id=f"{feature}:{scope}",
-                     object_repr=f"{feature} for {team.slug if team is not None else 'everyone'}",
-                     before={"enabled": was}, after={"enabled": enabled})
+        audit_record(
+            by=by,
+            action="feature.set",
+            object_type="feature",
+            object_id=f"{feature}:{scope}",
+            object_repr=f"{feature} for {team.slug if team is not None else 'everyone'}",
+            before={"enabled": was},
+            after={"enabled": enabled},
+        )

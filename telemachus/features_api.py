@@ -15,8 +15,13 @@ from telemachus.serializers import StrictSerializer
 
 class FeatureSwitchInput(StrictSerializer):
     feature = serializers.ChoiceField(choices=FEATURES)
-    team = serializers.SlugRelatedField(slug_field="slug", queryset=Team.objects.all(), allow_null=True, required=False,
-                                        help_text="A team's own switch; null or absent: the global one.")
+    team = serializers.SlugRelatedField(
+        slug_field="slug",
+        queryset=Team.objects.all(),
+        allow_null=True,
+        required=False,
+        help_text="A team's own switch; null or absent: the global one.",
+    )
     enabled = serializers.BooleanField(allow_null=True, help_text="null on a team: follow the global switch.")
 
     def validate(self, attrs: dict) -> dict:

@@ -14,7 +14,7 @@ _migrated = False
 
 
 def readiness_checks() -> dict[str, str]:
-    """"ok" or what is wrong, per check: the database, the migrations."""
+    """ "ok" or what is wrong, per check: the database, the migrations."""
     global _migrated
     checks: dict[str, str] = {}
     try:

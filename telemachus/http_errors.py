@@ -20,9 +20,19 @@ API_PREFIX, OPENAI_PREFIX = "/api/", "/v1/"
 # (surrogates not part of a pair, which json.loads lets through from "\ud800").
 UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 ERROR_CODES = {
-    400: "bad_request", 401: "not_authenticated", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
-    406: "not_acceptable", 409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type",
-    429: "throttled", 500: "server_error", 502: "bad_gateway", 503: "unavailable",
+    400: "bad_request",
+    401: "not_authenticated",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    406: "not_acceptable",
+    409: "conflict",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    429: "throttled",
+    500: "server_error",
+    502: "bad_gateway",
+    503: "unavailable",
 }
 
 

@@ -121,10 +121,12 @@ class FeatureSwitch(models.Model):
     class Meta:
         ordering = ["feature", "team"]
         constraints = [
-            models.UniqueConstraint(fields=["feature"], condition=models.Q(team__isnull=True),
-                                    name="featureswitch_unique_global"),
-            models.UniqueConstraint(fields=["feature", "team"], condition=models.Q(team__isnull=False),
-                                    name="featureswitch_unique_team"),
+            models.UniqueConstraint(
+                fields=["feature"], condition=models.Q(team__isnull=True), name="featureswitch_unique_global"
+            ),
+            models.UniqueConstraint(
+                fields=["feature", "team"], condition=models.Q(team__isnull=False), name="featureswitch_unique_team"
+            ),
         ]
 
     def __str__(self) -> str:

@@ -37,8 +37,10 @@ class NewestFirstCursorPagination(CursorPagination):
 
     def paginate_queryset(self, queryset: QuerySet, request: Request, view: APIView | None = None) -> list | None:  # type: ignore[override]
         filters = getattr(view, "filter_serializer", None)
-        query_params_check(request, [self.cursor_query_param, self.page_size_query_param,
-                                     *(filters().fields if filters is not None else ())])
+        query_params_check(
+            request,
+            [self.cursor_query_param, self.page_size_query_param, *(filters().fields if filters is not None else ())],
+        )
         return super().paginate_queryset(queryset, request, view)
 
     def get_page_size(self, request: Request) -> int:

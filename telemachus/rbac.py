@@ -157,7 +157,8 @@ def grants_load(user: User) -> Grants:
         for team in teams:
             held = set(checker.get_perms(team))
             permissions[team.pk] = frozenset(
-                name for name, codename in PERMISSIONS.items()
+                name
+                for name, codename in PERMISSIONS.items()
                 if codename in held or f"telemachus.{codename}" in global_perms
             )
     return Grants(username=user.get_username(), operator=operator, roles=roles, permissions=permissions)

@@ -9,8 +9,11 @@ ERROR_SCHEMA = {
     "properties": {
         "error": {"type": "string", "example": "validation_error"},
         "detail": {"type": "string"},
-        "fields": {"type": "object", "additionalProperties": True,
-                   "description": "validation_error: the messages for each offending field"},
+        "fields": {
+            "type": "object",
+            "additionalProperties": True,
+            "description": "validation_error: the messages for each offending field",
+        },
         "retry_after": {"type": "integer", "description": "try_later, throttled: seconds to wait"},
         "reset_at": {"type": "string", "format": "date-time", "description": "quota_exceeded: when the budget resets"},
     },

@@ -14,9 +14,12 @@ from telemachus.errors import Conflict, NotFound, ValidationFailed
 from telemachus.models import Membership, Team
 
 
-
 def team_create(
-    *, slug: str, name: str, members: list[dict] | None = None, grants: list[str] | tuple[str, ...] = (rbac.CHAT,),
+    *,
+    slug: str,
+    name: str,
+    members: list[dict] | None = None,
+    grants: list[str] | tuple[str, ...] = (rbac.CHAT,),
     by: Actor = None,
 ) -> Team:
     """A team and its group; by default the team grants its members chat:use, nothing more.
@@ -28,8 +31,14 @@ def team_create(
         _grants_set(team=team, team_grants=list(grants))
         for member in members or []:
             _member_set(team=team, username=member["username"], role=member.get("role", Membership.Role.MEMBER))
-        audit_record(by=by, action="team.create", object_type="team", object_id=team.slug, object_repr=team.name,
-                     after=team_audit_view(team))
+        audit_record(
+            by=by,
+            action="team.create",
+            object_type="team",
+            object_id=team.slug,
+            object_repr=team.name,
+            after=team_audit_view(team),
+        )
     return team
 
 
@@ -47,8 +56,10 @@ def team_grants(*, team: Team) -> dict:
         if names:
             by_user[user.get_username()] = names
     group_perms = set(get_perms(team.group, team))
-    return {"team": sorted(name for name, codename in rbac.PERMISSIONS.items() if codename in group_perms),
-            "users": by_user}
+    return {
+        "team": sorted(name for name, codename in rbac.PERMISSIONS.items() if codename in group_perms),
+        "users": by_user,
+    }
 
 
 def team_grants_set(
@@ -63,8 +74,15 @@ def team_grants_set(
         _grants_set(team=team, team_grants=team_grants, user_grants=user_grants)
         after = _grants_of(team)
         if after != before:
-            audit_record(by=by, action="team.grants", object_type="team", object_id=team.slug,
-                         object_repr=team.name, before=before, after=after)
+            audit_record(
+                by=by,
+                action="team.grants",
+                object_type="team",
+                object_id=team.slug,
+                object_repr=team.name,
+                before=before,
+                after=after,
+            )
 
 
 def _grants_of(team: Team) -> dict:
@@ -74,9 +92,13 @@ def _grants_of(team: Team) -> dict:
 
 def _grants_set(*, team: Team, team_grants: list[str], user_grants: dict[str, list[str]] | None = None) -> None:
     user_grants = user_grants or {}
-    unknown = sorted({p for p in [*team_grants, *(p for ps in user_grants.values() for p in ps)]} - set(rbac.PERMISSIONS))
+    unknown = sorted(
+        {p for p in [*team_grants, *(p for ps in user_grants.values() for p in ps)]} - set(rbac.PERMISSIONS)
+    )
     if unknown:
-        raise ValidationFailed({"grants": [f"Unknown permission(s) {', '.join(unknown)}; known: {', '.join(rbac.PERMISSIONS)}."]})
+        raise ValidationFailed(
+            {"grants": [f"Unknown permission(s) {', '.join(unknown)}; known: {', '.join(rbac.PERMISSIONS)}."]}
+        )
     User = get_user_model()
     users = {u.get_username(): u for u in User.objects.filter(username__in=list(user_grants))}
     missing = sorted(set(user_grants) - set(users))
@@ -108,8 +130,15 @@ def team_update(*, team: Team, name: str, by: Actor = None) -> Team:
         was = team.name
         team.name = name
         team.save(update_fields=["name"])
-        audit_record(by=by, action="team.update", object_type="team", object_id=team.slug, object_repr=name,
-                     before={"name": was}, after={"name": name})
+        audit_record(
+            by=by,
+            action="team.update",
+            object_type="team",
+            object_id=team.slug,
+            object_repr=name,
+            before={"name": was},
+            after={"name": name},
+        )
     return team
 
 
@@ -136,8 +165,14 @@ def team_delete(*, team: Team, by: Actor = None) -> None:
         except ProtectedError:
             raise Conflict(f"Team {team.slug!r} has jobs; it cannot be deleted.") from None
         group.delete()
-        audit_record(by=by, action="team.delete", object_type="team", object_id=before["slug"],
-                     object_repr=before["name"], before=before)
+        audit_record(
+            by=by,
+            action="team.delete",
+            object_type="team",
+            object_id=before["slug"],
+            object_repr=before["name"],
+            before=before,
+        )
 
 
 def team_member_set(*, team: Team, username: str, role: str, by: Actor = None) -> Membership:
@@ -148,8 +183,11 @@ def team_member_set(*, team: Team, username: str, role: str, by: Actor = None) -
         membership, was = _member_set(team=team, username=username, role=role)
         if was != role:
             audit_record(
-                by=by, action="team.member_add" if was is None else "team.member_role", object_type="team",
-                object_id=team.slug, object_repr=team.name,
+                by=by,
+                action="team.member_add" if was is None else "team.member_role",
+                object_type="team",
+                object_id=team.slug,
+                object_repr=team.name,
                 before=None if was is None else {"username": username, "role": was},
                 after={"username": username, "role": role},
             )
@@ -184,5 +222,11 @@ def team_member_remove(*, team: Team, user: User, by: Actor = None) -> None:
             raise NotFound(f"{user.get_username()!r} is not a member of {team.slug!r}.")
         Membership.objects.filter(team=team, user=user).delete()
         user.groups.remove(team.group_id)
-        audit_record(by=by, action="team.member_remove", object_type="team", object_id=team.slug,
-                     object_repr=team.name, before={"username": user.get_username(), "role": role})
+        audit_record(
+            by=by,
+            action="team.member_remove",
+            object_type="team",
+            object_id=team.slug,
+            object_repr=team.name,
+            before={"username": user.get_username(), "role": role},
+        )

@@ -43,8 +43,10 @@ def _keys(kind: str, value: str) -> tuple[str, str]:
 
 
 def _limits(username: str, address: str) -> list[tuple[str, str, int]]:
-    return [("user", username.strip().lower(), settings.TELEMACHUS_LOGIN_FAILURES_PER_USERNAME),
-            ("addr", address, settings.TELEMACHUS_LOGIN_FAILURES_PER_ADDRESS)]
+    return [
+        ("user", username.strip().lower(), settings.TELEMACHUS_LOGIN_FAILURES_PER_USERNAME),
+        ("addr", address, settings.TELEMACHUS_LOGIN_FAILURES_PER_ADDRESS),
+    ]
 
 
 def signin_retry_after(*, username: str, address: str) -> int | None:
@@ -101,7 +103,8 @@ def attempts_limited(view: Callable[..., HttpResponse]) -> Callable[..., HttpRes
             wait = signin_retry_after(username=request.POST.get("username", ""), address=client_address(request))
             if wait is not None:
                 response = HttpResponse(
-                    f"Too many failed sign-ins. Try again in {wait} seconds.\n", status=429,
+                    f"Too many failed sign-ins. Try again in {wait} seconds.\n",
+                    status=429,
                     content_type="text/plain; charset=utf-8",
                 )
                 response["Retry-After"] = str(wait)

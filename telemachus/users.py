@@ -12,7 +12,12 @@ from telemachus.errors import ValidationFailed
 
 
 def user_create(
-    *, username: str, email: str = "", password: str | None = None, operator: bool = False, token: bool = False,
+    *,
+    username: str,
+    email: str = "",
+    password: str | None = None,
+    operator: bool = False,
+    token: bool = False,
     by: Actor,
 ) -> tuple[User, str | None]:
     """A new user, and their API token when `token` (shown once, to the caller). Without a password
@@ -32,7 +37,18 @@ def user_create(
         if operator:
             user.user_permissions.add(Permission.objects.get(content_type__app_label="scheduler", codename="manage"))
         key = Token.objects.create(user=user).key if token else None
-        audit_record(by=by, action="user.create", object_type="user", object_id=username, object_repr=username,
-                     after={"username": username, "email": email, "operator": operator, "invited": password is None,
-                            "token": bool(token)})
+        audit_record(
+            by=by,
+            action="user.create",
+            object_type="user",
+            object_id=username,
+            object_repr=username,
+            after={
+                "username": username,
+                "email": email,
+                "operator": operator,
+                "invited": password is None,
+                "token": bool(token),
+            },
+        )
     return user, key

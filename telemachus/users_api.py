@@ -17,8 +17,12 @@ from telemachus.users import user_create
 class UserInput(StrictSerializer):
     username = serializers.RegexField(r"^[\w.@+-]+\Z", max_length=150)
     email = serializers.EmailField(required=False, default="")
-    password = serializers.CharField(required=False, write_only=True, trim_whitespace=False,
-                                     help_text="Omit to invite: the user signs in with the token until one is set.")
+    password = serializers.CharField(
+        required=False,
+        write_only=True,
+        trim_whitespace=False,
+        help_text="Omit to invite: the user signs in with the token until one is set.",
+    )
     operator = serializers.BooleanField(default=False, help_text="Grant scheduler.manage.")
     token = serializers.BooleanField(default=True, help_text="Create an API token and return it (once).")
 

@@ -77,8 +77,15 @@ class Processes:
         self, name: str, *, concurrency: int = 16, lease: int = 30, extra: tuple[str, ...] = (), **env: str
     ) -> subprocess.Popen:
         return self.start(
-            name, "scheduler_worker", "--name", name, "--concurrency", str(concurrency), *extra,
-            TELEMACHUS_LEASE_SECONDS=str(lease), **env,
+            name,
+            "scheduler_worker",
+            "--name",
+            name,
+            "--concurrency",
+            str(concurrency),
+            *extra,
+            TELEMACHUS_LEASE_SECONDS=str(lease),
+            **env,
         )
 
     def faultserver(self, **env: str) -> str:
@@ -103,8 +110,9 @@ class Processes:
     def daphne(self, name: str = "daphne", **env: str) -> str:
         """Serve the ASGI app (telemachus.asgi) with daphne; returns its base URL once it answers."""
         port = free_port()
-        self.spawn(f"{name}-{port}", "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
-                   "telemachus.asgi:application", **env)
+        self.spawn(
+            f"{name}-{port}", "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "telemachus.asgi:application", **env
+        )
         base = f"http://127.0.0.1:{port}"
         wait_until(lambda: responds(base + "/v1/models"), timeout=60, what="daphne to listen")
         return base

@@ -12,8 +12,15 @@ from scheduler.services.submit import job_submit
 pytestmark = pytest.mark.django_db
 
 PAGES = [
-    "/admin/", "/admin/telemachus/team/", "/admin/telemachus/membership/", "/admin/executors/executor/",
-    "/admin/quotas/quotapolicy/", "/admin/quotas/usage/", "/admin/scheduler/job/", "/admin/scheduler/jobevent/", "/admin/scheduler/slot/",
+    "/admin/",
+    "/admin/telemachus/team/",
+    "/admin/telemachus/membership/",
+    "/admin/executors/executor/",
+    "/admin/quotas/quotapolicy/",
+    "/admin/quotas/usage/",
+    "/admin/scheduler/job/",
+    "/admin/scheduler/jobevent/",
+    "/admin/scheduler/slot/",
     "/admin/scheduler/queuepolicy/",
 ]
 
@@ -59,9 +66,12 @@ def test_team_created_in_admin_gets_a_group(admin_client_with_data, make_user):
     response = admin_client_with_data.post(
         "/admin/telemachus/team/add/",
         {
-            "slug": "ops", "name": "Ops",
-            "memberships-TOTAL_FORMS": "1", "memberships-INITIAL_FORMS": "0",
-            "memberships-0-user": carol.pk, "memberships-0-role": "manager",
+            "slug": "ops",
+            "name": "Ops",
+            "memberships-TOTAL_FORMS": "1",
+            "memberships-INITIAL_FORMS": "0",
+            "memberships-0-user": carol.pk,
+            "memberships-0-role": "manager",
         },
     )
     assert response.status_code == 302, response.content[:2000]
@@ -76,8 +86,11 @@ def test_team_created_in_admin_gets_a_group(admin_client_with_data, make_user):
 def test_budget_rules_show_their_usage(admin_client_with_data, member_setup):
     alice, _, team_a, _, _ = member_setup
     QuotaPolicy.objects.create(scope="team", subject="a", dimension="ai.tokens", limit=1000, window="day")
-    quota_settle(reservations=[], bills=[Bill(team_id=team_a.pk, user_id=alice.pk, executor_id=None, tokens=300)],
-                 now=timezone.now())
+    quota_settle(
+        reservations=[],
+        bills=[Bill(team_id=team_a.pk, user_id=alice.pk, executor_id=None, tokens=300)],
+        now=timezone.now(),
+    )
     page = admin_client_with_data.get("/admin/quotas/quotapolicy/").content.decode()
     assert "300 (+0)" in page and ">700<" in page and " UTC" in page
 
@@ -95,8 +108,13 @@ def test_requeue_action_uses_the_service(admin_client_with_data):
 
 def test_a_running_flow_shows_its_round(admin_client_with_data, member_setup):
     Job.objects.all().delete()
-    flow = job_submit(user=member_setup[0], team="a", type="flow", requirements={"model": "m"},
-                      input={"messages": [{"role": "user", "content": "go"}], "tools": ["echo"]})
+    flow = job_submit(
+        user=member_setup[0],
+        team="a",
+        type="flow",
+        requirements={"model": "m"},
+        input={"messages": [{"role": "user", "content": "go"}], "tools": ["echo"]},
+    )
     (claim,) = job_claim(worker="w", limit=1).claims
     round_begin(job_id=flow.pk, lease=claim.lease)
     page = admin_client_with_data.get("/admin/scheduler/job/").content.decode()

@@ -24,15 +24,18 @@ pytestmark = pytest.mark.slow
 
 
 def manage(env: dict[str, str], *args: str) -> str:
-    done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
 
 def call(url: str, token: str, body: dict | None = None) -> dict:
     request = urllib.request.Request(
-        url, data=json.dumps(body).encode() if body is not None else None, method="POST" if body else "GET",
+        url,
+        data=json.dumps(body).encode() if body is not None else None,
+        method="POST" if body else "GET",
         headers={"Authorization": f"Token {token}", "Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=40) as response:
@@ -67,8 +70,13 @@ class Run:
 
     def __init__(self, tmp_path: Path, **env: str) -> None:
         self.tmp_path = tmp_path
-        self.env = {**os.environ, "DJANGO_SETTINGS_MODULE": "telemachus.settings", "PYTHONUNBUFFERED": "1",
-                    "DATABASE_URL": f"sqlite:///{tmp_path}/run.sqlite3", **env}
+        self.env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "telemachus.settings",
+            "PYTHONUNBUFFERED": "1",
+            "DATABASE_URL": f"sqlite:///{tmp_path}/run.sqlite3",
+            **env,
+        }
         self.env.pop("DEBUG", None)
         self.env.pop("REDIS_URL", None)
         manage(self.env, "migrate", "--noinput")
@@ -83,10 +91,15 @@ class Run:
         """`sigint_ignored`: as a shell starts a background job, or as some CI runners start steps."""
         log = open(self.log_path, "w")
         ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
-        self.proc = subprocess.Popen(["bin/run"], cwd=ROOT, env={**self.env, "PY": sys.executable,
-                                                                 "PORT": str(self.port)},
-                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=ignore)
+        self.proc = subprocess.Popen(
+            ["bin/run"],
+            cwd=ROOT,
+            env={**self.env, "PY": sys.executable, "PORT": str(self.port)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=ignore,
+        )
         wait_until(lambda: answers(f"{self.base}/schema/"), timeout=60, what="daphne to listen")
         wait_until(lambda: len(children(self.proc.pid)) == 2, timeout=30, what="daphne and the worker")
 
@@ -95,22 +108,33 @@ class Run:
         os.killpg(self.proc.pid, signal.SIGINT)
 
     def submit(self, content: str = "Hello") -> dict:
-        return call(f"{self.base}/jobs/", self.token, {
-            "type": "chat", "team": "demo", "requirements": {"model": "sim", "est_tokens": 50},
-            "input": {"messages": [{"role": "user", "content": content}], "max_tokens": 16},
-        })
+        return call(
+            f"{self.base}/jobs/",
+            self.token,
+            {
+                "type": "chat",
+                "team": "demo",
+                "requirements": {"model": "sim", "est_tokens": 50},
+                "input": {"messages": [{"role": "user", "content": content}], "max_tokens": 16},
+            },
+        )
 
     def job(self, job_id: int) -> dict:
         return call(f"{self.base}/jobs/{job_id}/", self.token)
 
     def job_status_in_database(self, job_id: int) -> str:
-        return manage(self.env, "shell", "-c",
-                      f"from scheduler.models import Job; print(Job.objects.get(pk={job_id}).status)").split()[-1]
+        return manage(
+            self.env, "shell", "-c", f"from scheduler.models import Job; print(Job.objects.get(pk={job_id}).status)"
+        ).split()[-1]
 
     def slow_sim(self, latency_ms: int) -> None:
-        manage(self.env, "shell", "-c",
-               f"from executors.models import Executor; Executor.objects.filter(name='sim')"
-               f".update(meta={{'latency_ms': {latency_ms}}})")
+        manage(
+            self.env,
+            "shell",
+            "-c",
+            f"from executors.models import Executor; Executor.objects.filter(name='sim')"
+            f".update(meta={{'latency_ms': {latency_ms}}})",
+        )
 
     def stop_all(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -237,9 +261,14 @@ def test_ctrl_c_through_a_pipe_to_tee_leaves_nothing_running(run, pipe):
     the processes it started. Whatever they write now meets a closed pipe (SIGPIPE, EPIPE): bin/run
     must still stop both of them before the prompt comes back."""
     log = open(run.log_path, "w")
-    run.proc = subprocess.Popen(["bash", "-c", f"bin/run {pipe} {run.tmp_path}/tee.log"], cwd=ROOT,
-                                env={**run.env, "PY": sys.executable, "PORT": str(run.port)},
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    run.proc = subprocess.Popen(
+        ["bash", "-c", f"bin/run {pipe} {run.tmp_path}/tee.log"],
+        cwd=ROOT,
+        env={**run.env, "PY": sys.executable, "PORT": str(run.port)},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     wait_until(lambda: answers(f"{run.base}/schema/"), timeout=60, what="daphne to listen")
     wait_until(lambda: len(descendants(run.proc.pid)) >= 4, timeout=30, what="bin/run, tee, daphne and the worker")
     pids = descendants(run.proc.pid)

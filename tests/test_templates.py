@@ -23,8 +23,12 @@ def test_project_templates_come_from_the_top_level_directory_through_dirs():
 
 @pytest.mark.slow
 def test_the_wheel_carries_the_templates(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = tmp_path.glob("telemachus-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"telemachus/templates/{name}" for name in PROJECT_TEMPLATES} <= names

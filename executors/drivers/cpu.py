@@ -132,7 +132,9 @@ class CpuNodeDriver(ExecutorDriver):
                 raise
             backend = request.input.get("backend", declared.backend)
             if not isinstance(backend, str):
-                raise UnknownTask(f"a task job's input.backend must be a tasks backend alias, not {backend!r}") from None
+                raise UnknownTask(
+                    f"a task job's input.backend must be a tasks backend alias, not {backend!r}"
+                ) from None
             call = functools.partial(declared_task_run, name, backend, str(request.job_id))
             return call, declared.func, (None,) if declared.takes_context else ()
         return fn, fn, ()

@@ -23,15 +23,33 @@ from typing import Any
 import httpx
 
 from executors.contract import (
-    EMBEDDINGS_API, DispatchError, DispatchRequest, DispatchResult, ExecutorDriver, Probe, StreamEvent,
+    EMBEDDINGS_API,
+    DispatchError,
+    DispatchRequest,
+    DispatchResult,
+    ExecutorDriver,
+    Probe,
+    StreamEvent,
 )
 from executors.tokens import count_prompt_tokens
 from executors.models import Executor
 
 # Request options a job may pass through to the model server, beside model and messages.
 PASSTHROUGH_OPTIONS = (
-    "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
-    "response_format", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs", "logit_bias",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
     "user",
 )
 EMBEDDING_OPTIONS = ("encoding_format", "dimensions", "user")
@@ -48,6 +66,7 @@ SLOTS_PER_CLIENT, MAX_CLIENTS = 32, 32
 def strict_json(text: str | bytes) -> Any:
     """JSON as servers should send it: NaN and Infinity, which Python accepts and the database's
     JSON does not, are malformed."""
+
     def refuse(constant: str) -> None:
         raise ValueError(f"{constant} is not JSON")
 
@@ -77,7 +96,10 @@ class LocalModelDriver(ExecutorDriver):
         the pools, and every connection a pool opens is kept alive for the next request."""
         if not self._clients:
             transport = self.executor.transport or {}
-            count = int(transport.get("http_clients") or min(MAX_CLIENTS, max(1, math.ceil(self.executor.max_concurrency / SLOTS_PER_CLIENT))))
+            count = int(
+                transport.get("http_clients")
+                or min(MAX_CLIENTS, max(1, math.ceil(self.executor.max_concurrency / SLOTS_PER_CLIENT)))
+            )
             timeout = httpx.Timeout(
                 float(transport.get("timeout_s", 120)), connect=float(transport.get("connect_timeout_s", 5))
             )
@@ -126,8 +148,9 @@ class LocalModelDriver(ExecutorDriver):
         content, deltas, usage, finish, model = [], 0, None, None, None
         tool_calls: dict[int, dict[str, Any]] = {}
         try:
-            async with self.client().stream("POST", "/chat/completions", json=body,
-                                            headers=job_header(request)) as response:
+            async with self.client().stream(
+                "POST", "/chat/completions", json=body, headers=job_header(request)
+            ) as response:
                 if response.status_code >= 400:
                     await response.aread()
                     raise self._status_error(response, upstream_message(response))
@@ -158,19 +181,25 @@ class LocalModelDriver(ExecutorDriver):
         completion_tokens = int(usage["completion_tokens"]) if usage else deltas
         message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
         if tool_calls:
-            message = {"role": "assistant", "content": message["content"] or None,
-                       "tool_calls": [tool_calls[index] for index in sorted(tool_calls)]}
-        yield StreamEvent(kind="done", result=DispatchResult(
-            output={
-                "model": model,
-                "message": message,
-                "finish_reason": finish,
-                "streamed": True,
-                "usage_counted": usage is None,
-            },
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-        ))
+            message = {
+                "role": "assistant",
+                "content": message["content"] or None,
+                "tool_calls": [tool_calls[index] for index in sorted(tool_calls)],
+            }
+        yield StreamEvent(
+            kind="done",
+            result=DispatchResult(
+                output={
+                    "model": model,
+                    "message": message,
+                    "finish_reason": finish,
+                    "streamed": True,
+                    "usage_counted": usage is None,
+                },
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+            ),
+        )
 
     # --- discovery and health -------------------------------------------------------------------
 
@@ -199,11 +228,16 @@ class LocalModelDriver(ExecutorDriver):
         latency = (time.perf_counter() - started) * 1000
         missing = sorted(set(self.executor.offered_models) - set(served))
         if missing:
-            return Probe(health=Executor.Health.DEGRADED, latency_ms=latency, models=served,
-                         detail=f"configured models not served: {', '.join(missing)}")
+            return Probe(
+                health=Executor.Health.DEGRADED,
+                latency_ms=latency,
+                models=served,
+                detail=f"configured models not served: {', '.join(missing)}",
+            )
         if latency > SLOW_PROBE_MS:
-            return Probe(health=Executor.Health.DEGRADED, latency_ms=latency, models=served,
-                         detail=f"slow: {latency:.0f} ms")
+            return Probe(
+                health=Executor.Health.DEGRADED, latency_ms=latency, models=served, detail=f"slow: {latency:.0f} ms"
+            )
         return Probe(health=Executor.Health.OK, latency_ms=latency, models=served)
 
     async def aclose(self) -> None:
@@ -225,8 +259,12 @@ class LocalModelDriver(ExecutorDriver):
     def _transport_error(self, exc: httpx.HTTPError) -> DispatchError:
         timed_out = isinstance(exc, httpx.TimeoutException)
         detail = self._redact(f"{type(exc).__name__}: {exc}".rstrip(": "))
-        return DispatchError(f"{self.executor.name} {'timed out' if timed_out else 'unreachable'} ({detail})",
-                             retryable=True, executor_fault=True, timed_out=timed_out)
+        return DispatchError(
+            f"{self.executor.name} {'timed out' if timed_out else 'unreachable'} ({detail})",
+            retryable=True,
+            executor_fault=True,
+            timed_out=timed_out,
+        )
 
     def _status_error(self, response: httpx.Response, message: str) -> DispatchError:
         return DispatchError(
@@ -241,11 +279,13 @@ class LocalModelDriver(ExecutorDriver):
         try:
             chunk = strict_json(data)
         except ValueError as exc:
-            raise DispatchError(f"{self.executor.name}: malformed stream chunk {data[:100]!r}", retryable=True,
-                                executor_fault=True) from exc
+            raise DispatchError(
+                f"{self.executor.name}: malformed stream chunk {data[:100]!r}", retryable=True, executor_fault=True
+            ) from exc
         if not isinstance(chunk, dict):
-            raise DispatchError(f"{self.executor.name}: malformed stream chunk {data[:100]!r}", retryable=True,
-                                executor_fault=True)
+            raise DispatchError(
+                f"{self.executor.name}: malformed stream chunk {data[:100]!r}", retryable=True, executor_fault=True
+            )
         return chunk
 
     def _parse_completion(self, response: httpx.Response) -> DispatchResult:
@@ -255,7 +295,8 @@ class LocalModelDriver(ExecutorDriver):
             message = choice["message"]
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise DispatchError(
-                f"{self.executor.name}: malformed completion {response.text[:200]!r}", retryable=True,
+                f"{self.executor.name}: malformed completion {response.text[:200]!r}",
+                retryable=True,
                 executor_fault=True,
             ) from exc
         usage = data.get("usage") or {}
@@ -270,7 +311,6 @@ class LocalModelDriver(ExecutorDriver):
             completion_tokens=int(usage.get("completion_tokens") or 0),
         )
 
-
     def _parse_embeddings(self, response: httpx.Response) -> DispatchResult:
         try:
             data = strict_json(response.content)
@@ -279,12 +319,14 @@ class LocalModelDriver(ExecutorDriver):
                 raise TypeError("data is not a list")
         except (ValueError, KeyError, TypeError) as exc:
             raise DispatchError(
-                f"{self.executor.name}: malformed embeddings {response.text[:200]!r}", retryable=True,
+                f"{self.executor.name}: malformed embeddings {response.text[:200]!r}",
+                retryable=True,
                 executor_fault=True,
             ) from exc
         usage = data.get("usage") or {}
-        return DispatchResult(output={"model": data.get("model"), "data": vectors},
-                              prompt_tokens=int(usage.get("prompt_tokens") or 0))
+        return DispatchResult(
+            output={"model": data.get("model"), "data": vectors}, prompt_tokens=int(usage.get("prompt_tokens") or 0)
+        )
 
 
 def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:

@@ -60,7 +60,10 @@ class SimDriver(ExecutorDriver):
             finish = "tool_calls"
         else:
             last = str(messages[-1].get("content") or "") if messages else ""
-            message = {"role": "assistant", "content": f"[simulated reply from {self.executor.name}] {last[:200]}".strip()}
+            message = {
+                "role": "assistant",
+                "content": f"[simulated reply from {self.executor.name}] {last[:200]}".strip(),
+            }
             finish = "length" if completion == max_tokens else "stop"
         return DispatchResult(
             output={"simulated": True, "model": request.model, "message": message, "finish_reason": finish},
@@ -75,8 +78,10 @@ class SimDriver(ExecutorDriver):
             output={
                 "simulated": True,
                 "model": request.model,
-                "data": [{"object": "embedding", "index": i, "embedding": simulated_embedding(text, dims)}
-                         for i, text in enumerate(texts)],
+                "data": [
+                    {"object": "embedding", "index": i, "embedding": simulated_embedding(text, dims)}
+                    for i, text in enumerate(texts)
+                ],
             },
             prompt_tokens=sum(len(text.split()) for text in texts),
         )

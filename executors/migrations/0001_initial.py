@@ -4,33 +4,39 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Executor',
+            name="Executor",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('kind', models.CharField(max_length=32)),
-                ('name', models.SlugField(max_length=64, unique=True)),
-                ('endpoint', models.URLField(blank=True, max_length=500, null=True)),
-                ('capabilities', models.JSONField(blank=True, default=dict, help_text='{"models": [...], "class": "gpu"}')),
-                ('max_concurrency', models.PositiveIntegerField(default=4)),
-                ('enabled', models.BooleanField(default=True)),
-                ('health', models.CharField(choices=[('ok', 'Ok'), ('degraded', 'Degraded'), ('down', 'Down')], default='ok', max_length=16)),
-                ('last_seen', models.DateTimeField(blank=True, null=True)),
-                ('weight', models.PositiveIntegerField(default=1)),
-                ('transport', models.JSONField(blank=True, default=dict)),
-                ('meta', models.JSONField(blank=True, default=dict)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("kind", models.CharField(max_length=32)),
+                ("name", models.SlugField(max_length=64, unique=True)),
+                ("endpoint", models.URLField(blank=True, max_length=500, null=True)),
+                (
+                    "capabilities",
+                    models.JSONField(blank=True, default=dict, help_text='{"models": [...], "class": "gpu"}'),
+                ),
+                ("max_concurrency", models.PositiveIntegerField(default=4)),
+                ("enabled", models.BooleanField(default=True)),
+                (
+                    "health",
+                    models.CharField(
+                        choices=[("ok", "Ok"), ("degraded", "Degraded"), ("down", "Down")], default="ok", max_length=16
+                    ),
+                ),
+                ("last_seen", models.DateTimeField(blank=True, null=True)),
+                ("weight", models.PositiveIntegerField(default=1)),
+                ("transport", models.JSONField(blank=True, default=dict)),
+                ("meta", models.JSONField(blank=True, default=dict)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
     ]

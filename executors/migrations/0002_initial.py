@@ -5,18 +5,24 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('executors', '0001_initial'),
-        ('telemachus', '0001_initial'),
+        ("executors", "0001_initial"),
+        ("telemachus", "0001_initial"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='executor',
-            name='team',
-            field=models.ForeignKey(blank=True, help_text='Owning team; empty means shared by every team.', null=True, on_delete=django.db.models.deletion.CASCADE, related_name='executors', to='telemachus.team'),
+            model_name="executor",
+            name="team",
+            field=models.ForeignKey(
+                blank=True,
+                help_text="Owning team; empty means shared by every team.",
+                null=True,
+                on_delete=django.db.models.deletion.CASCADE,
+                related_name="executors",
+                to="telemachus.team",
+            ),
         ),
     ]

@@ -4,35 +4,38 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('executors', '0002_initial'),
+        ("executors", "0002_initial"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='executor',
-            name='breaker',
-            field=models.CharField(choices=[('closed', 'Closed'), ('open', 'Open'), ('half_open', 'Half Open')], default='closed', max_length=16),
+            model_name="executor",
+            name="breaker",
+            field=models.CharField(
+                choices=[("closed", "Closed"), ("open", "Open"), ("half_open", "Half Open")],
+                default="closed",
+                max_length=16,
+            ),
         ),
         migrations.AddField(
-            model_name='executor',
-            name='breaker_until',
+            model_name="executor",
+            name="breaker_until",
             field=models.DateTimeField(blank=True, null=True),
         ),
         migrations.AddField(
-            model_name='executor',
-            name='consecutive_failures',
+            model_name="executor",
+            name="consecutive_failures",
             field=models.PositiveIntegerField(default=0),
         ),
         migrations.AddField(
-            model_name='executor',
-            name='last_probed_at',
+            model_name="executor",
+            name="last_probed_at",
             field=models.DateTimeField(blank=True, null=True),
         ),
         migrations.AlterField(
-            model_name='executor',
-            name='last_seen',
-            field=models.DateTimeField(blank=True, help_text='Last successful contact (probe or dispatch).', null=True),
+            model_name="executor",
+            name="last_seen",
+            field=models.DateTimeField(blank=True, help_text="Last successful contact (probe or dispatch).", null=True),
         ),
     ]

@@ -4,14 +4,13 @@ from django.db import migrations
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('executors', '0003_breaker_and_probe'),
+        ("executors", "0003_breaker_and_probe"),
     ]
 
     operations = [
         migrations.AlterModelOptions(
-            name='executor',
-            options={'ordering': ['name'], 'permissions': [('use_executor', "Place this team's jobs on the executor")]},
+            name="executor",
+            options={"ordering": ["name"], "permissions": [("use_executor", "Place this team's jobs on the executor")]},
         ),
     ]

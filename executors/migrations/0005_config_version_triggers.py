@@ -14,5 +14,7 @@ class Migration(migrations.Migration):
     ]
 
     operations = [
-        watch_config("executors.Executor", ignore=("last_seen", "last_probed_at", "consecutive_failures", "updated_at")),
+        watch_config(
+            "executors.Executor", ignore=("last_seen", "last_probed_at", "consecutive_failures", "updated_at")
+        ),
     ]

@@ -4,29 +4,76 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='QuotaPolicy',
+            name="QuotaPolicy",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('scope', models.CharField(choices=[('global', 'Global'), ('executor', 'Executor'), ('team', 'Team'), ('user', 'User')], max_length=16)),
-                ('subject', models.CharField(blank=True, default='', max_length=150)),
-                ('dimension', models.CharField(choices=[('ai.concurrency', 'Concurrency'), ('ai.tokens', 'Tokens'), ('ai.requests', 'Requests')], max_length=32)),
-                ('limit', models.PositiveBigIntegerField()),
-                ('window', models.CharField(blank=True, choices=[('minute', 'Minute'), ('hour', 'Hour'), ('day', 'Day'), ('month', 'Month')], default='', max_length=16)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                (
+                    "scope",
+                    models.CharField(
+                        choices=[("global", "Global"), ("executor", "Executor"), ("team", "Team"), ("user", "User")],
+                        max_length=16,
+                    ),
+                ),
+                ("subject", models.CharField(blank=True, default="", max_length=150)),
+                (
+                    "dimension",
+                    models.CharField(
+                        choices=[
+                            ("ai.concurrency", "Concurrency"),
+                            ("ai.tokens", "Tokens"),
+                            ("ai.requests", "Requests"),
+                        ],
+                        max_length=32,
+                    ),
+                ),
+                ("limit", models.PositiveBigIntegerField()),
+                (
+                    "window",
+                    models.CharField(
+                        blank=True,
+                        choices=[("minute", "Minute"), ("hour", "Hour"), ("day", "Day"), ("month", "Month")],
+                        default="",
+                        max_length=16,
+                    ),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'verbose_name_plural': 'quota policies',
-                'ordering': ['dimension', 'scope', 'subject'],
-                'constraints': [models.UniqueConstraint(fields=('scope', 'subject', 'dimension', 'window'), name='quotapolicy_unique_rule'), models.CheckConstraint(condition=models.Q(models.Q(('scope', 'global'), ('subject', '')), models.Q(models.Q(('scope', 'global'), _negated=True), models.Q(('subject', ''), _negated=True)), _connector='OR'), name='quotapolicy_subject_matches_scope'), models.CheckConstraint(condition=models.Q(models.Q(('dimension', 'ai.concurrency'), ('window', '')), models.Q(models.Q(('dimension', 'ai.concurrency'), _negated=True), models.Q(('window', ''), _negated=True)), _connector='OR'), name='quotapolicy_window_matches_dimension')],
+                "verbose_name_plural": "quota policies",
+                "ordering": ["dimension", "scope", "subject"],
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("scope", "subject", "dimension", "window"), name="quotapolicy_unique_rule"
+                    ),
+                    models.CheckConstraint(
+                        condition=models.Q(
+                            models.Q(("scope", "global"), ("subject", "")),
+                            models.Q(
+                                models.Q(("scope", "global"), _negated=True), models.Q(("subject", ""), _negated=True)
+                            ),
+                            _connector="OR",
+                        ),
+                        name="quotapolicy_subject_matches_scope",
+                    ),
+                    models.CheckConstraint(
+                        condition=models.Q(
+                            models.Q(("dimension", "ai.concurrency"), ("window", "")),
+                            models.Q(
+                                models.Q(("dimension", "ai.concurrency"), _negated=True),
+                                models.Q(("window", ""), _negated=True),
+                            ),
+                            _connector="OR",
+                        ),
+                        name="quotapolicy_window_matches_dimension",
+                    ),
+                ],
             },
         ),
     ]

@@ -4,30 +4,45 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('quotas', '0001_initial'),
+        ("quotas", "0001_initial"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Usage',
+            name="Usage",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('scope', models.CharField(choices=[('global', 'Global'), ('executor', 'Executor'), ('team', 'Team'), ('user', 'User')], max_length=16)),
-                ('subject', models.CharField(blank=True, default='', max_length=150)),
-                ('window', models.CharField(choices=[('minute', 'Minute'), ('hour', 'Hour'), ('day', 'Day'), ('month', 'Month')], max_length=16)),
-                ('window_start', models.DateTimeField()),
-                ('tokens', models.BigIntegerField(default=0)),
-                ('requests', models.BigIntegerField(default=0)),
-                ('reserved_tokens', models.BigIntegerField(default=0)),
-                ('reserved_requests', models.BigIntegerField(default=0)),
-                ('exhausted_at', models.DateTimeField(blank=True, null=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                (
+                    "scope",
+                    models.CharField(
+                        choices=[("global", "Global"), ("executor", "Executor"), ("team", "Team"), ("user", "User")],
+                        max_length=16,
+                    ),
+                ),
+                ("subject", models.CharField(blank=True, default="", max_length=150)),
+                (
+                    "window",
+                    models.CharField(
+                        choices=[("minute", "Minute"), ("hour", "Hour"), ("day", "Day"), ("month", "Month")],
+                        max_length=16,
+                    ),
+                ),
+                ("window_start", models.DateTimeField()),
+                ("tokens", models.BigIntegerField(default=0)),
+                ("requests", models.BigIntegerField(default=0)),
+                ("reserved_tokens", models.BigIntegerField(default=0)),
+                ("reserved_requests", models.BigIntegerField(default=0)),
+                ("exhausted_at", models.DateTimeField(blank=True, null=True)),
             ],
             options={
-                'verbose_name_plural': 'usage',
-                'ordering': ['-window_start', 'scope', 'subject'],
-                'constraints': [models.UniqueConstraint(fields=('scope', 'subject', 'window', 'window_start'), name='usage_unique_window')],
+                "verbose_name_plural": "usage",
+                "ordering": ["-window_start", "scope", "subject"],
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("scope", "subject", "window", "window_start"), name="usage_unique_window"
+                    )
+                ],
             },
         ),
     ]

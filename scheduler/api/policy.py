@@ -69,8 +69,11 @@ class PolicyInput(StrictSerializer):
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         """The shared bounds (scheduler/policy_bounds.py) have the last word, so the API, the admin
         and the claim agree on what a valid policy is."""
-        problems = {name: [f"This value {problem}."] for name, value in attrs.items()
-                    if (problem := field_problem(name, value)) is not None}
+        problems = {
+            name: [f"This value {problem}."]
+            for name, value in attrs.items()
+            if (problem := field_problem(name, value)) is not None
+        }
         if problems:
             raise serializers.ValidationError(problems)
         return attrs

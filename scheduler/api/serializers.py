@@ -80,7 +80,9 @@ class TranslateInput(serializers.Serializer):
 
 # The input each job type must have beyond JobInput's (whose other keys pass through).
 TYPE_INPUTS: dict[str, type[serializers.Serializer]] = {
-    Job.Type.FLOW: FlowInput, Job.Type.TOOL: ToolJobInput, Job.Type.TRANSLATE: TranslateInput,
+    Job.Type.FLOW: FlowInput,
+    Job.Type.TOOL: ToolJobInput,
+    Job.Type.TRANSLATE: TranslateInput,
 }
 # A governed slot is taken in Python (scheduler/governed.py), never submitted through the API.
 SUBMITTABLE_TYPES = [(value, label) for value, label in Job.Type.choices if value != Job.Type.GOVERNED]
@@ -136,8 +138,24 @@ class JobOutput(serializers.ModelSerializer):
     class Meta:
         model = Job
         fields = [
-            "id", "type", "team", "user", "priority", "status", "requirements", "executor", "submitted_at",
-            "started_at", "finished_at", "tokens_used", "attempts", "rounds", "input", "result", "error", "meta",
+            "id",
+            "type",
+            "team",
+            "user",
+            "priority",
+            "status",
+            "requirements",
+            "executor",
+            "submitted_at",
+            "started_at",
+            "finished_at",
+            "tokens_used",
+            "attempts",
+            "rounds",
+            "input",
+            "result",
+            "error",
+            "meta",
         ]
         read_only_fields = fields
 

@@ -10,7 +10,12 @@ from rest_framework.views import APIView
 
 from executors.api import managed_executor
 from scheduler.api.serializers import (
-    JobBulkOutput, JobBulkSubmitInput, JobEventOutput, JobListFilter, JobOutput, JobSubmitInput,
+    JobBulkOutput,
+    JobBulkSubmitInput,
+    JobEventOutput,
+    JobListFilter,
+    JobOutput,
+    JobSubmitInput,
 )
 from scheduler.models import Job, JobEvent
 from scheduler.rbac import require_cancel, visible_jobs

@@ -66,17 +66,23 @@ class Reply:
 
     async def json(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
         payload = json.dumps(body, cls=JSONEncoder).encode()
-        await self.start(status, {"content-type": "application/json", "content-length": str(len(payload)),
-                                  **(headers or {})})
+        await self.start(
+            status, {"content-type": "application/json", "content-length": str(len(payload)), **(headers or {})}
+        )
         await self.end(payload)
 
     async def start(self, status: int, headers: dict[str, str]) -> None:
         self.started = True
-        await self._send({
-            "type": "http.response.start", "status": status,
-            "headers": [(k.encode("latin1"), v.encode("latin1"))
-                        for k, v in {**headers, "x-content-type-options": "nosniff"}.items()],
-        })
+        await self._send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (k.encode("latin1"), v.encode("latin1"))
+                    for k, v in {**headers, "x-content-type-options": "nosniff"}.items()
+                ],
+            }
+        )
 
     async def write(self, data: bytes) -> None:
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
@@ -123,8 +129,15 @@ class GatewayRouter:
                     return await self._serve(handler, errors, match.groupdict(), scope, receive, send)
         return await self.fallback(scope, receive, send)
 
-    async def _serve(self, handler: Handler, errors: ErrorBody, kwargs: dict[str, str], scope: dict,
-                     receive: Callable, send: Callable) -> None:
+    async def _serve(
+        self,
+        handler: Handler,
+        errors: ErrorBody,
+        kwargs: dict[str, str],
+        scope: dict,
+        receive: Callable,
+        send: Callable,
+    ) -> None:
         refusal = _refusal(scope)
         if refusal is not None:
             status, code, message = refusal
@@ -167,8 +180,10 @@ def _secure(scope: dict) -> bool:
     if settings.SECURE_PROXY_SSL_HEADER:
         name, value = settings.SECURE_PROXY_SSL_HEADER
         header = name.removeprefix("HTTP_").replace("_", "-").lower().encode("latin1")
-        return any(k.lower() == header and v.decode("latin1").split(",")[0].strip() == value
-                   for k, v in scope.get("headers") or ())
+        return any(
+            k.lower() == header and v.decode("latin1").split(",")[0].strip() == value
+            for k, v in scope.get("headers") or ()
+        )
     return False
 
 
@@ -188,7 +203,15 @@ async def _read_body(receive: Callable) -> bytes | None:
 
 async def _respond(send: Callable, status: int, body: dict[str, Any]) -> None:
     payload = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                            (b"x-content-type-options", b"nosniff")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+                (b"x-content-type-options", b"nosniff"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": payload})

@@ -22,8 +22,9 @@ _pool: ThreadPoolExecutor | None = None
 def _threads() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=settings.TELEMACHUS_GATEWAY_DB_THREADS,
-                                   thread_name_prefix="telemachus-gateway-db")
+        _pool = ThreadPoolExecutor(
+            max_workers=settings.TELEMACHUS_GATEWAY_DB_THREADS, thread_name_prefix="telemachus-gateway-db"
+        )
     return _pool
 
 

@@ -84,15 +84,15 @@ class Relay:
             if delta.offset > have:
                 self.gap = True
             elif delta.offset + len(delta.text) > have:
-                text = delta.text[have - delta.offset:]
+                text = delta.text[have - delta.offset :]
                 fresh.append(Delta(delta.attempt, have, text))
                 self.sent += text
         return fresh
 
     def rest(self, result: dict[str, Any] | None) -> str | None:
         """What remains to relay of the final text, or None if it does not continue what was sent."""
-        full = str(((result or {}).get("message") or {}).get("content") or "")[self.base:]
-        return full[len(self.sent):] if full.startswith(self.sent) else None
+        full = str(((result or {}).get("message") or {}).get("content") or "")[self.base :]
+        return full[len(self.sent) :] if full.startswith(self.sent) else None
 
 
 class Watch:
@@ -197,8 +197,10 @@ class JobFeed:
         first = job_id not in self.watches
         self.watches.setdefault(job_id, set()).add(watch)
         self._anything_watched.set()
-        if deltas and self.deltas_via == broadcast.LAYER and not any(
-            w.wants_deltas for w in self.watches[job_id] if w is not watch
+        if (
+            deltas
+            and self.deltas_via == broadcast.LAYER
+            and not any(w.wants_deltas for w in self.watches[job_id] if w is not watch)
         ):
             self._group_ops.put_nowait(("add", job_id))
         if since is None or not self.listening or since[0] != self.generation:
@@ -257,7 +259,9 @@ class JobFeed:
                     async for note in conn.notifies():
                         self._on_notify(note.payload)
             except (psycopg.Error, OSError) as exc:
-                log.warning("job feed: LISTEN connection lost (%s); reading watched jobs each second until it is back", exc)
+                log.warning(
+                    "job feed: LISTEN connection lost (%s); reading watched jobs each second until it is back", exc
+                )
             self.listening = False
             await self._poll_for(delay)
             delay = min(delay * 2, 10.0)
@@ -276,12 +280,14 @@ class JobFeed:
     def _on_notify(self, payload: str) -> None:
         try:
             if payload.startswith(signals.CHANGED):
-                for item in payload[len(signals.CHANGED):].split(","):
+                for item in payload[len(signals.CHANGED) :].split(","):
                     job_id, _, event = item.partition(":")
                     self._changed(int(job_id), event)
             elif payload.startswith(signals.DELTA) and self.deltas_via == broadcast.POSTGRES:
-                message = json.loads(payload[len(signals.DELTA):])
-                self._delta(int(message["job"]), Delta(int(message["attempt"]), int(message["offset"]), message["text"]))
+                message = json.loads(payload[len(signals.DELTA) :])
+                self._delta(
+                    int(message["job"]), Delta(int(message["attempt"]), int(message["offset"]), message["text"])
+                )
         except (ValueError, KeyError, TypeError):
             log.warning("job feed: ignored a malformed notification %r", payload[:200])
 
@@ -334,8 +340,9 @@ class JobFeed:
             while True:
                 try:
                     message = await layer.receive(self._channel)
-                    self._delta(int(message["job"]), Delta(int(message["attempt"]), int(message["offset"]),
-                                                           message["text"]))
+                    self._delta(
+                        int(message["job"]), Delta(int(message["attempt"]), int(message["offset"]), message["text"])
+                    )
                 except (KeyError, ValueError, TypeError):
                     log.warning("job feed: ignored a malformed delta")
                 except Exception as exc:
@@ -360,7 +367,9 @@ class JobFeed:
 
 def _job_states(*, job_ids: list[int]) -> dict[int, tuple[str, int | None]]:
     """Status and latest event id of each job: what a watcher would see change."""
-    rows = Job.objects.filter(pk__in=job_ids).annotate(last_event=Max("events__id")).values_list(
-        "pk", "status", "last_event"
+    rows = (
+        Job.objects.filter(pk__in=job_ids)
+        .annotate(last_event=Max("events__id"))
+        .values_list("pk", "status", "last_event")
     )
     return {pk: (status, last_event) for pk, status, last_event in rows}

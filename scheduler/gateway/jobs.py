@@ -37,13 +37,18 @@ SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache",
 
 async def serve(request: Request, reply: Reply, job_id: str, action: str) -> None:
     if request.method != "GET":
-        return await reply.json(405, api_error(405, "method_not_allowed", f'Method "{request.method}" not allowed.'),
-                                {"allow": "GET"})
-    user = await db(_user, authorization=request.header("authorization"),
-                    session_key=request.cookie(settings.SESSION_COOKIE_NAME))
+        return await reply.json(
+            405, api_error(405, "method_not_allowed", f'Method "{request.method}" not allowed.'), {"allow": "GET"}
+        )
+    user = await db(
+        _user, authorization=request.header("authorization"), session_key=request.cookie(settings.SESSION_COOKIE_NAME)
+    )
     if user is None:
-        return await reply.json(401, api_error(401, "not_authenticated", "Authentication credentials were not provided."),
-                                {"www-authenticate": "Token"})
+        return await reply.json(
+            401,
+            api_error(401, "not_authenticated", "Authentication credentials were not provided."),
+            {"www-authenticate": "Token"},
+        )
     if action == "wait":
         await job_wait(request, reply, user=user, job_id=int(job_id))
     else:
@@ -69,8 +74,13 @@ async def job_wait(request: Request, reply: Reply, *, user: rbac.Principal, job_
         if not 0 <= timeout <= MAX_TIMEOUT:
             raise ValueError
     except ValueError:
-        return await reply.json(400, {**api_error(400, "validation_error", "Invalid input."),
-                                      "fields": {"timeout": [f"A number of seconds from 0 to {MAX_TIMEOUT:.0f}."]}})
+        return await reply.json(
+            400,
+            {
+                **api_error(400, "validation_error", "Invalid input."),
+                "fields": {"timeout": [f"A number of seconds from 0 to {MAX_TIMEOUT:.0f}."]},
+            },
+        )
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     with JobFeed.current().watch(job_id) as watch:
@@ -118,7 +128,9 @@ async def job_stream(request: Request, reply: Reply, *, user: rbac.Principal, jo
             if status in Job.TERMINAL:
                 rest = relay.rest(data["result"]) if data["input"].get("stream") and status == Job.Status.DONE else None
                 if rest:  # output still on its way, or sent before this stream opened
-                    await reply.write(_delta(Delta(relay.attempt or data["attempts"], relay.base + len(relay.sent), rest)))
+                    await reply.write(
+                        _delta(Delta(relay.attempt or data["attempts"], relay.base + len(relay.sent), rest))
+                    )
                 return await reply.end(_sse("done", data))
             events = []
             while not events and data["status"] == status:

@@ -60,11 +60,20 @@ async def serve(request: Request, reply: Reply, rest: str) -> None:
     elif path in routes:
         (method, handler), kwargs = routes[path], {}  # type: ignore[assignment]
     else:
-        return await _error(reply, shapes.OpenAIError(404, f"Unknown path: {request.method} {request.path}",
-                                                      code="unknown_url", retry=False))
+        return await _error(
+            reply,
+            shapes.OpenAIError(404, f"Unknown path: {request.method} {request.path}", code="unknown_url", retry=False),
+        )
     if request.method != method:
-        return await _error(reply, shapes.OpenAIError(405, f"{request.method} is not allowed on {request.path}; "
-                                                           f"use {method}.", code="method_not_allowed", retry=False))
+        return await _error(
+            reply,
+            shapes.OpenAIError(
+                405,
+                f"{request.method} is not allowed on {request.path}; use {method}.",
+                code="method_not_allowed",
+                retry=False,
+            ),
+        )
     try:
         await handler(request, reply, **kwargs)
     except (shapes.OpenAIError, errors.DomainError) as exc:
@@ -117,21 +126,31 @@ def team_of(user: rbac.Principal, slug: str | None) -> Team:
     if slug:
         named = rbac.visible_teams(user).filter(slug=slug).first()
         if named is None:
-            raise shapes.OpenAIError(404, f"No team {slug!r} that you belong to.", code="team_not_found",
-                                     param=TEAM_HEADER, retry=False)
+            raise shapes.OpenAIError(
+                404, f"No team {slug!r} that you belong to.", code="team_not_found", param=TEAM_HEADER, retry=False
+            )
         return named
     mine = list(rbac.member_teams(user)[:2])
     if len(mine) == 1:
         return mine[0]
     if not mine:
-        raise shapes.OpenAIError(400, "You belong to no team; name one with the X-Telemachus-Team header.",
-                                 code="team_required", param=TEAM_HEADER)
-    raise shapes.OpenAIError(400, "You belong to several teams; name one with the X-Telemachus-Team header.",
-                             code="team_required", param=TEAM_HEADER)
+        raise shapes.OpenAIError(
+            400,
+            "You belong to no team; name one with the X-Telemachus-Team header.",
+            code="team_required",
+            param=TEAM_HEADER,
+        )
+    raise shapes.OpenAIError(
+        400,
+        "You belong to several teams; name one with the X-Telemachus-Team header.",
+        code="team_required",
+        param=TEAM_HEADER,
+    )
 
 
-def _submit(*, authorization: str | None, team: str | None, priority: str | None, body: bytes,
-            embeddings: bool) -> tuple[Caller, Job, shapes.ModelCall]:
+def _submit(
+    *, authorization: str | None, team: str | None, priority: str | None, body: bytes, embeddings: bool
+) -> tuple[Caller, Job, shapes.ModelCall]:
     """Authenticate, check the body, submit: one trip to the database threads."""
     caller = caller_for(authorization=authorization, team=team, confirm=False)
     data = shapes.parse_body(body)
@@ -140,8 +159,14 @@ def _submit(*, authorization: str | None, team: str | None, priority: str | None
     if call.api == EMBEDDINGS_API:
         requirements["api"] = EMBEDDINGS_API
     job = job_submit(
-        user=caller.user, team=caller.team.slug, type=Job.Type.CHAT, requirements=requirements, input=call.input,
-        priority=_priority(priority), meta={"via": "openai"}, features=(OPENAI,),
+        user=caller.user,
+        team=caller.team.slug,
+        type=Job.Type.CHAT,
+        requirements=requirements,
+        input=call.input,
+        priority=_priority(priority),
+        meta={"via": "openai"},
+        features=(OPENAI,),
     )
     return caller, job, call
 
@@ -154,8 +179,9 @@ def _priority(header: str | None) -> int:
     except ValueError:
         value = Job.PRIORITY_MAX + 1
     if not Job.PRIORITY_MIN <= value <= Job.PRIORITY_MAX:
-        raise shapes.bad_request(f"X-Telemachus-Priority must be an integer from {Job.PRIORITY_MIN} to "
-                                 f"{Job.PRIORITY_MAX}.", PRIORITY_HEADER)
+        raise shapes.bad_request(
+            f"X-Telemachus-Priority must be an integer from {Job.PRIORITY_MIN} to {Job.PRIORITY_MAX}.", PRIORITY_HEADER
+        )
     return value
 
 
@@ -171,8 +197,9 @@ class Ending:
     timed_out: bool = False
 
     def failure(self) -> shapes.OpenAIError:
-        return shapes.failure(status=self.status, error=self.error, upstream_status=self.upstream_status,
-                              timed_out=self.timed_out)
+        return shapes.failure(
+            status=self.status, error=self.error, upstream_status=self.upstream_status, timed_out=self.timed_out
+        )
 
 
 def _ending(*, job_id: int) -> Ending | None:
@@ -182,11 +209,20 @@ def _ending(*, job_id: int) -> Ending | None:
         return None
     if row["status"] != Job.Status.FAILED:
         return Ending(status=row["status"], result=row["result"], error=row["error"])
-    meta = (JobEvent.objects.filter(job_id=job_id, event=JobEvent.Type.FAILED).order_by("-id")
-            .values_list("meta", flat=True).first()) or {}
+    meta = (
+        JobEvent.objects.filter(job_id=job_id, event=JobEvent.Type.FAILED)
+        .order_by("-id")
+        .values_list("meta", flat=True)
+        .first()
+    ) or {}
     status = meta.get("status")
-    return Ending(status=row["status"], result=None, error=row["error"],
-                  upstream_status=status if isinstance(status, int) else None, timed_out=bool(meta.get("timed_out")))
+    return Ending(
+        status=row["status"],
+        result=None,
+        error=row["error"],
+        upstream_status=status if isinstance(status, int) else None,
+        timed_out=bool(meta.get("timed_out")),
+    )
 
 
 def _cancel(*, job_id: int, user: rbac.Principal, reason: str) -> Ending | None:
@@ -227,8 +263,11 @@ def _why(reply: Reply) -> str:
 
 def _timeout() -> shapes.OpenAIError:
     return shapes.OpenAIError(
-        504, f"No answer within {settings.TELEMACHUS_GATEWAY_TIMEOUT_SECONDS:g} s; the job was canceled.",
-        type="api_error", code="timeout", retry=False,
+        504,
+        f"No answer within {settings.TELEMACHUS_GATEWAY_TIMEOUT_SECONDS:g} s; the job was canceled.",
+        type="api_error",
+        code="timeout",
+        retry=False,
     )
 
 
@@ -248,8 +287,12 @@ async def _model_call(request: Request, reply: Reply, *, embeddings: bool) -> No
     mark = feed.mark()
     created = shapes.now()
     caller, job, call = await db(
-        _submit, authorization=request.header("authorization"), team=request.header(TEAM_HEADER),
-        priority=request.header(PRIORITY_HEADER), body=request.body, embeddings=embeddings,
+        _submit,
+        authorization=request.header("authorization"),
+        team=request.header(TEAM_HEADER),
+        priority=request.header(PRIORITY_HEADER),
+        body=request.body,
+        embeddings=embeddings,
     )
     with feed.watch(job.pk, deltas=call.stream, since=mark) as watch:
         if call.stream:
@@ -271,14 +314,21 @@ async def _model_call(request: Request, reply: Reply, *, embeddings: bool) -> No
     if ending.status != Job.Status.DONE:
         return await _error(reply, ending.failure(), job.pk)
     result = ending.result or {}
-    body = (shapes.embeddings(model=call.model, result=result) if embeddings
-            else shapes.completion(job_id=job.pk, created=created, model=call.model, result=result))
+    body = (
+        shapes.embeddings(model=call.model, result=result)
+        if embeddings
+        else shapes.completion(job_id=job.pk, created=created, model=call.model, result=result)
+    )
     await reply.json(200, body, {JOB_HEADER: str(job.pk)})
 
 
 INTERRUPTED = shapes.OpenAIError(
-    502, "The model's stream broke off after part of the answer was sent, and the job was retried; "
-         "its answer can no longer be relayed in order.", type="api_error", code="stream_interrupted", retry=False,
+    502,
+    "The model's stream broke off after part of the answer was sent, and the job was retried; "
+    "its answer can no longer be relayed in order.",
+    type="api_error",
+    code="stream_interrupted",
+    retry=False,
 )
 
 
@@ -291,8 +341,9 @@ async def _relay(reply: Reply, watch: Watch, caller: Caller, call: shapes.ModelC
         return b"data: " + json.dumps(data).encode() + b"\n\n"
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
-        return sse(shapes.chunk(job_id=job_id, created=created, model=call.model, delta=delta, finish_reason=finish,
-                                **extra))
+        return sse(
+            shapes.chunk(job_id=job_id, created=created, model=call.model, delta=delta, finish_reason=finish, **extra)
+        )
 
     while True:
         ending, deltas = await _next_ending(watch)
@@ -312,8 +363,12 @@ async def _relay(reply: Reply, watch: Watch, caller: Caller, call: shapes.ModelC
     await reply.write(chunk({"role": "assistant", "content": text}))
     while ending is None:
         if relay.broken:
-            await db(_cancel, job_id=job_id, user=caller.user, reason="stream interrupted: the model's stream broke "
-                     "off after part of the answer was relayed")
+            await db(
+                _cancel,
+                job_id=job_id,
+                user=caller.user,
+                reason="stream interrupted: the model's stream broke off after part of the answer was relayed",
+            )
             return await reply.end(sse(INTERRUPTED.body()))
         if not await watch.wait(min(_left(deadline), KEEPALIVE_SECONDS), unless=reply.gone):
             if reply.gone.done():
@@ -344,8 +399,18 @@ async def _relay(reply: Reply, watch: Watch, caller: Caller, call: shapes.ModelC
         await reply.write(chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}))
     await reply.write(chunk({}, result.get("finish_reason") or "stop"))
     if call.include_usage:
-        await reply.write(sse(shapes.chunk(job_id=job_id, created=created, model=call.model, delta={}, choices=False,
-                                           usage=shapes.usage(result))))
+        await reply.write(
+            sse(
+                shapes.chunk(
+                    job_id=job_id,
+                    created=created,
+                    model=call.model,
+                    delta={},
+                    choices=False,
+                    usage=shapes.usage(result),
+                )
+            )
+        )
     await reply.end(b"data: [DONE]\n\n")
 
 
@@ -357,8 +422,13 @@ async def models(request: Request, reply: Reply) -> None:
 async def model_detail(request: Request, reply: Reply, model: str) -> None:
     offered = await db(_models, authorization=request.header("authorization"), team=request.header(TEAM_HEADER))
     if model not in offered:
-        raise shapes.OpenAIError(404, f"The model {model!r} does not exist or your team may not use it.",
-                                 code="model_not_found", param="model", retry=False)
+        raise shapes.OpenAIError(
+            404,
+            f"The model {model!r} does not exist or your team may not use it.",
+            code="model_not_found",
+            param="model",
+            retry=False,
+        )
     await reply.json(200, shapes.model_object(model))
 
 

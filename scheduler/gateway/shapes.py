@@ -29,8 +29,17 @@ class OpenAIError(Exception):
     """An error answered in OpenAI's shape. `retry` False adds `x-should-retry: false`, which
     OpenAI's SDKs obey instead of retrying on their own (they retry 409, 429 and 5xx by default)."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None, headers: dict[str, str] | None = None, retry: bool | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+        retry: bool | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
         self.headers = dict(headers or {})
@@ -46,8 +55,11 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
 
 
 def not_authenticated() -> OpenAIError:
-    return OpenAIError(401, "Missing or invalid API key: send Authorization: Bearer <your Telemachus API token>.",
-                       code="invalid_api_key")
+    return OpenAIError(
+        401,
+        "Missing or invalid API key: send Authorization: Bearer <your Telemachus API token>.",
+        code="invalid_api_key",
+    )
 
 
 def from_domain(exc: errors.DomainError) -> OpenAIError:
@@ -55,13 +67,20 @@ def from_domain(exc: errors.DomainError) -> OpenAIError:
     if isinstance(exc, errors.UnknownModel):
         return OpenAIError(404, exc.detail, code="model_not_found", param="model")
     if isinstance(exc, errors.TryLater):
-        return OpenAIError(429, exc.detail, type="rate_limit_error", code="try_later",
-                           headers={"retry-after": str(exc.retry_after)})
+        return OpenAIError(
+            429, exc.detail, type="rate_limit_error", code="try_later", headers={"retry-after": str(exc.retry_after)}
+        )
     if isinstance(exc, errors.QuotaExceeded):
         wait = _seconds_until(exc.extra.get("reset_at"))
         # Past a minute the SDKs ignore Retry-After and retry within seconds: pointless for a budget.
-        return OpenAIError(429, exc.detail, type="insufficient_quota", code="quota_exceeded",
-                           headers={"retry-after": str(wait)}, retry=wait <= 60)
+        return OpenAIError(
+            429,
+            exc.detail,
+            type="insufficient_quota",
+            code="quota_exceeded",
+            headers={"retry-after": str(wait)},
+            retry=wait <= 60,
+        )
     if isinstance(exc, errors.ValidationFailed):
         fields = exc.extra.get("fields") or {}
         param = next(iter(fields), None)
@@ -148,8 +167,12 @@ def chat_call(body: Any) -> ModelCall:
     # Local model servers know max_tokens; the newer name means the same for them.
     if "max_completion_tokens" in options:
         options.setdefault("max_tokens", options.pop("max_completion_tokens"))
-    for name, low, high in (("temperature", 0, 2), ("top_p", 0, 1), ("presence_penalty", -2, 2),
-                            ("frequency_penalty", -2, 2)):
+    for name, low, high in (
+        ("temperature", 0, 2),
+        ("top_p", 0, 1),
+        ("presence_penalty", -2, 2),
+        ("frequency_penalty", -2, 2),
+    ):
         value = _optional(body, name, float, None)
         if value is not None:
             if not low <= value <= high:
@@ -159,23 +182,35 @@ def chat_call(body: Any) -> ModelCall:
         _check_tools(body["tools"])
     if "tool_choice" in body and body["tool_choice"] is not None:
         _check_tool_choice(body["tool_choice"])
-    for name in ("stop", "response_format", "tools", "tool_choice", "parallel_tool_calls", "logprobs",
-                 "logit_bias", "user"):
+    for name in (
+        "stop",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "logprobs",
+        "logit_bias",
+        "user",
+    ):
         if body.get(name) is not None:
             options[name] = body[name]
     options = {k: v for k, v in options.items() if k in PASSTHROUGH_OPTIONS}
     estimate = count_prompt_tokens(messages) + options.get("max_tokens", DEFAULT_COMPLETION_ESTIMATE)
     job_input = {"messages": messages, **options, **({"stream": True} if stream else {})}
-    return ModelCall(model=model, input=job_input, est_tokens=estimate, stream=stream,
-                     include_usage=bool(stream_options.get("include_usage")))
+    return ModelCall(
+        model=model,
+        input=job_input,
+        est_tokens=estimate,
+        stream=stream,
+        include_usage=bool(stream_options.get("include_usage")),
+    )
 
 
 def embeddings_call(body: Any) -> ModelCall:
     body = _object(body)
     model = _model(body)
     if not _embeddable(body.get("input")):
-        raise bad_request("'input' must be a non-empty string, or a non-empty list of them (or of token ids).",
-                          "input")
+        raise bad_request("'input' must be a non-empty string, or a non-empty list of them (or of token ids).", "input")
     texts = embedding_inputs(body["input"])
     if body.get("encoding_format") not in (None, "float", "base64"):
         raise bad_request("'encoding_format' must be 'float' or 'base64'.", "encoding_format")
@@ -183,13 +218,18 @@ def embeddings_call(body: Any) -> ModelCall:
     if dimensions is not None and not 1 <= dimensions <= MAX_DIMENSIONS:
         raise bad_request(f"'dimensions' must be from 1 to {MAX_DIMENSIONS}.", "dimensions")
     options = {k: body[k] for k in EMBEDDING_OPTIONS if body.get(k) is not None}
-    return ModelCall(model=model, input={"input": body["input"], **options},
-                     est_tokens=sum(len(text.split()) for text in texts), api=EMBEDDINGS_API)
+    return ModelCall(
+        model=model,
+        input={"input": body["input"], **options},
+        est_tokens=sum(len(text.split()) for text in texts),
+        api=EMBEDDINGS_API,
+    )
 
 
 def _embeddable(value: Any) -> bool:
     """OpenAI's embeddings input: a string, a list of strings, a list of token ids (ints), or a
     list of such lists; nothing empty."""
+
     def tokens(item: Any) -> bool:
         return isinstance(item, list) and bool(item) and all(type(t) is int for t in item)
 
@@ -249,8 +289,9 @@ def _check_tools(tools: Any) -> None:
     for index, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-            raise bad_request(f"tools[{index}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}.",
-                              f"tools[{index}]")
+            raise bad_request(
+                f'tools[{index}] must be {{"type": "function", "function": {{"name": ...}}}}.', f"tools[{index}]"
+            )
 
 
 def _check_tool_choice(choice: Any) -> None:
@@ -259,8 +300,10 @@ def _check_tool_choice(choice: Any) -> None:
     function = choice.get("function") if isinstance(choice, dict) else None
     if isinstance(function, dict) and isinstance(function.get("name"), str):
         return
-    raise bad_request("'tool_choice' must be none, auto, required or {\"type\": \"function\", \"function\": "
-                      "{\"name\": ...}}.", "tool_choice")
+    raise bad_request(
+        '\'tool_choice\' must be none, auto, required or {"type": "function", "function": {"name": ...}}.',
+        "tool_choice",
+    )
 
 
 # --- responses -----------------------------------------------------------------------------------
@@ -280,26 +323,44 @@ def completion(*, job_id: int, created: int, model: str, result: dict[str, Any])
     message = dict(result.get("message") or {"role": "assistant", "content": ""})
     message.setdefault("role", "assistant")
     return {
-        "id": completion_id(job_id), "object": "chat.completion", "created": created,
+        "id": completion_id(job_id),
+        "object": "chat.completion",
+        "created": created,
         "model": result.get("model") or model,
-        "choices": [{"index": 0, "message": message, "finish_reason": result.get("finish_reason") or "stop",
-                     "logprobs": None}],
+        "choices": [
+            {"index": 0, "message": message, "finish_reason": result.get("finish_reason") or "stop", "logprobs": None}
+        ],
         "usage": usage(result),
     }
 
 
-def chunk(*, job_id: int, created: int, model: str, delta: dict[str, Any], finish_reason: str | None = None,
-          choices: bool = True, **extra: Any) -> dict[str, Any]:
+def chunk(
+    *,
+    job_id: int,
+    created: int,
+    model: str,
+    delta: dict[str, Any],
+    finish_reason: str | None = None,
+    choices: bool = True,
+    **extra: Any,
+) -> dict[str, Any]:
     return {
-        "id": completion_id(job_id), "object": "chat.completion.chunk", "created": created, "model": model,
+        "id": completion_id(job_id),
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
         "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}] if choices else [],
         **extra,
     }
 
 
 def embeddings(*, model: str, result: dict[str, Any]) -> dict[str, Any]:
-    return {"object": "list", "data": result.get("data") or [], "model": result.get("model") or model,
-            "usage": {"prompt_tokens": usage(result)["prompt_tokens"], "total_tokens": usage(result)["prompt_tokens"]}}
+    return {
+        "object": "list",
+        "data": result.get("data") or [],
+        "model": result.get("model") or model,
+        "usage": {"prompt_tokens": usage(result)["prompt_tokens"], "total_tokens": usage(result)["prompt_tokens"]},
+    }
 
 
 def model_list(models: list[str]) -> dict[str, Any]:
@@ -317,8 +378,13 @@ def failure(*, status: str, error: str, upstream_status: int | None, timed_out: 
     if status == Job.Status.CANCELED:
         return OpenAIError(409, "The job was canceled before it finished.", code="job_canceled", retry=False)
     if timed_out or upstream_status in (408, 504):
-        return OpenAIError(504, error or "The model server did not answer in time.", type="api_error",
-                           code="executor_timeout", retry=False)
+        return OpenAIError(
+            504,
+            error or "The model server did not answer in time.",
+            type="api_error",
+            code="executor_timeout",
+            retry=False,
+        )
     if upstream_status and 400 <= upstream_status < 500 and upstream_status != 429:
         return OpenAIError(upstream_status, error, code="model_server_rejected", retry=False)
     return OpenAIError(502, error or "The model server failed.", type="api_error", code="executor_error", retry=False)

@@ -6,83 +6,161 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('executors', '0001_initial'),
+        ("executors", "0001_initial"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='JobEvent',
+            name="JobEvent",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('event', models.CharField(choices=[('queued', 'Queued'), ('placed', 'Placed'), ('started', 'Started'), ('step', 'Step'), ('finished', 'Finished'), ('failed', 'Failed'), ('canceled', 'Canceled'), ('requeued', 'Requeued'), ('finish_refused', 'Finish Refused')], max_length=32)),
-                ('at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('meta', models.JSONField(blank=True, default=dict)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                (
+                    "event",
+                    models.CharField(
+                        choices=[
+                            ("queued", "Queued"),
+                            ("placed", "Placed"),
+                            ("started", "Started"),
+                            ("step", "Step"),
+                            ("finished", "Finished"),
+                            ("failed", "Failed"),
+                            ("canceled", "Canceled"),
+                            ("requeued", "Requeued"),
+                            ("finish_refused", "Finish Refused"),
+                        ],
+                        max_length=32,
+                    ),
+                ),
+                ("at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("meta", models.JSONField(blank=True, default=dict)),
             ],
             options={
-                'ordering': ['id'],
+                "ordering": ["id"],
             },
         ),
         migrations.CreateModel(
-            name='QueuePolicy',
+            name="QueuePolicy",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('team_weights', models.JSONField(blank=True, default=dict)),
-                ('default_weight', models.FloatField(default=1.0)),
-                ('max_queue_depth', models.JSONField(blank=True, default=dict, help_text='{"default": N, "<team slug>": N}')),
-                ('priority_map', models.JSONField(blank=True, default=dict)),
-                ('placement', models.CharField(choices=[('least-loaded', 'Least Loaded'), ('pack', 'Pack'), ('weighted', 'Weighted')], default='least-loaded', max_length=16)),
-                ('recovery', models.CharField(choices=[('requeue', 'Requeue'), ('fail', 'Fail')], default='requeue', max_length=16)),
-                ('max_attempts', models.PositiveSmallIntegerField(default=3)),
-                ('policy_class', models.CharField(blank=True, default='', max_length=300)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("team_weights", models.JSONField(blank=True, default=dict)),
+                ("default_weight", models.FloatField(default=1.0)),
+                (
+                    "max_queue_depth",
+                    models.JSONField(blank=True, default=dict, help_text='{"default": N, "<team slug>": N}'),
+                ),
+                ("priority_map", models.JSONField(blank=True, default=dict)),
+                (
+                    "placement",
+                    models.CharField(
+                        choices=[("least-loaded", "Least Loaded"), ("pack", "Pack"), ("weighted", "Weighted")],
+                        default="least-loaded",
+                        max_length=16,
+                    ),
+                ),
+                (
+                    "recovery",
+                    models.CharField(
+                        choices=[("requeue", "Requeue"), ("fail", "Fail")], default="requeue", max_length=16
+                    ),
+                ),
+                ("max_attempts", models.PositiveSmallIntegerField(default=3)),
+                ("policy_class", models.CharField(blank=True, default="", max_length=300)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'verbose_name_plural': 'queue policy',
+                "verbose_name_plural": "queue policy",
             },
         ),
         migrations.CreateModel(
-            name='Slot',
+            name="Slot",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('worker', models.CharField(max_length=200)),
-                ('acquired_at', models.DateTimeField()),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("worker", models.CharField(max_length=200)),
+                ("acquired_at", models.DateTimeField()),
             ],
             options={
-                'ordering': ['id'],
+                "ordering": ["id"],
             },
         ),
         migrations.CreateModel(
-            name='Job',
+            name="Job",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('type', models.CharField(choices=[('chat', 'Chat'), ('translate', 'Translate'), ('flow', 'Flow'), ('task', 'Task'), ('tool', 'Tool')], max_length=16)),
-                ('priority', models.SmallIntegerField(default=0)),
-                ('status', models.CharField(choices=[('queued', 'Queued'), ('running', 'Running'), ('done', 'Done'), ('failed', 'Failed'), ('canceled', 'Canceled')], default='queued', max_length=16)),
-                ('requirements', models.JSONField(default=dict)),
-                ('model', models.CharField(max_length=200)),
-                ('cost_estimate', models.PositiveBigIntegerField(default=0)),
-                ('submitted_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('started_at', models.DateTimeField(blank=True, null=True)),
-                ('finished_at', models.DateTimeField(blank=True, null=True)),
-                ('tokens_used', models.PositiveBigIntegerField(blank=True, null=True)),
-                ('error', models.TextField(blank=True, default='')),
-                ('input', models.JSONField(default=dict)),
-                ('result', models.JSONField(blank=True, null=True)),
-                ('attempts', models.PositiveIntegerField(default=0)),
-                ('meta', models.JSONField(blank=True, default=dict)),
-                ('worker', models.CharField(blank=True, default='', max_length=200)),
-                ('lease', models.UUIDField(blank=True, null=True, unique=True)),
-                ('lease_expires_at', models.DateTimeField(blank=True, null=True)),
-                ('executor', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='jobs', to='executors.executor')),
-                ('parent_flow', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.CASCADE, related_name='children', to='scheduler.job')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                (
+                    "type",
+                    models.CharField(
+                        choices=[
+                            ("chat", "Chat"),
+                            ("translate", "Translate"),
+                            ("flow", "Flow"),
+                            ("task", "Task"),
+                            ("tool", "Tool"),
+                        ],
+                        max_length=16,
+                    ),
+                ),
+                ("priority", models.SmallIntegerField(default=0)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("queued", "Queued"),
+                            ("running", "Running"),
+                            ("done", "Done"),
+                            ("failed", "Failed"),
+                            ("canceled", "Canceled"),
+                        ],
+                        default="queued",
+                        max_length=16,
+                    ),
+                ),
+                ("requirements", models.JSONField(default=dict)),
+                ("model", models.CharField(max_length=200)),
+                ("cost_estimate", models.PositiveBigIntegerField(default=0)),
+                ("submitted_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("started_at", models.DateTimeField(blank=True, null=True)),
+                ("finished_at", models.DateTimeField(blank=True, null=True)),
+                ("tokens_used", models.PositiveBigIntegerField(blank=True, null=True)),
+                ("error", models.TextField(blank=True, default="")),
+                ("input", models.JSONField(default=dict)),
+                ("result", models.JSONField(blank=True, null=True)),
+                ("attempts", models.PositiveIntegerField(default=0)),
+                ("meta", models.JSONField(blank=True, default=dict)),
+                ("worker", models.CharField(blank=True, default="", max_length=200)),
+                ("lease", models.UUIDField(blank=True, null=True, unique=True)),
+                ("lease_expires_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "executor",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="jobs",
+                        to="executors.executor",
+                    ),
+                ),
+                (
+                    "parent_flow",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="children",
+                        to="scheduler.job",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-id'],
-                'permissions': [('manage', 'Operate the scheduler (teams, executors, quotas, policy, every job)'), ('use_chat', 'chat:use (chat and translate jobs)'), ('invoke_tools', 'tools:invoke (tool jobs)'), ('run_flows', 'flows:run (flow and task jobs)')],
+                "ordering": ["-id"],
+                "permissions": [
+                    ("manage", "Operate the scheduler (teams, executors, quotas, policy, every job)"),
+                    ("use_chat", "chat:use (chat and translate jobs)"),
+                    ("invoke_tools", "tools:invoke (tool jobs)"),
+                    ("run_flows", "flows:run (flow and task jobs)"),
+                ],
             },
         ),
     ]

@@ -6,95 +6,140 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('executors', '0002_initial'),
-        ('scheduler', '0001_initial'),
-        ('telemachus', '0001_initial'),
+        ("executors", "0002_initial"),
+        ("scheduler", "0001_initial"),
+        ("telemachus", "0001_initial"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='job',
-            name='team',
-            field=models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='jobs', to='telemachus.team'),
+            model_name="job",
+            name="team",
+            field=models.ForeignKey(
+                on_delete=django.db.models.deletion.PROTECT, related_name="jobs", to="telemachus.team"
+            ),
         ),
         migrations.AddField(
-            model_name='job',
-            name='user',
-            field=models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='jobs', to=settings.AUTH_USER_MODEL),
+            model_name="job",
+            name="user",
+            field=models.ForeignKey(
+                on_delete=django.db.models.deletion.PROTECT, related_name="jobs", to=settings.AUTH_USER_MODEL
+            ),
         ),
         migrations.AddField(
-            model_name='jobevent',
-            name='executor',
-            field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='events', to='executors.executor'),
+            model_name="jobevent",
+            name="executor",
+            field=models.ForeignKey(
+                blank=True,
+                null=True,
+                on_delete=django.db.models.deletion.SET_NULL,
+                related_name="events",
+                to="executors.executor",
+            ),
         ),
         migrations.AddField(
-            model_name='jobevent',
-            name='job',
-            field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.CASCADE, related_name='events', to='scheduler.job'),
+            model_name="jobevent",
+            name="job",
+            field=models.ForeignKey(
+                blank=True,
+                null=True,
+                on_delete=django.db.models.deletion.CASCADE,
+                related_name="events",
+                to="scheduler.job",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='queuepolicy',
-            constraint=models.CheckConstraint(condition=models.Q(('id', 1)), name='queuepolicy_singleton'),
+            model_name="queuepolicy",
+            constraint=models.CheckConstraint(condition=models.Q(("id", 1)), name="queuepolicy_singleton"),
         ),
         migrations.AddField(
-            model_name='slot',
-            name='executor',
-            field=models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='slots', to='executors.executor'),
+            model_name="slot",
+            name="executor",
+            field=models.ForeignKey(
+                on_delete=django.db.models.deletion.PROTECT, related_name="slots", to="executors.executor"
+            ),
         ),
         migrations.AddField(
-            model_name='slot',
-            name='job',
-            field=models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='slots', to='scheduler.job'),
+            model_name="slot",
+            name="job",
+            field=models.ForeignKey(
+                on_delete=django.db.models.deletion.CASCADE, related_name="slots", to="scheduler.job"
+            ),
         ),
         migrations.AddField(
-            model_name='slot',
-            name='team',
-            field=models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='slots', to='telemachus.team'),
+            model_name="slot",
+            name="team",
+            field=models.ForeignKey(
+                on_delete=django.db.models.deletion.PROTECT, related_name="slots", to="telemachus.team"
+            ),
         ),
         migrations.AddField(
-            model_name='slot',
-            name='user',
-            field=models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='slots', to=settings.AUTH_USER_MODEL),
+            model_name="slot",
+            name="user",
+            field=models.ForeignKey(
+                on_delete=django.db.models.deletion.PROTECT, related_name="slots", to=settings.AUTH_USER_MODEL
+            ),
         ),
         migrations.AddIndex(
-            model_name='job',
-            index=models.Index(models.F('team'), models.OrderBy(models.F('priority'), descending=True), models.F('id'), condition=models.Q(('status', 'queued')), name='job_team_queue_idx'),
+            model_name="job",
+            index=models.Index(
+                models.F("team"),
+                models.OrderBy(models.F("priority"), descending=True),
+                models.F("id"),
+                condition=models.Q(("status", "queued")),
+                name="job_team_queue_idx",
+            ),
         ),
         migrations.AddIndex(
-            model_name='job',
-            index=models.Index(models.OrderBy(models.F('priority'), descending=True), models.F('id'), condition=models.Q(('status', 'queued')), name='job_queue_idx'),
+            model_name="job",
+            index=models.Index(
+                models.OrderBy(models.F("priority"), descending=True),
+                models.F("id"),
+                condition=models.Q(("status", "queued")),
+                name="job_queue_idx",
+            ),
         ),
         migrations.AddIndex(
-            model_name='job',
-            index=models.Index(models.F('lease_expires_at'), condition=models.Q(('status', 'running')), name='job_lease_idx'),
+            model_name="job",
+            index=models.Index(
+                models.F("lease_expires_at"), condition=models.Q(("status", "running")), name="job_lease_idx"
+            ),
         ),
         migrations.AddIndex(
-            model_name='job',
-            index=models.Index(models.F('team'), models.F('status'), name='job_team_status_idx'),
+            model_name="job",
+            index=models.Index(models.F("team"), models.F("status"), name="job_team_status_idx"),
         ),
         migrations.AddIndex(
-            model_name='job',
-            index=models.Index(models.F('user'), models.F('status'), name='job_user_status_idx'),
+            model_name="job",
+            index=models.Index(models.F("user"), models.F("status"), name="job_user_status_idx"),
         ),
         migrations.AddConstraint(
-            model_name='job',
-            constraint=models.CheckConstraint(condition=models.Q(models.Q(('status', 'running'), ('lease__isnull', False), ('lease_expires_at__isnull', False)), models.Q(models.Q(('status', 'running'), _negated=True), ('lease__isnull', True)), _connector='OR'), name='job_lease_iff_running'),
+            model_name="job",
+            constraint=models.CheckConstraint(
+                condition=models.Q(
+                    models.Q(("status", "running"), ("lease__isnull", False), ("lease_expires_at__isnull", False)),
+                    models.Q(models.Q(("status", "running"), _negated=True), ("lease__isnull", True)),
+                    _connector="OR",
+                ),
+                name="job_lease_iff_running",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='job',
-            constraint=models.CheckConstraint(condition=models.Q(('priority__gte', -100), ('priority__lte', 100)), name='job_priority_range'),
+            model_name="job",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("priority__gte", -100), ("priority__lte", 100)), name="job_priority_range"
+            ),
         ),
         migrations.AddIndex(
-            model_name='jobevent',
-            index=models.Index(models.F('job'), models.F('id'), name='jobevent_job_idx'),
+            model_name="jobevent",
+            index=models.Index(models.F("job"), models.F("id"), name="jobevent_job_idx"),
         ),
         migrations.AddIndex(
-            model_name='jobevent',
-            index=models.Index(models.F('event'), models.F('at'), name='jobevent_event_idx'),
+            model_name="jobevent",
+            index=models.Index(models.F("event"), models.F("at"), name="jobevent_event_idx"),
         ),
     ]

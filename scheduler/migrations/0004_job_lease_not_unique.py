@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('scheduler', '0003_queuepolicy_singleton'),
+        ("scheduler", "0003_queuepolicy_singleton"),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name='job',
-            name='lease',
+            model_name="job",
+            name="lease",
             field=models.UUIDField(blank=True, db_index=True, null=True),
         ),
     ]

@@ -5,26 +5,49 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('executors', '0003_breaker_and_probe'),
-        ('scheduler', '0004_job_lease_not_unique'),
+        ("executors", "0003_breaker_and_probe"),
+        ("scheduler", "0004_job_lease_not_unique"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='job',
-            name='avoid_executor',
-            field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='+', to='executors.executor'),
+            model_name="job",
+            name="avoid_executor",
+            field=models.ForeignKey(
+                blank=True,
+                null=True,
+                on_delete=django.db.models.deletion.SET_NULL,
+                related_name="+",
+                to="executors.executor",
+            ),
         ),
         migrations.AddField(
-            model_name='job',
-            name='run_after',
+            model_name="job",
+            name="run_after",
             field=models.DateTimeField(blank=True, null=True),
         ),
         migrations.AlterField(
-            model_name='jobevent',
-            name='event',
-            field=models.CharField(choices=[('queued', 'Queued'), ('placed', 'Placed'), ('started', 'Started'), ('step', 'Step'), ('finished', 'Finished'), ('failed', 'Failed'), ('canceled', 'Canceled'), ('requeued', 'Requeued'), ('retry_scheduled', 'Retry Scheduled'), ('finish_refused', 'Finish Refused'), ('breaker_opened', 'Breaker Opened'), ('breaker_half_open', 'Breaker Half Open'), ('breaker_closed', 'Breaker Closed'), ('health_changed', 'Health Changed')], max_length=32),
+            model_name="jobevent",
+            name="event",
+            field=models.CharField(
+                choices=[
+                    ("queued", "Queued"),
+                    ("placed", "Placed"),
+                    ("started", "Started"),
+                    ("step", "Step"),
+                    ("finished", "Finished"),
+                    ("failed", "Failed"),
+                    ("canceled", "Canceled"),
+                    ("requeued", "Requeued"),
+                    ("retry_scheduled", "Retry Scheduled"),
+                    ("finish_refused", "Finish Refused"),
+                    ("breaker_opened", "Breaker Opened"),
+                    ("breaker_half_open", "Breaker Half Open"),
+                    ("breaker_closed", "Breaker Closed"),
+                    ("health_changed", "Health Changed"),
+                ],
+                max_length=32,
+            ),
         ),
     ]

@@ -4,29 +4,50 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('scheduler', '0005_retries'),
+        ("scheduler", "0005_retries"),
     ]
 
     operations = [
         migrations.AlterModelOptions(
-            name='job',
-            options={'ordering': ['-id'], 'permissions': [('manage', 'Operate the scheduler (teams, executors, quotas, policy, every job)')]},
+            name="job",
+            options={
+                "ordering": ["-id"],
+                "permissions": [("manage", "Operate the scheduler (teams, executors, quotas, policy, every job)")],
+            },
         ),
         migrations.AddField(
-            model_name='job',
-            name='deferred_until',
+            model_name="job",
+            name="deferred_until",
             field=models.DateTimeField(blank=True, null=True),
         ),
         migrations.AddField(
-            model_name='job',
-            name='reservation',
+            model_name="job",
+            name="reservation",
             field=models.JSONField(blank=True, null=True),
         ),
         migrations.AlterField(
-            model_name='jobevent',
-            name='event',
-            field=models.CharField(choices=[('queued', 'Queued'), ('placed', 'Placed'), ('started', 'Started'), ('step', 'Step'), ('finished', 'Finished'), ('failed', 'Failed'), ('canceled', 'Canceled'), ('requeued', 'Requeued'), ('retry_scheduled', 'Retry Scheduled'), ('deferred', 'Deferred'), ('finish_refused', 'Finish Refused'), ('breaker_opened', 'Breaker Opened'), ('breaker_half_open', 'Breaker Half Open'), ('breaker_closed', 'Breaker Closed'), ('health_changed', 'Health Changed')], max_length=32),
+            model_name="jobevent",
+            name="event",
+            field=models.CharField(
+                choices=[
+                    ("queued", "Queued"),
+                    ("placed", "Placed"),
+                    ("started", "Started"),
+                    ("step", "Step"),
+                    ("finished", "Finished"),
+                    ("failed", "Failed"),
+                    ("canceled", "Canceled"),
+                    ("requeued", "Requeued"),
+                    ("retry_scheduled", "Retry Scheduled"),
+                    ("deferred", "Deferred"),
+                    ("finish_refused", "Finish Refused"),
+                    ("breaker_opened", "Breaker Opened"),
+                    ("breaker_half_open", "Breaker Half Open"),
+                    ("breaker_closed", "Breaker Closed"),
+                    ("health_changed", "Health Changed"),
+                ],
+                max_length=32,
+            ),
         ),
     ]

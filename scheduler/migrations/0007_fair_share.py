@@ -6,80 +6,122 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('executors', '0004_alter_executor_options'),
-        ('scheduler', '0006_budgets'),
-        ('telemachus', '0002_alter_team_options'),
+        ("executors", "0004_alter_executor_options"),
+        ("scheduler", "0006_budgets"),
+        ("telemachus", "0002_alter_team_options"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='TeamShare',
+            name="TeamShare",
             fields=[
-                ('team', models.OneToOneField(on_delete=django.db.models.deletion.CASCADE, primary_key=True, related_name='share', serialize=False, to='telemachus.team')),
-                ('usage', models.FloatField(default=0.0)),
-                ('updated_at', models.DateTimeField()),
+                (
+                    "team",
+                    models.OneToOneField(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        primary_key=True,
+                        related_name="share",
+                        serialize=False,
+                        to="telemachus.team",
+                    ),
+                ),
+                ("usage", models.FloatField(default=0.0)),
+                ("updated_at", models.DateTimeField()),
             ],
         ),
         migrations.AddField(
-            model_name='queuepolicy',
-            name='aging_after_seconds',
+            model_name="queuepolicy",
+            name="aging_after_seconds",
             field=models.FloatField(default=300.0),
         ),
         migrations.AddField(
-            model_name='queuepolicy',
-            name='aging_max_boost',
+            model_name="queuepolicy",
+            name="aging_max_boost",
             field=models.PositiveSmallIntegerField(default=10),
         ),
         migrations.AddField(
-            model_name='queuepolicy',
-            name='aging_step_seconds',
+            model_name="queuepolicy",
+            name="aging_step_seconds",
             field=models.FloatField(default=60.0),
         ),
         migrations.AddField(
-            model_name='queuepolicy',
-            name='cost',
-            field=models.CharField(choices=[('slot-seconds', 'Slot Seconds'), ('tokens', 'Tokens')], default='slot-seconds', max_length=16),
+            model_name="queuepolicy",
+            name="cost",
+            field=models.CharField(
+                choices=[("slot-seconds", "Slot Seconds"), ("tokens", "Tokens")], default="slot-seconds", max_length=16
+            ),
         ),
         migrations.AddField(
-            model_name='queuepolicy',
-            name='entry_penalty',
-            field=models.FloatField(default=1.0, help_text="Charged to a team's usage when one of its jobs starts (slot-seconds; tokens: the estimate)."),
+            model_name="queuepolicy",
+            name="entry_penalty",
+            field=models.FloatField(
+                default=1.0,
+                help_text="Charged to a team's usage when one of its jobs starts (slot-seconds; tokens: the estimate).",
+            ),
         ),
         migrations.AddField(
-            model_name='queuepolicy',
-            name='half_life_seconds',
-            field=models.FloatField(default=300.0, help_text='Half-life of past usage in the fair-share key.'),
+            model_name="queuepolicy",
+            name="half_life_seconds",
+            field=models.FloatField(default=300.0, help_text="Half-life of past usage in the fair-share key."),
         ),
         migrations.AddField(
-            model_name='queuepolicy',
-            name='priority_over_limit',
-            field=models.CharField(choices=[('clamp', 'Clamp'), ('reject', 'Reject')], default='clamp', max_length=8),
+            model_name="queuepolicy",
+            name="priority_over_limit",
+            field=models.CharField(choices=[("clamp", "Clamp"), ("reject", "Reject")], default="clamp", max_length=8),
         ),
         migrations.AddField(
-            model_name='queuepolicy',
-            name='share_window_seconds',
-            field=models.FloatField(default=300.0, help_text='Window of the actual shares in /api/queue/.'),
+            model_name="queuepolicy",
+            name="share_window_seconds",
+            field=models.FloatField(default=300.0, help_text="Window of the actual shares in /api/queue/."),
         ),
         migrations.AlterField(
-            model_name='jobevent',
-            name='event',
-            field=models.CharField(choices=[('queued', 'Queued'), ('placed', 'Placed'), ('started', 'Started'), ('step', 'Step'), ('finished', 'Finished'), ('failed', 'Failed'), ('canceled', 'Canceled'), ('requeued', 'Requeued'), ('priority_clamped', 'Priority Clamped'), ('retry_scheduled', 'Retry Scheduled'), ('deferred', 'Deferred'), ('finish_refused', 'Finish Refused'), ('breaker_opened', 'Breaker Opened'), ('breaker_half_open', 'Breaker Half Open'), ('breaker_closed', 'Breaker Closed'), ('health_changed', 'Health Changed'), ('policy_changed', 'Policy Changed')], max_length=32),
+            model_name="jobevent",
+            name="event",
+            field=models.CharField(
+                choices=[
+                    ("queued", "Queued"),
+                    ("placed", "Placed"),
+                    ("started", "Started"),
+                    ("step", "Step"),
+                    ("finished", "Finished"),
+                    ("failed", "Failed"),
+                    ("canceled", "Canceled"),
+                    ("requeued", "Requeued"),
+                    ("priority_clamped", "Priority Clamped"),
+                    ("retry_scheduled", "Retry Scheduled"),
+                    ("deferred", "Deferred"),
+                    ("finish_refused", "Finish Refused"),
+                    ("breaker_opened", "Breaker Opened"),
+                    ("breaker_half_open", "Breaker Half Open"),
+                    ("breaker_closed", "Breaker Closed"),
+                    ("health_changed", "Health Changed"),
+                    ("policy_changed", "Policy Changed"),
+                ],
+                max_length=32,
+            ),
         ),
         migrations.AlterField(
-            model_name='queuepolicy',
-            name='priority_map',
-            field=models.JSONField(blank=True, default=dict, help_text='Highest priority allowed: {"member": 0, "manager": 10, "team:<slug>": N, "user:<name>": N}'),
+            model_name="queuepolicy",
+            name="priority_map",
+            field=models.JSONField(
+                blank=True,
+                default=dict,
+                help_text='Highest priority allowed: {"member": 0, "manager": 10, "team:<slug>": N, "user:<name>": N}',
+            ),
         ),
         migrations.AlterField(
-            model_name='queuepolicy',
-            name='team_weights',
-            field=models.JSONField(blank=True, default=dict, help_text='{"<team slug>": weight}; 0 = spare capacity only'),
+            model_name="queuepolicy",
+            name="team_weights",
+            field=models.JSONField(
+                blank=True, default=dict, help_text='{"<team slug>": weight}; 0 = spare capacity only'
+            ),
         ),
         migrations.AddIndex(
-            model_name='job',
-            index=models.Index(models.F('team'), models.F('id'), condition=models.Q(('status', 'queued')), name='job_team_age_idx'),
+            model_name="job",
+            index=models.Index(
+                models.F("team"), models.F("id"), condition=models.Q(("status", "queued")), name="job_team_age_idx"
+            ),
         ),
     ]

@@ -12,77 +12,136 @@ def ready_when_submitted(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('executors', '0004_alter_executor_options'),
-        ('scheduler', '0007_fair_share'),
-        ('telemachus', '0002_alter_team_options'),
+        ("executors", "0004_alter_executor_options"),
+        ("scheduler", "0007_fair_share"),
+        ("telemachus", "0002_alter_team_options"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.RemoveIndex(
-            model_name='job',
-            name='job_team_queue_idx',
+            model_name="job",
+            name="job_team_queue_idx",
         ),
         migrations.RemoveIndex(
-            model_name='job',
-            name='job_queue_idx',
+            model_name="job",
+            name="job_queue_idx",
         ),
         migrations.RemoveIndex(
-            model_name='job',
-            name='job_team_age_idx',
+            model_name="job",
+            name="job_team_age_idx",
         ),
         migrations.AddField(
-            model_name='job',
-            name='conversation',
+            model_name="job",
+            name="conversation",
             field=models.JSONField(blank=True, default=list),
         ),
         migrations.AddField(
-            model_name='job',
-            name='queued_at',
+            model_name="job",
+            name="queued_at",
             field=models.DateTimeField(default=django.utils.timezone.now),
         ),
         migrations.AddField(
-            model_name='job',
-            name='ready_at',
+            model_name="job",
+            name="ready_at",
             field=models.DateTimeField(default=django.utils.timezone.now),
         ),
         migrations.AddField(
-            model_name='job',
-            name='rounds',
+            model_name="job",
+            name="rounds",
             field=models.PositiveIntegerField(default=0),
         ),
         migrations.RunPython(ready_when_submitted, migrations.RunPython.noop),
         migrations.AddField(
-            model_name='queuepolicy',
-            name='flow_rounds',
-            field=models.CharField(choices=[('requeue', 'Requeue'), ('continue', 'Continue')], default='requeue', max_length=16),
+            model_name="queuepolicy",
+            name="flow_rounds",
+            field=models.CharField(
+                choices=[("requeue", "Requeue"), ("continue", "Continue")], default="requeue", max_length=16
+            ),
         ),
         migrations.AlterField(
-            model_name='job',
-            name='type',
-            field=models.CharField(choices=[('chat', 'Chat'), ('translate', 'Translate'), ('flow', 'Flow'), ('task', 'Task'), ('tool', 'Tool'), ('governed', 'Governed slot')], max_length=16),
+            model_name="job",
+            name="type",
+            field=models.CharField(
+                choices=[
+                    ("chat", "Chat"),
+                    ("translate", "Translate"),
+                    ("flow", "Flow"),
+                    ("task", "Task"),
+                    ("tool", "Tool"),
+                    ("governed", "Governed slot"),
+                ],
+                max_length=16,
+            ),
         ),
         migrations.AlterField(
-            model_name='jobevent',
-            name='event',
-            field=models.CharField(choices=[('queued', 'Queued'), ('placed', 'Placed'), ('started', 'Started'), ('step', 'Step'), ('finished', 'Finished'), ('failed', 'Failed'), ('canceled', 'Canceled'), ('requeued', 'Requeued'), ('round_started', 'Round Started'), ('round_finished', 'Round Finished'), ('priority_clamped', 'Priority Clamped'), ('retry_scheduled', 'Retry Scheduled'), ('deferred', 'Deferred'), ('finish_refused', 'Finish Refused'), ('breaker_opened', 'Breaker Opened'), ('breaker_half_open', 'Breaker Half Open'), ('breaker_closed', 'Breaker Closed'), ('health_changed', 'Health Changed'), ('policy_changed', 'Policy Changed')], max_length=32),
+            model_name="jobevent",
+            name="event",
+            field=models.CharField(
+                choices=[
+                    ("queued", "Queued"),
+                    ("placed", "Placed"),
+                    ("started", "Started"),
+                    ("step", "Step"),
+                    ("finished", "Finished"),
+                    ("failed", "Failed"),
+                    ("canceled", "Canceled"),
+                    ("requeued", "Requeued"),
+                    ("round_started", "Round Started"),
+                    ("round_finished", "Round Finished"),
+                    ("priority_clamped", "Priority Clamped"),
+                    ("retry_scheduled", "Retry Scheduled"),
+                    ("deferred", "Deferred"),
+                    ("finish_refused", "Finish Refused"),
+                    ("breaker_opened", "Breaker Opened"),
+                    ("breaker_half_open", "Breaker Half Open"),
+                    ("breaker_closed", "Breaker Closed"),
+                    ("health_changed", "Health Changed"),
+                    ("policy_changed", "Policy Changed"),
+                ],
+                max_length=32,
+            ),
         ),
         migrations.AddIndex(
-            model_name='job',
-            index=models.Index(models.F('team'), models.OrderBy(models.F('priority'), descending=True), models.F('ready_at'), models.F('id'), condition=models.Q(('status', 'queued')), name='job_team_ready_idx'),
+            model_name="job",
+            index=models.Index(
+                models.F("team"),
+                models.OrderBy(models.F("priority"), descending=True),
+                models.F("ready_at"),
+                models.F("id"),
+                condition=models.Q(("status", "queued")),
+                name="job_team_ready_idx",
+            ),
         ),
         migrations.AddIndex(
-            model_name='job',
-            index=models.Index(models.OrderBy(models.F('priority'), descending=True), models.F('ready_at'), models.F('id'), condition=models.Q(('status', 'queued')), name='job_ready_idx'),
+            model_name="job",
+            index=models.Index(
+                models.OrderBy(models.F("priority"), descending=True),
+                models.F("ready_at"),
+                models.F("id"),
+                condition=models.Q(("status", "queued")),
+                name="job_ready_idx",
+            ),
         ),
         migrations.AddIndex(
-            model_name='job',
-            index=models.Index(models.OrderBy(models.F('priority'), descending=True), models.F('ready_at'), models.F('id'), condition=models.Q(('status', 'queued'), ('type', 'tool')), name='job_tool_queue_idx'),
+            model_name="job",
+            index=models.Index(
+                models.OrderBy(models.F("priority"), descending=True),
+                models.F("ready_at"),
+                models.F("id"),
+                condition=models.Q(("status", "queued"), ("type", "tool")),
+                name="job_tool_queue_idx",
+            ),
         ),
         migrations.AddIndex(
-            model_name='job',
-            index=models.Index(models.F('team'), models.F('queued_at'), models.F('id'), condition=models.Q(('status', 'queued')), name='job_team_wait_idx'),
+            model_name="job",
+            index=models.Index(
+                models.F("team"),
+                models.F("queued_at"),
+                models.F("id"),
+                condition=models.Q(("status", "queued")),
+                name="job_team_wait_idx",
+            ),
         ),
     ]

@@ -4,14 +4,17 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('scheduler', '0009_config_version_triggers'),
+        ("scheduler", "0009_config_version_triggers"),
     ]
 
     operations = [
         migrations.AddIndex(
-            model_name='job',
-            index=models.Index(models.F('run_after'), condition=models.Q(('run_after__isnull', False), ('status', 'queued')), name='job_retry_idx'),
+            model_name="job",
+            index=models.Index(
+                models.F("run_after"),
+                condition=models.Q(("run_after__isnull", False), ("status", "queued")),
+                name="job_retry_idx",
+            ),
         ),
     ]

@@ -51,18 +51,29 @@ def job_cancel(*, job_id: int, by: Actor = None, reason: str = "", bill: bool = 
         job.reservation = None
         job.error = reason or (f"canceled by {who}" if who else "canceled")
         job.tokens_used = (job.tokens_used or 0) + tokens
-        job.save(update_fields=["status", "finished_at", "lease", "lease_expires_at", "reservation", "error",
-                                "tokens_used"])
+        job.save(
+            update_fields=["status", "finished_at", "lease", "lease_expires_at", "reservation", "error", "tokens_used"]
+        )
         billing: dict[str, Any] = {"tokens": tokens, "billed": "estimate"} if billed else {}
         event_record(job=job, event=JobEvent.Type.CANCELED, at=now, was=was, by=who, reason=job.error, **billing)
         if by is not None:
-            audit_record(by=by, action="job.cancel", object_type="job", object_id=job.pk, object_repr=str(job),
-                         before={"status": was}, after={"status": job.status})
+            audit_record(
+                by=by,
+                action="job.cancel",
+                object_type="job",
+                object_id=job.pk,
+                object_repr=str(job),
+                before={"status": was},
+                after={"status": job.status},
+            )
         if was == Job.Status.RUNNING:
             signals.notify_workers(f"{signals.CANCELED}:{job.pk}")
             signals.notify_workers(signals.FREED)
-        bills = [Bill(team_id=job.team_id, user_id=job.user_id, executor_id=job.executor_id, tokens=tokens)] \
-            if billed else []
+        bills = (
+            [Bill(team_id=job.team_id, user_id=job.user_id, executor_id=job.executor_id, tokens=tokens)]
+            if billed
+            else []
+        )
         quota_settle(reservations=[reservation], bills=bills, now=now)
         if began is not None:
             record = policy_record(config_snapshot())

@@ -96,19 +96,30 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
                 state.take(job, view)
                 chosen.append((job, view))
                 taken.add(job.pk)
-            if (not passed_over or len(chosen) == taken_before or len(chosen) >= limit or state.global_free() <= 0
-                    or not state.room_anywhere()):
+            if (
+                not passed_over
+                or len(chosen) == taken_before
+                or len(chosen) >= limit
+                or state.global_free() <= 0
+                or not state.room_anywhere()
+            ):
                 break
         backlog = (
-            passed_over or len(chosen) >= limit or state.global_free() <= 0
-            or bool(state.capped_teams() or state.capped_users()) or state.executor_full()
+            passed_over
+            or len(chosen) >= limit
+            or state.global_free() <= 0
+            or bool(state.capped_teams() or state.capped_users())
+            or state.executor_full()
         )
         wake_at = _next_eligible(state) if len(chosen) < limit else None
         for view in {view.pk: view for _, view in chosen if view.trial}.values():
             breaker_trial_started(executor=view.executor, now=now)
         claims = _start(chosen, worker=worker, state=state) if chosen else []
-        tools = (tool_jobs_start(worker=worker, limit=limit - len(claims), now=now, expires=now + lease_length())
-                 if record.tools_queued else [])
+        tools = (
+            tool_jobs_start(worker=worker, limit=limit - len(claims), now=now, expires=now + lease_length())
+            if record.tools_queued
+            else []
+        )
         claims += [_tool_claim(job) for job in tools]
         backlog = backlog or len(claims) >= limit
         if claims:
@@ -147,7 +158,7 @@ def _record_deferrals(deferred: list[tuple[Job, Account]], *, now: datetime) -> 
     fresh = [(job, account) for job, account in deferred if job.deferred_until != account.end]
     if not fresh:
         return
-    for (job, account) in fresh:
+    for job, account in fresh:
         Job.objects.filter(pk=job.pk, status=Job.Status.QUEUED).update(deferred_until=account.end)
     events_record(
         job_event(job=job, event=JobEvent.Type.DEFERRED, at=now, estimate=job.cost_estimate, **account.describe())
@@ -172,7 +183,14 @@ def _start(chosen: list[tuple[Job, ExecutorView]], *, worker: str, state: ClaimS
         return []
     slots = Slot.objects.bulk_create(
         [
-            Slot(job=job, executor=view.executor, team_id=job.team_id, user_id=job.user_id, worker=worker, acquired_at=now)
+            Slot(
+                job=job,
+                executor=view.executor,
+                team_id=job.team_id,
+                user_id=job.user_id,
+                worker=worker,
+                acquired_at=now,
+            )
             for job, view in chosen
         ]
     )
@@ -222,8 +240,10 @@ def _mark_running(
     params.append(field("started_at").get_db_prep_save(now, connection))
     queued = f"{qn('status')} = '{Job.Status.QUEUED.value}'"
     if postgres:
-        still_queued = (f"{table}.{qn('id')} IN (SELECT j.{qn('id')} FROM {table} j JOIN v ON j.{qn('id')} = v.job "
-                        f"WHERE j.{queued} FOR UPDATE OF j SKIP LOCKED)")
+        still_queued = (
+            f"{table}.{qn('id')} IN (SELECT j.{qn('id')} FROM {table} j JOIN v ON j.{qn('id')} = v.job "
+            f"WHERE j.{queued} FOR UPDATE OF j SKIP LOCKED)"
+        )
     else:
         still_queued = f"{table}.{queued}"
     sql = (
@@ -238,5 +258,7 @@ def _mark_running(
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         # Django passes no expression here either when it converts a column read outside a query.
-        return {pk: payload.from_db_value(value, None, connection)  # type: ignore[arg-type]
-                for pk, value in cursor.fetchall()}
+        return {
+            pk: payload.from_db_value(value, None, connection)  # type: ignore[arg-type]
+            for pk, value in cursor.fetchall()
+        }

@@ -34,7 +34,8 @@ def events_record(events: Iterable[JobEvent]) -> None:
     events = list(events)
     JobEvent.objects.bulk_create(events)
     signals.notify_job_watchers(
-        (event.job_id, event.event) for event in events
+        (event.job_id, event.event)
+        for event in events
         if event.job_id is not None and event.event != JobEvent.Type.QUEUED
     )
 
@@ -49,6 +50,4 @@ def event_record(
 
 def executor_events_record(events: Sequence[ExecutorEvent]) -> None:
     """Executor health's recorder (executors/health.py): its events are job-less JobEvent rows."""
-    events_record(
-        job_event(job=None, event=e.event, at=e.at, executor=e.executor_id, **e.meta) for e in events
-    )
+    events_record(job_event(job=None, event=e.event, at=e.at, executor=e.executor_id, **e.meta) for e in events)

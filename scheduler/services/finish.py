@@ -83,8 +83,21 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
             .filter(pk__in=sorted(by_job))
             .annotate(db_now=Now(), config_version=version_annotation(), attempt_started_at=attempt_start())
             .order_by("pk")
-            .only("pk", "status", "lease", "lease_expires_at", "executor_id", "tokens_used", "worker", "attempts",
-                  "team_id", "user_id", "reservation", "started_at", "cost_estimate")
+            .only(
+                "pk",
+                "status",
+                "lease",
+                "lease_expires_at",
+                "executor_id",
+                "tokens_used",
+                "worker",
+                "attempts",
+                "team_id",
+                "user_id",
+                "reservation",
+                "started_at",
+                "cost_estimate",
+            )
         }
         if not held:
             return FinishReport(accepted=[], refused=sorted(by_job))
@@ -101,42 +114,79 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
             if reason is not None or job is None:
                 refused.append(job_id)
                 if job is not None:
-                    events.append(job_event(job=job, event=JobEvent.Type.FINISH_REFUSED, at=job.db_now,
-                                            reason=reason, worker_ok=outcome.ok))
+                    events.append(
+                        job_event(
+                            job=job,
+                            event=JobEvent.Type.FINISH_REFUSED,
+                            at=job.db_now,
+                            reason=reason,
+                            worker_ok=outcome.ok,
+                        )
+                    )
                 continue
             tokens = (job.tokens_used or 0) + (outcome.tokens_used or 0)
             meta = {"tokens": outcome.tokens_used, **outcome.meta}
-            bills.append(Bill(team_id=job.team_id, user_id=job.user_id, executor_id=job.executor_id,
-                              tokens=outcome.tokens_used or 0))
+            bills.append(
+                Bill(
+                    team_id=job.team_id,
+                    user_id=job.user_id,
+                    executor_id=job.executor_id,
+                    tokens=outcome.tokens_used or 0,
+                )
+            )
             if job.executor_id is not None:  # a tool job held no executor slot: nothing to charge
-                charges[job.team_id] += attempt_cost(record, started_at=job.attempt_started_at or now, now=now,
-                                                     tokens=outcome.tokens_used or 0, estimate=job.cost_estimate)
+                charges[job.team_id] += attempt_cost(
+                    record,
+                    started_at=job.attempt_started_at or now,
+                    now=now,
+                    tokens=outcome.tokens_used or 0,
+                    estimate=job.cost_estimate,
+                )
             if not outcome.ok and outcome.retryable and job.attempts < max_attempts:
                 delay = retry_delay(attempt=job.attempts, retry_after=outcome.retry_after)
-                retrying.append({
-                    "id": job_id, "status": Job.Status.QUEUED, "executor": None,
-                    "lease": None, "lease_expires_at": None, "error": outcome.error, "tokens_used": tokens,
-                    "run_after": job.db_now + timedelta(seconds=delay), "avoid_executor": job.executor_id,
-                    "reservation": None,
-                })
-                events.append(job_event(job=job, event=JobEvent.Type.RETRY_SCHEDULED, at=job.db_now,
-                                        executor=job.executor_id, error=outcome.error, attempt=job.attempts,
-                                        delay_s=round(delay, 3), **meta))
+                retrying.append(
+                    {
+                        "id": job_id,
+                        "status": Job.Status.QUEUED,
+                        "executor": None,
+                        "lease": None,
+                        "lease_expires_at": None,
+                        "error": outcome.error,
+                        "tokens_used": tokens,
+                        "run_after": job.db_now + timedelta(seconds=delay),
+                        "avoid_executor": job.executor_id,
+                        "reservation": None,
+                    }
+                )
+                events.append(
+                    job_event(
+                        job=job,
+                        event=JobEvent.Type.RETRY_SCHEDULED,
+                        at=job.db_now,
+                        executor=job.executor_id,
+                        error=outcome.error,
+                        attempt=job.attempts,
+                        delay_s=round(delay, 3),
+                        **meta,
+                    )
+                )
                 continue
             error = outcome.error
             if not outcome.ok and outcome.retryable:
                 error = f"{error} (gave up after {job.attempts} attempts)"
-            finished.append({
-                "id": job_id,
-                "status": Job.Status.DONE if outcome.ok else Job.Status.FAILED,
-                "result": outcome.result,
-                "error": error,
-                "tokens_used": tokens,
-                "finished_at": job.db_now,
-                "lease": None,
-                "lease_expires_at": None,
-                "reservation": None,
-            })
+            finished.append(
+                {
+                    "id": job_id,
+                    "status": Job.Status.DONE if outcome.ok else Job.Status.FAILED,
+                    "result": outcome.result,
+                    "error": error,
+                    "tokens_used": tokens,
+                    "finished_at": job.db_now,
+                    "lease": None,
+                    "lease_expires_at": None,
+                    "reservation": None,
+                }
+            )
             if not outcome.ok:
                 meta["error"] = error
             event = JobEvent.Type.FINISHED if outcome.ok else JobEvent.Type.FAILED
@@ -151,7 +201,9 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
         events_record(events)
         # Ledger rows last (lock level 4).
         quota_settle(
-            reservations=[held[row["id"]].reservation for row in finished + retrying], bills=bills, now=now,
+            reservations=[held[row["id"]].reservation for row in finished + retrying],
+            bills=bills,
+            now=now,
             rules=configuration(snapshot).rules,
         )
         # What the attempts cost, for fair share (lock level 5, the last).
@@ -173,7 +225,9 @@ def attempt_began(job: Job) -> datetime | None:
     return Slot.objects.filter(job=job).order_by("id").values_list("acquired_at", flat=True).first()
 
 
-def attempt_cost(record: QueuePolicy, *, started_at: datetime | None, now: datetime, tokens: int, estimate: int) -> float:
+def attempt_cost(
+    record: QueuePolicy, *, started_at: datetime | None, now: datetime, tokens: int, estimate: int
+) -> float:
     """What an attempt adds to its team's fair-share usage when it ends: its real cost (slot-seconds
     or tokens) less the entry penalty charged when it started. The penalty only holds a burst back
     until the real cost is known; history keeps the real cost alone."""
@@ -195,7 +249,12 @@ def _refusal(job: "ClockedJob | None", outcome: Outcome) -> str | None:
 
 
 def job_finish(
-    *, job_id: int, lease: uuid.UUID, result: dict[str, Any] | None = None, error: str = "", tokens_used: int | None = None
+    *,
+    job_id: int,
+    lease: uuid.UUID,
+    result: dict[str, Any] | None = None,
+    error: str = "",
+    tokens_used: int | None = None,
 ) -> bool:
     """Finish one job (done with `result`, or failed with `error`); True if the write was accepted."""
     outcome = Outcome(job_id=job_id, lease=lease, ok=not error, result=result, error=error, tokens_used=tokens_used)

@@ -58,7 +58,9 @@ def jobs_release(*, held: Mapping[int, uuid.UUID], reason: str) -> list[int]:
         Slot.objects.filter(job__in=jobs).delete()
         events, reservations = [], [job.reservation for job in jobs]
         for job in jobs:
-            events.append(job_event(job=job, event=JobEvent.Type.REQUEUED, at=job.db_now, reason=reason, worker=job.worker))
+            events.append(
+                job_event(job=job, event=JobEvent.Type.REQUEUED, at=job.db_now, reason=reason, worker=job.worker)
+            )
             job.return_to_queue()
             job.attempts = max(job.attempts - 1, 0)
         Job.objects.bulk_update(jobs, Job.REQUEUE_FIELDS)

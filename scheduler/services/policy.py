@@ -7,9 +7,23 @@ from scheduler.models import QueuePolicy
 from telemachus.audit import Actor, audit_record
 
 EDITABLE = (
-    "team_weights", "default_weight", "cost", "half_life_seconds", "entry_penalty", "aging_after_seconds",
-    "aging_step_seconds", "aging_max_boost", "max_queue_depth", "priority_map", "priority_over_limit", "placement",
-    "recovery", "max_attempts", "policy_class", "share_window_seconds", "flow_rounds",
+    "team_weights",
+    "default_weight",
+    "cost",
+    "half_life_seconds",
+    "entry_penalty",
+    "aging_after_seconds",
+    "aging_step_seconds",
+    "aging_max_boost",
+    "max_queue_depth",
+    "priority_map",
+    "priority_over_limit",
+    "placement",
+    "recovery",
+    "max_attempts",
+    "policy_class",
+    "share_window_seconds",
+    "flow_rounds",
 )
 
 
@@ -29,6 +43,13 @@ def queue_policy_update(*, changes: dict[str, Any], by: Actor) -> QueuePolicy:
         for name, value in changed.items():
             setattr(record, name, value)
         record.save(update_fields=[*changed, "updated_at"])
-        audit_record(by=by, action="queue_policy.update", object_type="queue_policy", object_id=record.pk,
-                     object_repr=str(record), before=before, after=changed)
+        audit_record(
+            by=by,
+            action="queue_policy.update",
+            object_type="queue_policy",
+            object_id=record.pk,
+            object_repr=str(record),
+            before=before,
+            after=changed,
+        )
     return record

@@ -65,7 +65,9 @@ def jobs_recover(*, limit: int = 500) -> RecoveryReport:
             Job.objects.bulk_update(requeued, Job.REQUEUE_FIELDS)
             signals.notify_workers(signals.QUEUED)
         if failed:
-            Job.objects.bulk_update(failed, ["status", "error", "finished_at", "lease", "lease_expires_at", "reservation"])
+            Job.objects.bulk_update(
+                failed, ["status", "error", "finished_at", "lease", "lease_expires_at", "reservation"]
+            )
         events_record(events)
         quota_settle(reservations=reservations, bills=[], now=jobs[0].db_now)
         signals.notify_workers(signals.FREED)

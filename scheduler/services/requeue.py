@@ -26,19 +26,42 @@ def job_requeue(*, job_id: int, by: rbac.Principal) -> Job:
         if job is None:
             raise NotFound(f"Job {job_id} not found.")
         if job.status not in REQUEUEABLE:
-            raise Conflict(f"Job {job_id} is {job.status}; only failed or canceled jobs can be requeued.",
-                           status=job.status)
+            raise Conflict(
+                f"Job {job_id} is {job.status}; only failed or canceled jobs can be requeued.", status=job.status
+            )
         was = job.status
         job.status = Job.Status.QUEUED
         job.attempts = job.rounds = 0
         job.error, job.result, job.conversation = "", None, []
         job.executor = job.avoid_executor = None
         job.started_at = job.finished_at = job.run_after = job.deferred_until = None
-        job.save(update_fields=["status", "attempts", "rounds", "error", "result", "conversation", "executor",
-                                "avoid_executor", "started_at", "finished_at", "run_after", "deferred_until"])
-        event_record(job=job, event=JobEvent.Type.REQUEUED, at=job.db_now, reason="operator", was=was,
-                     by=by.get_username())
-        audit_record(by=by, action="job.requeue", object_type="job", object_id=job.pk, object_repr=str(job),
-                     before={"status": was}, after={"status": job.status})
+        job.save(
+            update_fields=[
+                "status",
+                "attempts",
+                "rounds",
+                "error",
+                "result",
+                "conversation",
+                "executor",
+                "avoid_executor",
+                "started_at",
+                "finished_at",
+                "run_after",
+                "deferred_until",
+            ]
+        )
+        event_record(
+            job=job, event=JobEvent.Type.REQUEUED, at=job.db_now, reason="operator", was=was, by=by.get_username()
+        )
+        audit_record(
+            by=by,
+            action="job.requeue",
+            object_type="job",
+            object_id=job.pk,
+            object_repr=str(job),
+            before={"status": was},
+            after={"status": job.status},
+        )
         signals.notify_workers(signals.QUEUED)
     return job

@@ -114,9 +114,11 @@ def _attempt_end(job: Job, *, now: datetime, record: QueuePolicy, tokens: int | 
     Slot.objects.filter(job=job).delete()
     if wake:
         signals.notify_workers(signals.FREED)
-    bills = [] if tokens is None else [
-        Bill(team_id=job.team_id, user_id=job.user_id, executor_id=job.executor_id, tokens=tokens)
-    ]
+    bills = (
+        []
+        if tokens is None
+        else [Bill(team_id=job.team_id, user_id=job.user_id, executor_id=job.executor_id, tokens=tokens)]
+    )
     quota_settle(reservations=[job.reservation], bills=bills, now=now)
     job.reservation = None
     if acquired is not None:
@@ -139,20 +141,44 @@ def round_begin(*, job_id: int, lease: uuid.UUID) -> RoundStart:
         pending = pending_tool_calls(job.conversation)
         now = job.db_now
         if pending:
-            event = job_event(job=job, event=JobEvent.Type.STEP, at=now, action="tools_resumed", round=job.rounds,
-                              tools=tool_names(pending))
+            event = job_event(
+                job=job,
+                event=JobEvent.Type.STEP,
+                at=now,
+                action="tools_resumed",
+                round=job.rounds,
+                tools=tool_names(pending),
+            )
             events_record([event])
             _attempt_end(job, now=now, record=record, tokens=None)
             job.save(update_fields=["reservation"])
             return RoundStart(round=job.rounds, messages=messages, pending=pending)
-        events_record([job_event(job=job, event=JobEvent.Type.ROUND_STARTED, at=now, round=job.rounds + 1,
-                                 executor=job.executor_id, worker=job.worker, attempt=job.attempts)])
+        events_record(
+            [
+                job_event(
+                    job=job,
+                    event=JobEvent.Type.ROUND_STARTED,
+                    at=now,
+                    round=job.rounds + 1,
+                    executor=job.executor_id,
+                    worker=job.worker,
+                    attempt=job.attempts,
+                )
+            ]
+        )
         return RoundStart(round=job.rounds + 1, messages=messages)
 
 
 def round_finish(
-    *, job_id: int, lease: uuid.UUID, round: int, message: dict[str, Any] | None = None, prompt_tokens: int = 0,
-    completion_tokens: int = 0, error: str = "", meta: dict[str, Any] | None = None,
+    *,
+    job_id: int,
+    lease: uuid.UUID,
+    round: int,
+    message: dict[str, Any] | None = None,
+    prompt_tokens: int = 0,
+    completion_tokens: int = 0,
+    error: str = "",
+    meta: dict[str, Any] | None = None,
 ) -> RoundEnd:
     """End round `round` after its model call: free the slot and bill the round, event
     `round_finished` (tokens, and the names of the tools the model called).
@@ -173,9 +199,20 @@ def round_finish(
         job.tokens_used = (job.tokens_used or 0) + tokens
         job.rounds = round
         calls = list((message or {}).get("tool_calls") or []) if job.type == Job.Type.FLOW else []
-        events = [job_event(job=job, event=JobEvent.Type.ROUND_FINISHED, at=now, round=round, tokens=tokens,
-                            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                            tools=tool_names(calls), executor=job.executor_id, **(meta or {}))]
+        events = [
+            job_event(
+                job=job,
+                event=JobEvent.Type.ROUND_FINISHED,
+                at=now,
+                round=round,
+                tokens=tokens,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                tools=tool_names(calls),
+                executor=job.executor_id,
+                **(meta or {}),
+            )
+        ]
         fields = ["tokens_used", "rounds", "reservation"]
         if job.type == Job.Type.FLOW:
             job.conversation = [*job.conversation, message]
@@ -183,12 +220,22 @@ def round_finish(
             max_rounds = int(job.input.get("max_rounds") or DEFAULT_MAX_ROUNDS)
             if not calls:
                 result = {"message": message, "rounds": round, "tokens": job.tokens_used}
-                events.append(_end(job, status=Job.Status.DONE, now=now, result=result, rounds=round,
-                                   tokens=job.tokens_used))
+                events.append(
+                    _end(job, status=Job.Status.DONE, now=now, result=result, rounds=round, tokens=job.tokens_used)
+                )
             elif round >= max_rounds:
                 error = "max_rounds"
-                events.append(_end(job, status=Job.Status.FAILED, now=now, error=error, rounds=round,
-                                   tokens=job.tokens_used, max_rounds=max_rounds))
+                events.append(
+                    _end(
+                        job,
+                        status=Job.Status.FAILED,
+                        now=now,
+                        error=error,
+                        rounds=round,
+                        tokens=job.tokens_used,
+                        max_rounds=max_rounds,
+                    )
+                )
         elif error:
             events.append(_end(job, status=Job.Status.FAILED, now=now, error=error, tokens=tokens))
         else:
@@ -206,14 +253,16 @@ def round_finish(
     return RoundEnd(status=job.status, tool_calls=calls if job.status == Job.Status.RUNNING else [])
 
 
-def _end(job: Job, *, status: str, now: datetime, result: dict[str, Any] | None = None, error: str = "",
-         **meta: Any) -> JobEvent:
+def _end(
+    job: Job, *, status: str, now: datetime, result: dict[str, Any] | None = None, error: str = "", **meta: Any
+) -> JobEvent:
     """Mark the job ended (not saved) and return its `finished` or `failed` event."""
     job.status, job.result, job.error, job.finished_at = status, result, error, now
     job.lease = job.lease_expires_at = None
     event = JobEvent.Type.FINISHED if status == Job.Status.DONE else JobEvent.Type.FAILED
-    return job_event(job=job, event=event, at=now, executor=job.executor_id, **({"error": error} if error else {}),
-                     **meta)
+    return job_event(
+        job=job, event=event, at=now, executor=job.executor_id, **({"error": error} if error else {}), **meta
+    )
 
 
 def round_requeue(*, job_id: int, lease: uuid.UUID, round: int, results: list[ToolOutcome]) -> str:
@@ -236,16 +285,30 @@ def round_requeue(*, job_id: int, lease: uuid.UUID, round: int, results: list[To
         now = job.db_now
         job.conversation = [
             *job.conversation,
-            *({"role": "tool", "tool_call_id": r.call_id,
-               "content": r.content if r.ok else json.dumps({"error": r.content})} for r in results),
+            *(
+                {
+                    "role": "tool",
+                    "tool_call_id": r.call_id,
+                    "content": r.content if r.ok else json.dumps({"error": r.content}),
+                }
+                for r in results
+            ),
         ]
         tools = [r.describe() for r in results]
         failure = next((r for r in results if not r.ok), None)
         if failure is not None and not job.input.get("return_tool_errors"):
-            event = _end(job, status=Job.Status.FAILED, now=now, error=failure.content, rounds=round,
-                         tokens=job.tokens_used, tools=tools)
-            job.save(update_fields=["conversation", "status", "result", "error", "finished_at", "lease",
-                                    "lease_expires_at"])
+            event = _end(
+                job,
+                status=Job.Status.FAILED,
+                now=now,
+                error=failure.content,
+                rounds=round,
+                tokens=job.tokens_used,
+                tools=tools,
+            )
+            job.save(
+                update_fields=["conversation", "status", "result", "error", "finished_at", "lease", "lease_expires_at"]
+            )
             events_record([event])
             return str(job.status)
         job.return_to_queue()
@@ -253,9 +316,28 @@ def round_requeue(*, job_id: int, lease: uuid.UUID, round: int, results: list[To
         job.queued_at = now
         if record.flow_rounds == QueuePolicy.FlowRounds.REQUEUE:
             job.ready_at = now
-        job.save(update_fields=["conversation", *Job.REQUEUE_FIELDS, "error", "run_after", "avoid_executor",
-                                "queued_at", "ready_at"])
-        events_record([job_event(job=job, event=JobEvent.Type.QUEUED, at=now, round=round + 1, tools=tools,
-                                 flow_rounds=record.flow_rounds)])
+        job.save(
+            update_fields=[
+                "conversation",
+                *Job.REQUEUE_FIELDS,
+                "error",
+                "run_after",
+                "avoid_executor",
+                "queued_at",
+                "ready_at",
+            ]
+        )
+        events_record(
+            [
+                job_event(
+                    job=job,
+                    event=JobEvent.Type.QUEUED,
+                    at=now,
+                    round=round + 1,
+                    tools=tools,
+                    flow_rounds=record.flow_rounds,
+                )
+            ]
+        )
         signals.notify_workers(signals.QUEUED)
         return str(job.status)

@@ -29,7 +29,12 @@ from scheduler.rbac import JOB_TYPE_PERMISSION
 from scheduler.services.events import events_record, job_event
 from telemachus import rbac
 from telemachus.config import (
-    ConfigSnapshot, config_at, config_current, config_reload, config_snapshot, version_annotation,
+    ConfigSnapshot,
+    config_at,
+    config_current,
+    config_reload,
+    config_snapshot,
+    version_annotation,
 )
 from telemachus.errors import DomainError, TryLater, UnknownModel, ValidationFailed
 from telemachus.features import feature_require
@@ -81,8 +86,16 @@ def job_submit(
     concurrent submits cannot overfill it. Wakes the workers on commit. With `run_after` (an aware
     datetime) the job waits in the queue, counted against the depth cap, and no claim takes it
     before then (the same not-before time a retry waits on)."""
-    spec = JobSpec(team=team, type=type, requirements=requirements, input=input, priority=priority, meta=meta or {},
-                   run_after=run_after, features=features)
+    spec = JobSpec(
+        team=team,
+        type=type,
+        requirements=requirements,
+        input=input,
+        priority=priority,
+        meta=meta or {},
+        run_after=run_after,
+        features=features,
+    )
     (job,) = _submit(user=user, specs=[spec])
     return job
 
@@ -134,17 +147,23 @@ def _submit(*, user: rbac.Principal, specs: Sequence[JobSpec], indexed: bool = F
 def _admit(*, user: rbac.Principal, specs: Sequence[JobSpec], snapshot: ConfigSnapshot, indexed: bool) -> list[Job]:
     conf, record, who = configuration(snapshot), policy_record(snapshot), grants(snapshot, user)
     now = timezone.now()
-    admitted = [_check(conf, record, who, user, spec, now, index=i if indexed else None) for i, spec in enumerate(specs)]
+    admitted = [
+        _check(conf, record, who, user, spec, now, index=i if indexed else None) for i, spec in enumerate(specs)
+    ]
     teams = sorted({item.job.team_id for item in admitted})
-    budgets = admission_budgets(subjects={(item.job.team_id, item.job.user_id) for item in admitted}, now=now,
-                                rules=conf.rules)
+    budgets = admission_budgets(
+        subjects={(item.job.team_id, item.job.user_id) for item in admitted}, now=now, rules=conf.rules
+    )
     # One statement: lock the teams' rows (counting their queues is then race-free), confirm the
     # configuration version, read the budgets' ledger rows, and wake the workers on commit.
     budget_columns = budgets.columns()
-    locked = list(Team.objects.select_for_update(of=("self",)).filter(pk__in=teams).order_by("pk")
-                  .annotate(config_version=version_annotation(), wake=signals.notify_column(signals.QUEUED),
-                            **budget_columns)
-                  .values("pk", "config_version", "wake", *budget_columns))
+    locked = list(
+        Team.objects.select_for_update(of=("self",))
+        .filter(pk__in=teams)
+        .order_by("pk")
+        .annotate(config_version=version_annotation(), wake=signals.notify_column(signals.QUEUED), **budget_columns)
+        .values("pk", "config_version", "wake", *budget_columns)
+    )
     version = locked[0]["config_version"] if locked else None
     if len(locked) != len(teams) or (version or 0) != snapshot.version:
         raise _StaleConfiguration(version)
@@ -154,26 +173,46 @@ def _admit(*, user: rbac.Principal, specs: Sequence[JobSpec], snapshot: ConfigSn
     jobs = Job.objects.bulk_create([item.job for item in admitted])
     events = []
     for item in admitted:
-        deferred: dict[str, Any] = {"run_after": item.job.run_after.isoformat()} if item.job.run_after is not None else {}
-        events.append(job_event(job=item.job, event=JobEvent.Type.QUEUED, at=now, priority=item.job.priority,
-                                **deferred))
+        deferred: dict[str, Any] = (
+            {"run_after": item.job.run_after.isoformat()} if item.job.run_after is not None else {}
+        )
+        events.append(
+            job_event(job=item.job, event=JobEvent.Type.QUEUED, at=now, priority=item.job.priority, **deferred)
+        )
         if item.requested > item.allowed:
-            events.append(job_event(job=item.job, event=JobEvent.Type.PRIORITY_CLAMPED, at=now,
-                                    requested=item.requested, allowed=item.allowed, reason=item.source))
+            events.append(
+                job_event(
+                    job=item.job,
+                    event=JobEvent.Type.PRIORITY_CLAMPED,
+                    at=now,
+                    requested=item.requested,
+                    allowed=item.allowed,
+                    reason=item.source,
+                )
+            )
     events_record(events)
     return jobs
 
 
-def _check(conf: Configuration, record: QueuePolicy, who: rbac.Grants, user: rbac.Principal, spec: JobSpec,
-           now: datetime, *, index: int | None) -> _Admitted:
+def _check(
+    conf: Configuration,
+    record: QueuePolicy,
+    who: rbac.Grants,
+    user: rbac.Principal,
+    spec: JobSpec,
+    now: datetime,
+    *,
+    index: int | None,
+) -> _Admitted:
     """The configuration checks of one job, in job_submit's order; the job, unsaved."""
     try:
         team = who.team_for_submit(conf.team(spec.team), spec.team)
         for feature in (*spec.features, spec.type):
             feature_require(feature=feature, team=team, switches=conf.features)
         who.require(JOB_TYPE_PERMISSION[spec.type], team=team)
-        job_input_check(type=spec.type, input=spec.input, team=team,
-                        require=lambda permission: who.require(permission, team=team))
+        job_input_check(
+            type=spec.type, input=spec.input, team=team, require=lambda permission: who.require(permission, team=team)
+        )
         # A tool job runs in a worker's tool threads, on no executor: it names no model.
         model = "" if spec.type == Job.Type.TOOL else spec.requirements["model"]
         embeddings = spec.requirements.get("api") == EMBEDDINGS_API
@@ -190,9 +229,19 @@ def _check(conf: Configuration, record: QueuePolicy, who: rbac.Grants, user: rba
     # A job deferred to `run_after` enters the line, and starts ageing, when it may run.
     ready = max(now, spec.run_after) if spec.run_after else now
     job = Job(
-        type=spec.type, user=rbac.signed_in(user), team=team, priority=min(spec.priority, allowed), requirements=spec.requirements,
-        model=model, cost_estimate=spec.requirements.get("est_tokens", 0), input=spec.input, meta=spec.meta,
-        submitted_at=now, run_after=spec.run_after, ready_at=ready, queued_at=ready,
+        type=spec.type,
+        user=rbac.signed_in(user),
+        team=team,
+        priority=min(spec.priority, allowed),
+        requirements=spec.requirements,
+        model=model,
+        cost_estimate=spec.requirements.get("est_tokens", 0),
+        input=spec.input,
+        meta=spec.meta,
+        submitted_at=now,
+        run_after=spec.run_after,
+        ready_at=ready,
+        queued_at=ready,
     )
     return _Admitted(job=job, requested=spec.priority, allowed=allowed, source=source)
 
@@ -203,8 +252,13 @@ def _within_budgets(budgets: Budgets, admitted: list[_Admitted], now: datetime, 
         return
     for i, item in enumerate(admitted):
         try:
-            quota_check(team_id=item.job.team_id, user_id=item.job.user_id, tokens=item.job.cost_estimate, now=now,
-                        budgets=budgets)
+            quota_check(
+                team_id=item.job.team_id,
+                user_id=item.job.user_id,
+                tokens=item.job.cost_estimate,
+                now=now,
+                budgets=budgets,
+            )
         except DomainError as exc:
             raise _at(exc, i if indexed else None) from None
 

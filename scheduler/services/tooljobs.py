@@ -33,7 +33,11 @@ def tool_jobs_start(*, worker: str, limit: int, now: datetime, expires: datetime
         return []
     lease = uuid.uuid4()
     Job.objects.filter(pk__in=[job.pk for job in jobs]).update(
-        status=Job.Status.RUNNING, started_at=Coalesce("started_at", Value(now)), attempts=F("attempts") + 1, worker=worker, lease=lease,
+        status=Job.Status.RUNNING,
+        started_at=Coalesce("started_at", Value(now)),
+        attempts=F("attempts") + 1,
+        worker=worker,
+        lease=lease,
         lease_expires_at=expires,
     )
     for job in jobs:

@@ -4,14 +4,20 @@ from django.db import migrations
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('telemachus', '0001_initial'),
+        ("telemachus", "0001_initial"),
     ]
 
     operations = [
         migrations.AlterModelOptions(
-            name='team',
-            options={'ordering': ['slug'], 'permissions': [('use_chat', 'chat:use (chat and translate jobs)'), ('invoke_tools', 'tools:invoke (tool jobs)'), ('run_flows', 'flows:run (flow and task jobs)')]},
+            name="team",
+            options={
+                "ordering": ["slug"],
+                "permissions": [
+                    ("use_chat", "chat:use (chat and translate jobs)"),
+                    ("invoke_tools", "tools:invoke (tool jobs)"),
+                    ("run_flows", "flows:run (flow and task jobs)"),
+                ],
+            },
         ),
     ]

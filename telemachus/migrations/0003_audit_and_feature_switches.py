@@ -8,45 +8,111 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('telemachus', '0002_alter_team_options'),
+        ("telemachus", "0002_alter_team_options"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='AuditEvent',
+            name="AuditEvent",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('actor_name', models.CharField(blank=True, default='', max_length=150)),
-                ('source', models.CharField(choices=[('api', 'Api'), ('admin', 'Admin'), ('dashboard', 'Dashboard'), ('web', 'Web'), ('system', 'System')], default='system', max_length=16)),
-                ('action', models.CharField(max_length=64)),
-                ('object_type', models.CharField(max_length=32)),
-                ('object_id', models.CharField(blank=True, default='', max_length=150)),
-                ('object_repr', models.CharField(blank=True, default='', max_length=200)),
-                ('before', models.JSONField(blank=True, encoder=django.core.serializers.json.DjangoJSONEncoder, null=True)),
-                ('after', models.JSONField(blank=True, encoder=django.core.serializers.json.DjangoJSONEncoder, null=True)),
-                ('actor', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='+', to=settings.AUTH_USER_MODEL)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("actor_name", models.CharField(blank=True, default="", max_length=150)),
+                (
+                    "source",
+                    models.CharField(
+                        choices=[
+                            ("api", "Api"),
+                            ("admin", "Admin"),
+                            ("dashboard", "Dashboard"),
+                            ("web", "Web"),
+                            ("system", "System"),
+                        ],
+                        default="system",
+                        max_length=16,
+                    ),
+                ),
+                ("action", models.CharField(max_length=64)),
+                ("object_type", models.CharField(max_length=32)),
+                ("object_id", models.CharField(blank=True, default="", max_length=150)),
+                ("object_repr", models.CharField(blank=True, default="", max_length=200)),
+                (
+                    "before",
+                    models.JSONField(blank=True, encoder=django.core.serializers.json.DjangoJSONEncoder, null=True),
+                ),
+                (
+                    "after",
+                    models.JSONField(blank=True, encoder=django.core.serializers.json.DjangoJSONEncoder, null=True),
+                ),
+                (
+                    "actor",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="+",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-id'],
-                'indexes': [models.Index(models.F('object_type'), models.F('object_id'), models.F('id'), name='audit_object_idx'), models.Index(models.F('actor_name'), models.F('id'), name='audit_actor_idx'), models.Index(models.F('at'), name='audit_at_idx')],
+                "ordering": ["-id"],
+                "indexes": [
+                    models.Index(
+                        models.F("object_type"), models.F("object_id"), models.F("id"), name="audit_object_idx"
+                    ),
+                    models.Index(models.F("actor_name"), models.F("id"), name="audit_actor_idx"),
+                    models.Index(models.F("at"), name="audit_at_idx"),
+                ],
             },
         ),
         migrations.CreateModel(
-            name='FeatureSwitch',
+            name="FeatureSwitch",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('feature', models.CharField(choices=[('chat', 'Chat'), ('translate', 'Translate'), ('tool', 'Tool'), ('task', 'Task'), ('flow', 'Flow'), ('openai', 'OpenAI-compatible endpoint')], max_length=16)),
-                ('enabled', models.BooleanField()),
-                ('updated_at', models.DateTimeField(auto_now=True)),
-                ('team', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.CASCADE, related_name='feature_switches', to='telemachus.team')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                (
+                    "feature",
+                    models.CharField(
+                        choices=[
+                            ("chat", "Chat"),
+                            ("translate", "Translate"),
+                            ("tool", "Tool"),
+                            ("task", "Task"),
+                            ("flow", "Flow"),
+                            ("openai", "OpenAI-compatible endpoint"),
+                        ],
+                        max_length=16,
+                    ),
+                ),
+                ("enabled", models.BooleanField()),
+                ("updated_at", models.DateTimeField(auto_now=True)),
+                (
+                    "team",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="feature_switches",
+                        to="telemachus.team",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['feature', 'team'],
-                'constraints': [models.UniqueConstraint(condition=models.Q(('team__isnull', True)), fields=('feature',), name='featureswitch_unique_global'), models.UniqueConstraint(condition=models.Q(('team__isnull', False)), fields=('feature', 'team'), name='featureswitch_unique_team')],
+                "ordering": ["feature", "team"],
+                "constraints": [
+                    models.UniqueConstraint(
+                        condition=models.Q(("team__isnull", True)),
+                        fields=("feature",),
+                        name="featureswitch_unique_global",
+                    ),
+                    models.UniqueConstraint(
+                        condition=models.Q(("team__isnull", False)),
+                        fields=("feature", "team"),
+                        name="featureswitch_unique_team",
+                    ),
+                ],
             },
         ),
     ]

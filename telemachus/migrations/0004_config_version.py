@@ -10,7 +10,9 @@ from telemachus.config import install_bump_function, watch_config
 
 def create_version(apps, schema_editor):
     # As the triggers do for a row they create: start at the clock in milliseconds (config.py).
-    apps.get_model("telemachus", "ConfigVersion").objects.get_or_create(pk=1, defaults={"version": int(time.time() * 1000)})
+    apps.get_model("telemachus", "ConfigVersion").objects.get_or_create(
+        pk=1, defaults={"version": int(time.time() * 1000)}
+    )
 
 
 class Migration(migrations.Migration):
@@ -18,21 +20,21 @@ class Migration(migrations.Migration):
     users' names and flags, group membership and permissions (global and per object), feature switches."""
 
     dependencies = [
-        ('telemachus', '0003_audit_and_feature_switches'),
-        ('auth', '0012_alter_user_first_name_max_length'),
-        ('guardian', '0003_remove_groupobjectpermission_guardian_gr_content_ae6aec_idx_and_more'),
+        ("telemachus", "0003_audit_and_feature_switches"),
+        ("auth", "0012_alter_user_first_name_max_length"),
+        ("guardian", "0003_remove_groupobjectpermission_guardian_gr_content_ae6aec_idx_and_more"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='ConfigVersion',
+            name="ConfigVersion",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('version', models.BigIntegerField(default=0)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("version", models.BigIntegerField(default=0)),
             ],
             options={
-                'constraints': [models.CheckConstraint(condition=models.Q(('id', 1)), name='configversion_singleton')],
+                "constraints": [models.CheckConstraint(condition=models.Q(("id", 1)), name="configversion_singleton")],
             },
         ),
         migrations.RunPython(create_version, migrations.RunPython.noop),

@@ -23,14 +23,23 @@ from tests.processes import ROOT, answers, free_port, wait_until
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACT = ROOT / "var" / "artifacts" / "dashboard.png"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.slow,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium "
-                       "(.ci/run installs it: apt-get install -y chromium)"),
+    pytest.mark.skipif(
+        not CHROMIUM.exists(),
+        reason="needs Debian's chromium at /usr/bin/chromium (.ci/run installs it: apt-get install -y chromium)",
+    ),
     pytest.mark.django_db(transaction=True),
 ]
 sync_api = pytest.importorskip("playwright.sync_api", reason="needs the playwright package (the dev extra)")
@@ -61,7 +70,9 @@ def server(processes, make_executor):
 def sign_in(browser, base: str, username: str, password: str, errors: list[str]):
     context = browser.new_context(viewport={"width": 1500, "height": 1100})
     page = context.new_page()
-    page.on("console", lambda message: errors.append(f"{username}: {message.text}") if message.type == "error" else None)
+    page.on(
+        "console", lambda message: errors.append(f"{username}: {message.text}") if message.type == "error" else None
+    )
     page.on("pageerror", lambda error: errors.append(f"{username}: {error}"))
     page.goto(base + "/dashboard/")
     page.fill("#id_username", username)
@@ -82,14 +93,20 @@ def test_operators_act_on_the_dashboard_and_members_only_watch(server):
             page.get_by_label("weight of a", exact=True).fill("3")
             page.get_by_label("save weight of a", exact=True).click()
             sync_api.expect(page.locator("#notice")).to_have_text("weight of a: done")
-            wait_until(lambda: api_get(base, token, "/api/policy/")["team_weights"] == {"a": 3.0}, timeout=10,
-                       what="the weight in /api/policy/")
+            wait_until(
+                lambda: api_get(base, token, "/api/policy/")["team_weights"] == {"a": 3.0},
+                timeout=10,
+                what="the weight in /api/policy/",
+            )
 
             page.get_by_label("capacity of shared", exact=True).fill("9")
             page.get_by_label("save capacity of shared", exact=True).click()
             sync_api.expect(page.locator("#notice")).to_have_text("capacity of shared: done")
-            wait_until(lambda: api_get(base, token, f"/api/executors/{executor_id}/")["max_concurrency"] == 9,
-                       timeout=10, what="the capacity in /api/executors/")
+            wait_until(
+                lambda: api_get(base, token, f"/api/executors/{executor_id}/")["max_concurrency"] == 9,
+                timeout=10,
+                what="the capacity in /api/executors/",
+            )
             # The page shows what the server now holds, pushed back to it.
             sync_api.expect(page.locator("#executors")).to_contain_text("0 / 9")
 
@@ -133,11 +150,21 @@ def test_live_updates_leave_a_field_being_edited_alone(server):
     stop = threading.Event()
 
     def submit_forever() -> None:
-        body = json.dumps({"type": "chat", "team": "a", "requirements": {"model": "m"},
-                           "input": {"messages": [{"role": "user", "content": "hi"}]}}).encode()
+        body = json.dumps(
+            {
+                "type": "chat",
+                "team": "a",
+                "requirements": {"model": "m"},
+                "input": {"messages": [{"role": "user", "content": "hi"}]},
+            }
+        ).encode()
         while not stop.wait(0.15):
-            request = urllib.request.Request(base + "/api/jobs/", data=body, method="POST", headers={
-                "Authorization": f"Token {member_token}", "Content-Type": "application/json"})
+            request = urllib.request.Request(
+                base + "/api/jobs/",
+                data=body,
+                method="POST",
+                headers={"Authorization": f"Token {member_token}", "Content-Type": "application/json"},
+            )
             urllib.request.urlopen(request, timeout=10).close()
 
     with sync_api.sync_playwright() as playwright:

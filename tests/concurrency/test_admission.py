@@ -19,8 +19,13 @@ pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.django_db(tran
 
 def submit_many(user, team: str, n: int, est: int = 0) -> list[int]:
     return [
-        job_submit(user=user, team=team, type="chat", requirements={"model": "m", "est_tokens": est},
-                   input={"messages": [{"role": "user", "content": "go"}]}).pk
+        job_submit(
+            user=user,
+            team=team,
+            type="chat",
+            requirements={"model": "m", "est_tokens": est},
+            input={"messages": [{"role": "user", "content": "go"}]},
+        ).pk
         for _ in range(n)
     ]
 
@@ -28,8 +33,14 @@ def submit_many(user, team: str, n: int, est: int = 0) -> list[int]:
 def test_team_owned_executor_never_receives_another_teams_job(processes, member_setup):
     alice, bob, team_a, team_b, shared = member_setup
     Executor.objects.filter(pk=shared.pk).update(max_concurrency=2, meta={"latency_ms": 20})
-    Executor.objects.create(name="a-box", kind="sim", team=team_a, capabilities={"models": ["m"]},
-                            max_concurrency=8, meta={"latency_ms": 20})
+    Executor.objects.create(
+        name="a-box",
+        kind="sim",
+        team=team_a,
+        capabilities={"models": ["m"]},
+        max_concurrency=8,
+        meta={"latency_ms": 20},
+    )
     a_jobs = submit_many(alice, "a", 60)
     submit_many(bob, "b", 60)
     for i in range(2):
@@ -37,8 +48,8 @@ def test_team_owned_executor_never_receives_another_teams_job(processes, member_
     wait_until(lambda: not Job.objects.exclude(status="done").exists(), timeout=90, interval=0.2, what="all done")
 
     placed = Counter(
-        (team, name) for team, name in
-        JobEvent.objects.filter(event="placed").values_list("job__team__slug", "executor__name")
+        (team, name)
+        for team, name in JobEvent.objects.filter(event="placed").values_list("job__team__slug", "executor__name")
     )
     assert placed[("b", "a-box")] == 0, "team b's jobs never ran on team a's executor"
     assert placed[("a", "a-box")] > 0 and placed[("b", "shared")] == 60
@@ -49,8 +60,9 @@ def test_team_owned_executor_never_receives_another_teams_job(processes, member_
 def test_granted_team_may_use_a_team_owned_executor(processes, member_setup):
     alice, bob, team_a, team_b, shared = member_setup
     Executor.objects.filter(pk=shared.pk).update(enabled=False)
-    box = Executor.objects.create(name="a-box", kind="sim", team=team_a, capabilities={"models": ["m"]},
-                                  max_concurrency=4, meta={"latency_ms": 0})
+    box = Executor.objects.create(
+        name="a-box", kind="sim", team=team_a, capabilities={"models": ["m"]}, max_concurrency=4, meta={"latency_ms": 0}
+    )
     Executor.objects.filter(pk=shared.pk).update(enabled=True)
     b_jobs = submit_many(bob, "b", 3)
     Executor.objects.filter(pk=shared.pk).update(enabled=False)
@@ -73,8 +85,12 @@ def test_token_budget_holds_under_four_workers(processes, member_setup):
     # When four workers drain it...
     for i in range(4):
         processes.worker(f"w{i}", concurrency=16)
-    wait_until(lambda: JobEvent.objects.filter(event="deferred", job__isnull=True).exists(), timeout=90,
-               interval=0.2, what="the budget to run out")
+    wait_until(
+        lambda: JobEvent.objects.filter(event="deferred", job__isnull=True).exists(),
+        timeout=90,
+        interval=0.2,
+        what="the budget to run out",
+    )
     wait_until(lambda: not Job.objects.filter(status="running").exists(), timeout=30, what="in-flight work to end")
     # ...another team is served while team a is deferred.
     (bobs,) = submit_many(bob, "b", 1)
@@ -86,8 +102,10 @@ def test_token_budget_holds_under_four_workers(processes, member_setup):
     done = Job.objects.filter(team__slug="a", status="done")
     billed = sum(done.values_list("tokens_used", flat=True))
     overshoot = row.tokens - limit
-    print(f"\nbudget {limit}: billed {row.tokens} tokens for {done.count()} jobs, overshoot {overshoot} "
-          f"(bound: {slots} slots x estimate {estimate} = {slots * estimate})")
+    print(
+        f"\nbudget {limit}: billed {row.tokens} tokens for {done.count()} jobs, overshoot {overshoot} "
+        f"(bound: {slots} slots x estimate {estimate} = {slots * estimate})"
+    )
     assert row.tokens == billed
     assert row.reserved_tokens == 0 and row.reserved_requests == 0
     assert overshoot <= slots * estimate
@@ -98,5 +116,8 @@ def test_token_budget_holds_under_four_workers(processes, member_setup):
 
     # And when the window resets (moved into the past here), the deferred jobs run again.
     Usage.objects.update(window_start=row.window_start - timedelta(days=1))
-    wait_until(lambda: Job.objects.filter(team__slug="a", status="done").count() > counts["done"], timeout=30,
-               what="deferred jobs to run in the new window")
+    wait_until(
+        lambda: Job.objects.filter(team__slug="a", status="done").count() > counts["done"],
+        timeout=30,
+        what="deferred jobs to run in the new window",
+    )

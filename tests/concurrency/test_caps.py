@@ -23,10 +23,12 @@ def test_four_workers_never_exceed_any_cap(processes, make_user, make_team):
     # Given two executors on one real HTTP model server (counted apart by path), caps at all four
     # scopes below the offered load (4 workers x 16 = 64 dispatches), and 500 jobs from three users.
     base = processes.simllm(latency_ms=40)
-    e1 = Executor.objects.create(name="e1", kind="local-model", endpoint=f"{base}/e1/v1",
-                                 capabilities={"models": ["m"]}, max_concurrency=6)
-    e2 = Executor.objects.create(name="e2", kind="local-model", endpoint=f"{base}/e2/v1",
-                                 capabilities={"models": ["m"]}, max_concurrency=3)
+    e1 = Executor.objects.create(
+        name="e1", kind="local-model", endpoint=f"{base}/e1/v1", capabilities={"models": ["m"]}, max_concurrency=6
+    )
+    e2 = Executor.objects.create(
+        name="e2", kind="local-model", endpoint=f"{base}/e2/v1", capabilities={"models": ["m"]}, max_concurrency=3
+    )
     a1, a2, b1 = make_user("a1"), make_user("a2"), make_user("b1")
     team_a, team_b = make_team("a", {a1: "member", a2: "member"}), make_team("b", {b1: "member"})
     caps = {"global": 8, "team_a": 5, "user_a1": 3}
@@ -35,16 +37,25 @@ def test_four_workers_never_exceed_any_cap(processes, make_user, make_team):
     QuotaPolicy.objects.create(scope="user", subject="a1", dimension="ai.concurrency", limit=caps["user_a1"])
     for user, team, n in ((a1, "a", 200), (a2, "a", 150), (b1, "b", 150)):
         for i in range(n):
-            job_submit(user=user, team=team, type="chat", requirements={"model": "m", "est_tokens": 10},
-                       input={"messages": [{"role": "user", "content": f"job {i}"}], "max_tokens": 4})
+            job_submit(
+                user=user,
+                team=team,
+                type="chat",
+                requirements={"model": "m", "est_tokens": 10},
+                input={"messages": [{"role": "user", "content": f"job {i}"}], "max_tokens": 4},
+            )
     sampler = SlotSampler()
     sampler.start()
 
     # When four worker processes drain the queue.
     workers = [processes.worker(f"w{i}", concurrency=16) for i in range(4)]
     try:
-        wait_until(lambda: not Job.objects.exclude(status__in=Job.TERMINAL).exists(), timeout=240, interval=0.5,
-                   what="all 500 jobs to finish")
+        wait_until(
+            lambda: not Job.objects.exclude(status__in=Job.TERMINAL).exists(),
+            timeout=240,
+            interval=0.5,
+            what="all 500 jobs to finish",
+        )
     finally:
         sampler.stop.set()
         sampler.join()

@@ -35,8 +35,15 @@ def submit_many(users_teams: list[tuple], n: int) -> list[int]:
     ids = []
     for i in range(n):
         user, team = users_teams[i % len(users_teams)]
-        ids.append(job_submit(user=user, team=team, type="chat", requirements={"model": "m", "est_tokens": 10},
-                              input={"messages": [{"role": "user", "content": f"job {i}"}], "max_tokens": 4}).pk)
+        ids.append(
+            job_submit(
+                user=user,
+                team=team,
+                type="chat",
+                requirements={"model": "m", "est_tokens": 10},
+                input={"messages": [{"role": "user", "content": f"job {i}"}], "max_tokens": 4},
+            ).pk
+        )
     return ids
 
 
@@ -71,14 +78,17 @@ def never_give_up():
 
 
 def test_sigkill_storm_loses_nothing_finishes_nothing_twice_and_keeps_every_cap(
-        processes, make_user, make_team, never_give_up):
+    processes, make_user, make_team, never_give_up
+):
     # Given two executors on a real model server (counted apart by path), caps at every scope that
     # bind under the load of four workers, and 1,000 jobs from three users of two teams...
     base = processes.simllm(latency_ms=120)
-    e1 = Executor.objects.create(name="e1", kind="local-model", endpoint=f"{base}/e1/v1",
-                                 capabilities={"models": ["m"]}, max_concurrency=6)
-    e2 = Executor.objects.create(name="e2", kind="local-model", endpoint=f"{base}/e2/v1",
-                                 capabilities={"models": ["m"]}, max_concurrency=4)
+    e1 = Executor.objects.create(
+        name="e1", kind="local-model", endpoint=f"{base}/e1/v1", capabilities={"models": ["m"]}, max_concurrency=6
+    )
+    e2 = Executor.objects.create(
+        name="e2", kind="local-model", endpoint=f"{base}/e2/v1", capabilities={"models": ["m"]}, max_concurrency=4
+    )
     a1, a2, b1 = make_user("a1"), make_user("a2"), make_user("b1")
     team_a, _ = make_team("a", {a1: "member", a2: "member"}), make_team("b", {b1: "member"})
     caps = {"global": 8, "team": 5, "user": 3}
@@ -132,12 +142,16 @@ def test_a_worker_frozen_past_its_lease_has_no_write_accepted_when_it_thaws(proc
     alice = member_setup[0]
     base = processes.simllm(latency_ms=2000)
     Executor.objects.filter(name="shared").update(enabled=False)
-    Executor.objects.create(name="slow", kind="local-model", endpoint=f"{base}/v1", capabilities={"models": ["m"]},
-                            max_concurrency=3)
+    Executor.objects.create(
+        name="slow", kind="local-model", endpoint=f"{base}/v1", capabilities={"models": ["m"]}, max_concurrency=3
+    )
     job_ids = submit_many([(alice, "a")], 3)
     frozen = processes.worker("frozen", concurrency=3, lease=LEASE)
-    wait_until(lambda: Job.objects.filter(status="running", worker="frozen").count() == 3, timeout=30,
-               what="the worker to hold three jobs")
+    wait_until(
+        lambda: Job.objects.filter(status="running", worker="frozen").count() == 3,
+        timeout=30,
+        what="the worker to hold three jobs",
+    )
 
     # When it is SIGSTOPped, its lease runs out, another worker takes the jobs over and finishes
     # them, and only then is the first one SIGCONTed (its model calls answered meanwhile)...
@@ -148,8 +162,9 @@ def test_a_worker_frozen_past_its_lease_has_no_write_accepted_when_it_thaws(proc
 
     def refused_or_aborted() -> bool:
         text = frozen.log_path.read_text()
-        return all(f"job {i}: result refused" in text or f"job {i} dispatch aborted: lease lost" in text
-                   for i in job_ids)
+        return all(
+            f"job {i}: result refused" in text or f"job {i} dispatch aborted: lease lost" in text for i in job_ids
+        )
 
     wait_until(refused_or_aborted, timeout=30, what="the thawed worker to be refused or to give up")
     time.sleep(LEASE)  # a heartbeat or two more from the thawed worker
@@ -168,27 +183,35 @@ def test_fifty_cut_connections_cost_nothing(processes, make_user, make_team, nev
     alice = make_user("alice")
     make_team("a", {alice: "member"})
     base = processes.simllm(latency_ms=60)
-    Executor.objects.create(name="e", kind="local-model", endpoint=f"{base}/v1", capabilities={"models": ["m"]},
-                            max_concurrency=12)
+    Executor.objects.create(
+        name="e", kind="local-model", endpoint=f"{base}/v1", capabilities={"models": ["m"]}, max_concurrency=12
+    )
     job_ids = submit_many([(alice, "a")], 400)
-    workers = [processes.worker(f"w{i}", concurrency=8, lease=LEASE, PGAPPNAME="telemachus-fault-worker")
-               for i in range(3)]
+    workers = [
+        processes.worker(f"w{i}", concurrency=8, lease=LEASE, PGAPPNAME="telemachus-fault-worker") for i in range(3)
+    ]
     wait_until(lambda: Job.objects.filter(status="done").exists(), timeout=60, what="work to start")
 
     # When every database connection of the workers (queries and LISTEN) is terminated, 50 times...
     cut = 0
     for _ in range(50):
         with connection.cursor() as cursor:
-            cursor.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                           "WHERE application_name = 'telemachus-fault-worker'")
+            cursor.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE application_name = 'telemachus-fault-worker'"
+            )
             cut += cursor.fetchone()[0]
         time.sleep(0.15)
 
     # Then the workers reconnect by themselves and make progress within 30 s...
     assert cut >= 50
     before = Job.objects.filter(status="done").count()
-    wait_until(lambda: Job.objects.filter(status="done").count() > before or before == 400, timeout=30,
-               interval=0.2, what="progress after the last cut")
+    wait_until(
+        lambda: Job.objects.filter(status="done").count() > before or before == 400,
+        timeout=30,
+        interval=0.2,
+        what="progress after the last cut",
+    )
     # ...and finish everything, each job once.
     wait_until(lambda: statuses() == {"done": 400}, timeout=120, interval=0.5, what="all jobs done")
     assert_each_finished_once(job_ids)
@@ -200,21 +223,29 @@ def pg_version() -> str:
 
 
 def restart_postgres() -> None:
-    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", pg_version(), "main", "restart"],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        ["pg_ctlcluster", "--skip-systemctl-redirect", pg_version(), "main", "restart"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
 
 
-@pytest.mark.skipif(os.environ.get("TELEMACHUS_FAULT_RESTART_PG") != "1",
-                    reason="restarts the shared PostgreSQL server: set TELEMACHUS_FAULT_RESTART_PG=1 (CI does)")
-@pytest.mark.skipif(shutil.which("pg_ctlcluster") is None or not os.path.isdir("/etc/postgresql"),
-                    reason="needs pg_ctlcluster")
+@pytest.mark.skipif(
+    os.environ.get("TELEMACHUS_FAULT_RESTART_PG") != "1",
+    reason="restarts the shared PostgreSQL server: set TELEMACHUS_FAULT_RESTART_PG=1 (CI does)",
+)
+@pytest.mark.skipif(
+    shutil.which("pg_ctlcluster") is None or not os.path.isdir("/etc/postgresql"), reason="needs pg_ctlcluster"
+)
 def test_postgres_restarted_three_times_mid_run(processes, make_user, make_team, never_give_up, api):
     # Given the API (daphne) and two workers draining 300 jobs...
     alice = make_user("alice")
     make_team("a", {alice: "member"})
     base = processes.simllm(latency_ms=100)
-    Executor.objects.create(name="e", kind="local-model", endpoint=f"{base}/v1", capabilities={"models": ["m"]},
-                            max_concurrency=8)
+    Executor.objects.create(
+        name="e", kind="local-model", endpoint=f"{base}/v1", capabilities={"models": ["m"]}, max_concurrency=8
+    )
     token = api(alice)._credentials["HTTP_AUTHORIZATION"]
     port = free_port()
     processes.spawn("daphne", "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "telemachus.asgi:application")
@@ -243,8 +274,12 @@ def test_postgres_restarted_three_times_mid_run(processes, make_user, make_team,
         connection.close()
         # Then within 30 s the API answers again and the workers make progress, by themselves.
         wait_until(api_answers, timeout=30, interval=0.5, what="the API to answer after the restart")
-        wait_until(lambda before=before: done() > before or done() == 300, timeout=30 - (time.monotonic() - restarted),
-                   interval=0.5, what="the workers to make progress after the restart")
+        wait_until(
+            lambda before=before: done() > before or done() == 300,
+            timeout=30 - (time.monotonic() - restarted),
+            interval=0.5,
+            what="the workers to make progress after the restart",
+        )
 
     # And in the end nothing was lost and nothing finished twice.
     wait_until(lambda: statuses() == {"done": 300}, timeout=120, interval=0.5, what="all jobs done")

@@ -31,8 +31,13 @@ def model_server(processes, member_setup):
     def start(latency_ms: float = 200, max_concurrency: int = 1) -> tuple[str, Executor]:
         base = processes.simllm(latency_ms=latency_ms)
         Executor.objects.filter(name="shared").update(enabled=False)
-        executor = Executor.objects.create(name="llm", kind="local-model", endpoint=f"{base}/v1",
-                                           capabilities={"models": ["m"]}, max_concurrency=max_concurrency)
+        executor = Executor.objects.create(
+            name="llm",
+            kind="local-model",
+            endpoint=f"{base}/v1",
+            capabilities={"models": ["m"]},
+            max_concurrency=max_concurrency,
+        )
         return base, executor
 
     return start
@@ -44,14 +49,29 @@ def close_connection() -> None:
 
 
 def submit_flow(user, rounds: int, team: str = "a", **input_extra) -> Job:
-    return job_submit(user=user, team=team, type="flow", requirements={"model": "m", "est_tokens": 10},
-                      input={"messages": [{"role": "user", "content": f"work [rounds:{rounds}]"}], "tools": ["echo"],
-                             "max_rounds": 200, **input_extra})
+    return job_submit(
+        user=user,
+        team=team,
+        type="flow",
+        requirements={"model": "m", "est_tokens": 10},
+        input={
+            "messages": [{"role": "user", "content": f"work [rounds:{rounds}]"}],
+            "tools": ["echo"],
+            "max_rounds": 200,
+            **input_extra,
+        },
+    )
 
 
 def submit_chat(user, team: str, priority: int = 0, text: str = "hello") -> Job:
-    return job_submit(user=user, team=team, type="chat", priority=priority, requirements={"model": "m"},
-                      input={"messages": [{"role": "user", "content": text}], "max_tokens": 8})
+    return job_submit(
+        user=user,
+        team=team,
+        type="chat",
+        priority=priority,
+        requirements={"model": "m"},
+        input={"messages": [{"role": "user", "content": text}], "max_tokens": 8},
+    )
 
 
 def flow_requests(base: str, job: Job) -> int:
@@ -66,8 +86,9 @@ def last_round_started(job: Job, before: int | None = None) -> int:
 
 
 def rounds_finished(job: Job) -> list[int]:
-    return list(JobEvent.objects.filter(job=job, event="round_finished").order_by("id")
-                .values_list("meta__round", flat=True))
+    return list(
+        JobEvent.objects.filter(job=job, event="round_finished").order_by("id").values_list("meta__round", flat=True)
+    )
 
 
 def test_one_slot_shared_by_a_20_round_flow_and_10_chats(processes, member_setup, model_server):
@@ -122,8 +143,14 @@ def test_sigkill_mid_round_reruns_only_that_round(processes, member_setup, model
     base, _ = model_server(latency_ms=1500)
     flow = submit_flow(alice, 5)
     doomed = processes.worker("doomed", concurrency=4, lease=3)
-    wait_until(lambda: JobEvent.objects.filter(job=flow, event="round_started", meta__round=2).exists()
-               and http_json(f"{base}/stats")["in_flight"] == 1, timeout=30, what="round 2 in flight")
+    wait_until(
+        lambda: (
+            JobEvent.objects.filter(job=flow, event="round_started", meta__round=2).exists()
+            and http_json(f"{base}/stats")["in_flight"] == 1
+        ),
+        timeout=30,
+        what="round 2 in flight",
+    )
 
     # When its worker is killed in the middle of round 2's model call...
     doomed.send_signal(signal.SIGKILL)
@@ -154,8 +181,11 @@ def test_tokens_per_round_add_up_in_the_ledger_and_budgets_gate_each_round(proce
     processes.worker("w", concurrency=4)
 
     # When it runs, it stops at the round that found the budget spent: deferred, holding nothing...
-    wait_until(lambda: JobEvent.objects.filter(job=flow, event="deferred").exists(), timeout=30,
-               what="the flow deferred by its budget")
+    wait_until(
+        lambda: JobEvent.objects.filter(job=flow, event="deferred").exists(),
+        timeout=30,
+        what="the flow deferred by its budget",
+    )
     time.sleep(1.5)
     flow.refresh_from_db()
     stopped_at = flow.rounds
@@ -213,10 +243,15 @@ def test_a_governed_slot_waits_like_a_round_and_bills_what_it_reports(processes,
         with governed_slot(user=alice, team="a", model="m", est_tokens=50, timeout=60) as slot:
             seen["chat_status"] = Job.objects.get(pk=chat.pk).status
             seen["slots"] = Slot.objects.count()
-            reply = httpx.post(f"{slot.endpoint}/chat/completions", timeout=30, headers=slot.headers(),
-                               json={"model": slot.model, "messages": [{"role": "user", "content": "mine"}]}).json()
-            slot.report(prompt_tokens=reply["usage"]["prompt_tokens"],
-                        completion_tokens=reply["usage"]["completion_tokens"])
+            reply = httpx.post(
+                f"{slot.endpoint}/chat/completions",
+                timeout=30,
+                headers=slot.headers(),
+                json={"model": slot.model, "messages": [{"role": "user", "content": "mine"}]},
+            ).json()
+            slot.report(
+                prompt_tokens=reply["usage"]["prompt_tokens"], completion_tokens=reply["usage"]["completion_tokens"]
+            )
             seen["slot"] = slot
         close_connection()
 

@@ -27,24 +27,40 @@ def one_slot(member_setup):
 
 
 def submit(user, team, priority=0):
-    return job_submit(user=user, team=team, type="chat", priority=priority, requirements={"model": "m"},
-                      input={"messages": [{"role": "user", "content": "x"}]})
+    return job_submit(
+        user=user,
+        team=team,
+        type="chat",
+        priority=priority,
+        requirements={"model": "m"},
+        input={"messages": [{"role": "user", "content": "x"}]},
+    )
 
 
 def start_order(processes, jobs, workers=3, **env):
     for i in range(workers):
         processes.worker(f"w{i}", concurrency=4, **env)
     ids = [job.pk for job in jobs]
-    wait_until(lambda: Job.objects.filter(pk__in=ids, status="done").count() == len(ids), timeout=120,
-               interval=0.2, what="the scenario's jobs to finish")
-    return list(JobEvent.objects.filter(event="started", job__in=ids).order_by("at", "id").values_list("job_id", flat=True))
+    wait_until(
+        lambda: Job.objects.filter(pk__in=ids, status="done").count() == len(ids),
+        timeout=120,
+        interval=0.2,
+        what="the scenario's jobs to finish",
+    )
+    return list(
+        JobEvent.objects.filter(event="started", job__in=ids).order_by("at", "id").values_list("job_id", flat=True)
+    )
 
 
 def test_one_job_of_a_quiet_team_goes_before_a_thousand_of_a_busy_one(processes, one_slot):
     alice, bob, team_a, *_ = one_slot
     first = submit(alice, "a")
-    Job.objects.bulk_create([Job(type="chat", user=alice, team=team_a, model="m", requirements={"model": "m"},
-                                 input={"messages": []}) for _ in range(999)])
+    Job.objects.bulk_create(
+        [
+            Job(type="chat", user=alice, team=team_a, model="m", requirements={"model": "m"}, input={"messages": []})
+            for _ in range(999)
+        ]
+    )
     worker = processes.worker("w0", concurrency=4)
     wait_until(lambda: Job.objects.filter(status="running").exists(), timeout=20, what="team a to start")
     lone = submit(bob, "b")
@@ -113,27 +129,42 @@ def test_depth_cap_with_retry_after(api, one_slot):
     alice = one_slot[0]
     QueuePolicy.objects.filter(pk=1).update(max_queue_depth={"default": 3})
     client = api(alice)
-    body = {"type": "chat", "team": "a", "requirements": {"model": "m"}, "input": {"messages": [{"role": "user", "content": "x"}]}}
+    body = {
+        "type": "chat",
+        "team": "a",
+        "requirements": {"model": "m"},
+        "input": {"messages": [{"role": "user", "content": "x"}]},
+    }
     statuses = [client.post("/api/jobs/", body, format="json") for _ in range(5)]
     assert [r.status_code for r in statuses] == [201, 201, 201, 429, 429]
     assert statuses[3]["Retry-After"] == "60" and statuses[3].json()["error"] == "try_later"
 
 
-@pytest.mark.parametrize(("rule", "expected"), [
-    ("least-loaded", {"small": 1, "big": 3}), ("pack", {"small": 2, "big": 2}), ("weighted", {"small": 1, "big": 3}),
-])
+@pytest.mark.parametrize(
+    ("rule", "expected"),
+    [
+        ("least-loaded", {"small": 1, "big": 3}),
+        ("pack", {"small": 2, "big": 2}),
+        ("weighted", {"small": 1, "big": 3}),
+    ],
+)
 def test_placement_rules_with_workers(processes, member_setup, rule, expected):
     alice = member_setup[0]
     Executor.objects.filter(name="shared").delete()
-    Executor.objects.create(name="small", kind="sim", capabilities={"models": ["m"]}, max_concurrency=2, weight=1,
-                            meta={"latency_ms": 3000})
-    Executor.objects.create(name="big", kind="sim", capabilities={"models": ["m"]}, max_concurrency=6, weight=3,
-                            meta={"latency_ms": 3000})
+    Executor.objects.create(
+        name="small", kind="sim", capabilities={"models": ["m"]}, max_concurrency=2, weight=1, meta={"latency_ms": 3000}
+    )
+    Executor.objects.create(
+        name="big", kind="sim", capabilities={"models": ["m"]}, max_concurrency=6, weight=3, meta={"latency_ms": 3000}
+    )
     QueuePolicy.objects.update_or_create(pk=1, defaults={"placement": rule})
     jobs = [submit(alice, "a") for _ in range(4)]
     processes.worker("w0", concurrency=8)
-    wait_until(lambda: Job.objects.filter(pk__in=[j.pk for j in jobs], status="running").count() == 4, timeout=20,
-               what="all four placed")
+    wait_until(
+        lambda: Job.objects.filter(pk__in=[j.pk for j in jobs], status="running").count() == 4,
+        timeout=20,
+        what="all four placed",
+    )
     placed = list(Job.objects.filter(status="running").values_list("executor__name", flat=True))
     assert {name: placed.count(name) for name in ("small", "big")} == expected
 

@@ -19,8 +19,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 def submit(user, n):
     return [
-        job_submit(user=user, team="a", type="chat", requirements={"model": "m"},
-                   input={"messages": [{"role": "user", "content": str(i)}]})
+        job_submit(
+            user=user,
+            team="a",
+            type="chat",
+            requirements={"model": "m"},
+            input={"messages": [{"role": "user", "content": str(i)}]},
+        )
         for i in range(n)
     ]
 
@@ -32,7 +37,9 @@ def test_worker_drains_the_queue_and_obeys_cancel(processes, member_setup):
     processes.worker("w", concurrency=8)
     wait_until(
         lambda: dict(Job.objects.values_list("status").annotate(n=Count("id"))) == {"done": 20},
-        timeout=60, interval=0.2, what="20 jobs done",
+        timeout=60,
+        interval=0.2,
+        what="20 jobs done",
     )
     assert {j.executor_id for j in Job.objects.filter(pk__in=[j.pk for j in jobs])} == {executor.pk}
 
@@ -56,8 +63,11 @@ def test_a_worker_whose_lease_is_taken_aborts_and_writes_nothing(processes, memb
     # As if the job had been recovered and claimed by another worker: the lease is no longer ours.
     thief = uuid.uuid4()
     Job.objects.filter(pk=job.pk).update(lease=thief)
-    wait_until(lambda: "aborting dispatch (lease lost)" in worker.log_path.read_text(), timeout=10,
-               what="the worker to abort its dispatch at the next heartbeat")
+    wait_until(
+        lambda: "aborting dispatch (lease lost)" in worker.log_path.read_text(),
+        timeout=10,
+        what="the worker to abort its dispatch at the next heartbeat",
+    )
     job.refresh_from_db()
     assert (job.status, job.lease) == ("running", thief)
     assert not job.events.filter(event__in=["finished", "failed", "requeued", "canceled"]).exists()

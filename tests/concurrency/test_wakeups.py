@@ -24,14 +24,24 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 LATENCY_MS, CAP, JOBS = 200, 6, 240
 # Workers that only wake on purpose (the safety timer would cap throughput near CAP a minute),
 # run as deployed: with DEBUG off, Django keeps no log of every query; no line per job either.
-WORKER = {"concurrency": 8, "extra": ("--idle-poll", "60"), "DEBUG": "0", "SECRET_KEY": "test-only-" + "x" * 50,
-          "LOG_LEVEL": "WARNING"}
+WORKER = {
+    "concurrency": 8,
+    "extra": ("--idle-poll", "60"),
+    "DEBUG": "0",
+    "SECRET_KEY": "test-only-" + "x" * 50,
+    "LOG_LEVEL": "WARNING",
+}
 
 
 def submit(user, team: str, n: int = 1) -> list[int]:
     return [
-        job_submit(user=user, team=team, type="chat", requirements={"model": "m"},
-                   input={"messages": [{"role": "user", "content": f"#{i}"}], "max_tokens": 4}).pk
+        job_submit(
+            user=user,
+            team=team,
+            type="chat",
+            requirements={"model": "m"},
+            input={"messages": [{"role": "user", "content": f"#{i}"}], "max_tokens": 4},
+        ).pk
         for i in range(n)
     ]
 
@@ -41,13 +51,17 @@ def drain_at_cap(scope: str, processes, make_user, make_team) -> None:
     # executor's max_concurrency; or 3 for each of two teams; or 3 for each of two users), and
     # 240 jobs from two teams...
     base = processes.simllm(latency_ms=LATENCY_MS)
-    executor = Executor.objects.create(name="gpu", kind="local-model", endpoint=f"{base}/v1",
-                                       capabilities={"models": ["m"]},
-                                       max_concurrency=CAP if scope == "executor" else 100)
+    executor = Executor.objects.create(
+        name="gpu",
+        kind="local-model",
+        endpoint=f"{base}/v1",
+        capabilities={"models": ["m"]},
+        max_concurrency=CAP if scope == "executor" else 100,
+    )
     a1, b1 = make_user("a1"), make_user("b1")
     team_a, team_b = make_team("a", {a1: "member"}), make_team("b", {b1: "member"})
     if scope != "executor":
-        for subject in (("a", "b") if scope == "team" else ("a1", "b1")):
+        for subject in ("a", "b") if scope == "team" else ("a1", "b1"):
             QuotaPolicy.objects.create(scope=scope, subject=subject, dimension="ai.concurrency", limit=CAP // 2)
     for _ in range(JOBS // 20):
         submit(a1, "a", 10)
@@ -57,8 +71,12 @@ def drain_at_cap(scope: str, processes, make_user, make_team) -> None:
     # Sampling every 20 ms sees every 200 ms job's slot, without taking CPU from the workers.
     with SlotSampler(interval=0.02) as sampler:
         workers = [processes.worker(f"w{i}", **WORKER) for i in range(2)]
-        wait_until(lambda: not Job.objects.exclude(status="done").exists(), timeout=240, interval=0.2,
-                   what=f"all {JOBS} jobs to finish")
+        wait_until(
+            lambda: not Job.objects.exclude(status="done").exists(),
+            timeout=240,
+            interval=0.2,
+            what=f"all {JOBS} jobs to finish",
+        )
 
     # Then the cap held on the wire and in the database, and bound: the queue was kept waiting...
     stats = http_json(f"{base}/stats")

@@ -19,8 +19,13 @@ pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.django_db(tran
 
 def submit_many(user, team: str, n: int, model: str = "m") -> list[Job]:
     return [
-        job_submit(user=user, team=team, type="chat", requirements={"model": model},
-                   input={"messages": [{"role": "user", "content": f"#{i}"}]})
+        job_submit(
+            user=user,
+            team=team,
+            type="chat",
+            requirements={"model": model},
+            input={"messages": [{"role": "user", "content": f"#{i}"}]},
+        )
         for i in range(n)
     ]
 
@@ -36,9 +41,13 @@ def test_sigkilled_worker_loses_nothing_and_finishes_nothing_twice(processes, me
     jobs = submit_many(alice, "a", 12)
     doomed = processes.worker("doomed", concurrency=4, lease=3)
     held = wait_until(
-        lambda: list(Job.objects.filter(status="running", worker="doomed").values_list("pk", flat=True))
-        if Job.objects.filter(status="running", worker="doomed").count() == 4 else None,
-        timeout=30, what="the worker to hold 4 running jobs",
+        lambda: (
+            list(Job.objects.filter(status="running", worker="doomed").values_list("pk", flat=True))
+            if Job.objects.filter(status="running", worker="doomed").count() == 4
+            else None
+        ),
+        timeout=30,
+        what="the worker to hold 4 running jobs",
     )
 
     # When it is killed mid-job and another worker takes over...

@@ -64,48 +64,87 @@ class FaultServer:
             return await respond(send, 503, error_body("switched off", "server_error"))
         if mode == "429":
             payload = json.dumps(error_body("slow down", "rate_limit")).encode()
-            await send({"type": "http.response.start", "status": 429,
-                        "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 429,
+                    "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1")],
+                }
+            )
             return await send({"type": "http.response.body", "body": payload})
         if mode == "404model":
-            return await respond(send, 404, error_body(f"The model '{body.get('model')}' does not exist", "model_not_found"))
+            return await respond(
+                send, 404, error_body(f"The model '{body.get('model')}' does not exist", "model_not_found")
+            )
         if mode == "hang":
             await asyncio.sleep(3600)
         if mode == "malformed":
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+            )
             return await send({"type": "http.response.body", "body": b'{"choices": [{"message": '})
         if mode == "reset":
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+            )
             chunk = {"choices": [{"index": 0, "delta": {"content": "partial"}, "finish_reason": None}]}
-            await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(), "more_body": True})
+            await send(
+                {"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(), "more_body": True}
+            )
             raise ConnectionResetError("dropping the connection mid-stream, on purpose")
         if mode == "nan":
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+            )
             body = b'{"choices": [{"message": {"role": "assistant", "content": "x"}}], "usage": {"prompt_tokens": NaN}}'
             return await send({"type": "http.response.body", "body": body})
         if mode == "nul":
-            return await respond(send, 200, {
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "bad\u0000byte"},
-                             "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1},
-            })
+            return await respond(
+                send,
+                200,
+                {
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": "bad\u0000byte"},
+                            "finish_reason": "stop",
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1},
+                },
+            )
         if mode == "nousage":
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+            )
             for word in ("one", " two", " three"):
                 chunk = {"model": MODEL, "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]}
-                await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(), "more_body": True})
+                await send(
+                    {"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(), "more_body": True}
+                )
             return await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
         if mode == "auth":
             expected = f"Bearer {os.environ.get('FAULT_EXPECTED_KEY', '')}".encode()
             got = headers.get(b"authorization", b"")
             if got != expected:
                 return await respond(send, 401, error_body(f"invalid credentials: {got.decode()}", "invalid_api_key"))
-        await respond(send, 200, {
-            "id": "chatcmpl-fault", "object": "chat.completion", "model": body.get("model"),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": f"ok from {mode}"},
-                         "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
-        })
+        await respond(
+            send,
+            200,
+            {
+                "id": "chatcmpl-fault",
+                "object": "chat.completion",
+                "model": body.get("model"),
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": f"ok from {mode}"},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+            },
+        )
 
 
 def main() -> None:

@@ -6,8 +6,11 @@ from scheduler.models import Slot
 pytestmark = pytest.mark.django_db
 
 BODY = {
-    "name": "gpu-1", "kind": "local-model", "endpoint": "http://127.0.0.1:9/v1",
-    "capabilities": {"models": ["llama3"], "class": "gpu"}, "max_concurrency": 2,
+    "name": "gpu-1",
+    "kind": "local-model",
+    "endpoint": "http://127.0.0.1:9/v1",
+    "capabilities": {"models": ["llama3"], "class": "gpu"},
+    "max_concurrency": 2,
 }
 
 
@@ -96,11 +99,19 @@ class TestSimKnobs:
 
     SIM = {"name": "sim-1", "kind": "sim", "capabilities": {"models": ["m"]}}
 
-    @pytest.mark.parametrize(("meta", "knob"), [
-        ({"latency_ms": -5}, "latency_ms"), ({"latency_ms": "abc"}, "latency_ms"), ({"latency_ms": 1e12}, "latency_ms"),
-        ({"fail_rate": 2}, "fail_rate"), ({"output_tokens": 2.5}, "output_tokens"), ({"tokens_per_s": True}, "tokens_per_s"),
-        ({"embedding_dims": 0}, "embedding_dims"), ({"jitter_ms": None}, "jitter_ms"),
-    ])
+    @pytest.mark.parametrize(
+        ("meta", "knob"),
+        [
+            ({"latency_ms": -5}, "latency_ms"),
+            ({"latency_ms": "abc"}, "latency_ms"),
+            ({"latency_ms": 1e12}, "latency_ms"),
+            ({"fail_rate": 2}, "fail_rate"),
+            ({"output_tokens": 2.5}, "output_tokens"),
+            ({"tokens_per_s": True}, "tokens_per_s"),
+            ({"embedding_dims": 0}, "embedding_dims"),
+            ({"jitter_ms": None}, "jitter_ms"),
+        ],
+    )
     def test_nonsense_is_a_400_naming_the_knob(self, api, operator, meta, knob):
         response = api(operator).post("/api/executors/", {**self.SIM, "meta": meta}, format="json")
         assert response.status_code == 400
@@ -110,7 +121,14 @@ class TestSimKnobs:
 
     def test_edits_are_checked_and_good_values_pass(self, api, operator):
         client = api(operator)
-        meta = {"latency_ms": 20, "jitter_ms": 5, "tokens_per_s": 40.5, "output_tokens": 8, "fail_rate": 0.1, "note": "x"}
+        meta = {
+            "latency_ms": 20,
+            "jitter_ms": 5,
+            "tokens_per_s": 40.5,
+            "output_tokens": 8,
+            "fail_rate": 0.1,
+            "note": "x",
+        }
         created = client.post("/api/executors/", {**self.SIM, "meta": meta}, format="json")
         assert created.status_code == 201, created.json()
         path = f"/api/executors/{created.json()['id']}/"
@@ -123,9 +141,18 @@ class TestSimKnobs:
 
     def test_the_admin_form_refuses_nonsense(self, operator, client):
         client.force_login(operator)
-        response = client.post("/admin/executors/executor/add/", {
-            "name": "sim-2", "kind": "sim", "capabilities": '{"models": ["m"]}', "max_concurrency": 4, "weight": 1,
-            "enabled": "on", "transport": "{}", "meta": '{"latency_ms": "abc"}',
-        })
+        response = client.post(
+            "/admin/executors/executor/add/",
+            {
+                "name": "sim-2",
+                "kind": "sim",
+                "capabilities": '{"models": ["m"]}',
+                "max_concurrency": 4,
+                "weight": 1,
+                "enabled": "on",
+                "transport": "{}",
+                "meta": '{"latency_ms": "abc"}',
+            },
+        )
         assert response.status_code == 200 and b"meta.latency_ms must be a number" in response.content
         assert not Executor.objects.exists()

@@ -51,8 +51,9 @@ not_importable_by_name = lambda: None  # noqa: E731  (the mistake under test: a 
 
 
 def request(callable: str, *args, job_id: int = 1, type: str = "task", **kwargs) -> DispatchRequest:
-    return DispatchRequest(job_id=job_id, type=type, model="cpu",
-                           input={"callable": callable, "args": list(args), "kwargs": kwargs})
+    return DispatchRequest(
+        job_id=job_id, type=type, model="cpu", input={"callable": callable, "args": list(args), "kwargs": kwargs}
+    )
 
 
 def dispatch(driver: CpuNodeDriver, req: DispatchRequest) -> DispatchResult:
@@ -75,8 +76,10 @@ def alive(pid: int) -> bool:
 
 def max_overlap(intervals: list[tuple[float, float]]) -> int:
     """The most intervals open at one instant (an interval that ends as another starts does not overlap it)."""
-    edges = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals],
-                   key=lambda edge: (edge[0], edge[1]))
+    edges = sorted(
+        [(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals],
+        key=lambda edge: (edge[0], edge[1]),
+    )
     open_now = peak = 0
     for _, step in edges:
         open_now += step
@@ -140,12 +143,18 @@ class TestDispatch:
     @pytest.mark.parametrize(
         ("req", "message"),
         [
-            (DispatchRequest(job_id=1, type="task", model="cpu", input={"args": [1]}),
-             'a task job\'s input must be {"callable": "<task name>", "args": [...], "kwargs": {...}}'),
-            (DispatchRequest(job_id=1, type="task", model="cpu", input={"callable": "telemachus.add", "args": 1}),
-             'a task job\'s input must be {"callable": "<task name>", "args": [...], "kwargs": {...}}'),
-            (DispatchRequest(job_id=1, type="chat", model="cpu", input={"messages": []}),
-             "cpu-0 is a cpu-node executor: it runs task jobs, not 'chat'"),
+            (
+                DispatchRequest(job_id=1, type="task", model="cpu", input={"args": [1]}),
+                'a task job\'s input must be {"callable": "<task name>", "args": [...], "kwargs": {...}}',
+            ),
+            (
+                DispatchRequest(job_id=1, type="task", model="cpu", input={"callable": "telemachus.add", "args": 1}),
+                'a task job\'s input must be {"callable": "<task name>", "args": [...], "kwargs": {...}}',
+            ),
+            (
+                DispatchRequest(job_id=1, type="chat", model="cpu", input={"messages": []}),
+                "cpu-0 is a cpu-node executor: it runs task jobs, not 'chat'",
+            ),
         ],
     )
     def test_input_that_is_not_a_task_call_is_not_retryable(self, make_driver, req, message):
@@ -173,9 +182,13 @@ class TestDispatch:
         nan = dispatch_error(driver, request("test.float", "nan"))
 
         assert not not_json.retryable and not nan.retryable
-        assert str(not_json) == ("task 'test.set' returned a value that is not JSON-serialisable: "
-                                 "Object of type set is not JSON serializable")
-        assert str(nan).startswith("task 'test.float' returned a value that is not JSON-serialisable: Out of range float")
+        assert str(not_json) == (
+            "task 'test.set' returned a value that is not JSON-serialisable: "
+            "Object of type set is not JSON serializable"
+        )
+        assert str(nan).startswith(
+            "task 'test.float' returned a value that is not JSON-serialisable: Out of range float"
+        )
 
 
 class TestRegistry:
@@ -199,11 +212,16 @@ class TestRegistry:
         [
             ("test.multiply", "TELEMACHUS_TASKS entry 'test.multiply' is not name=dotted.path.function"),
             ("=tests.x", "TELEMACHUS_TASKS entry '=tests.x' is not name=dotted.path.function"),
-            ("test.x=no_such_module.fn", "task 'test.x': cannot import no_such_module.fn: No module named 'no_such_module'"),
+            (
+                "test.x=no_such_module.fn",
+                "task 'test.x': cannot import no_such_module.fn: No module named 'no_such_module'",
+            ),
             ("test.x=executors.tasks.BUILTIN_TASKS", "task 'test.x': executors.tasks.BUILTIN_TASKS is not callable"),
-            (f"test.x={MODULE}.not_importable_by_name",
-             f"task 'test.x': {MODULE}.not_importable_by_name cannot be sent to a pool process; "
-             "register a module-level function"),
+            (
+                f"test.x={MODULE}.not_importable_by_name",
+                f"task 'test.x': {MODULE}.not_importable_by_name cannot be sent to a pool process; "
+                "register a module-level function",
+            ),
         ],
     )
     def test_a_broken_entry_is_a_configuration_error_and_a_failed_job(self, make_driver, settings, entry, message):
@@ -228,8 +246,9 @@ class TestDeclaredTasks:
     def test_its_arguments_are_checked_against_the_function(self, make_driver):
         error = dispatch_error(make_driver(), request("tests.scheduler.declared_tasks.add", 2, b=1, c=5))
 
-        assert str(error) == ("bad arguments for task 'tests.scheduler.declared_tasks.add': "
-                              "got an unexpected keyword argument 'c'")
+        assert str(error) == (
+            "bad arguments for task 'tests.scheduler.declared_tasks.add': got an unexpected keyword argument 'c'"
+        )
 
     def test_a_function_that_is_not_a_task_does_not_run(self, make_driver):
         error = dispatch_error(make_driver(), request("tests.scheduler.declared_tasks.not_a_task"))
@@ -279,7 +298,9 @@ class TestPool:
         first_short_pid, cancelled_in, short = asyncio.run(scenario())
 
         assert cancelled_in < 1
-        wait_until(lambda: not alive(int(long_marker.read_text())), timeout=10, what="the cancelled task's process to exit")
+        wait_until(
+            lambda: not alive(int(long_marker.read_text())), timeout=10, what="the cancelled task's process to exit"
+        )
         # The neighbour was running in the killed pool: it started again from the beginning, in a new process.
         assert short_marker.exists() and short.output["value"] != first_short_pid
 
@@ -308,8 +329,13 @@ class TestPool:
 
 
 def submit_task(user, callable: str, *args, **kwargs) -> Job:
-    return job_submit(user=user, team="a", type="task", requirements={"model": "cpu"},
-                      input={"callable": callable, "args": list(args), "kwargs": kwargs})
+    return job_submit(
+        user=user,
+        team="a",
+        type="task",
+        requirements={"model": "cpu"},
+        input={"callable": callable, "args": list(args), "kwargs": kwargs},
+    )
 
 
 @pytest.fixture
@@ -317,8 +343,9 @@ def cpu_node(make_user, make_team):
     """Given alice in team a and a cpu-node executor with two slots of its own."""
     alice = make_user("alice")
     make_team("a", {alice: "member"})
-    executor = Executor.objects.create(name="cpu-1", kind="cpu-node", capabilities={"models": ["cpu"]},
-                                       max_concurrency=2)
+    executor = Executor.objects.create(
+        name="cpu-1", kind="cpu-node", capabilities={"models": ["cpu"]}, max_concurrency=2
+    )
     return alice, executor
 
 
@@ -350,15 +377,24 @@ class TestWithAWorkerProcess:
     def test_cancel_stops_a_running_task_and_frees_its_process(self, processes, cpu_node, tmp_path):
         alice, _ = cpu_node
         marker = tmp_path / "slow"
-        processes.start("w", "scheduler_worker", "--name", "w", "--concurrency", "8",
-                        TELEMACHUS_TASKS=f"test.mark_and_sleep={MODULE}.mark_and_sleep")
+        processes.start(
+            "w",
+            "scheduler_worker",
+            "--name",
+            "w",
+            "--concurrency",
+            "8",
+            TELEMACHUS_TASKS=f"test.mark_and_sleep={MODULE}.mark_and_sleep",
+        )
         slow = submit_task(alice, "test.mark_and_sleep", str(marker), 600)
         wait_until(marker.exists, timeout=30, what="the slow task to start in a pool process")
 
         job_cancel(job_id=slow.pk)
         wait_until(lambda: not alive(int(marker.read_text())), timeout=10, what="the cancelled task's process to exit")
         pair = [submit_task(alice, "telemachus.sleep", 1) for _ in range(2)]
-        wait_until(lambda: statuses() == {"canceled": 1, "done": 2}, timeout=30, interval=0.2, what="two more jobs done")
+        wait_until(
+            lambda: statuses() == {"canceled": 1, "done": 2}, timeout=30, interval=0.2, what="two more jobs done"
+        )
 
         ran = [Job.objects.get(pk=job.pk).result["value"] for job in pair]
         assert max_overlap([(v["started"], v["finished"]) for v in ran]) == 2  # both slots are usable again
@@ -368,8 +404,15 @@ class TestWithAWorkerProcess:
     def test_pool_processes_exit_when_their_worker_is_killed(self, processes, cpu_node, tmp_path):
         alice, _ = cpu_node
         marker = tmp_path / "running"
-        worker = processes.start("w", "scheduler_worker", "--name", "w", "--concurrency", "8",
-                                 TELEMACHUS_TASKS=f"test.mark_and_sleep={MODULE}.mark_and_sleep")
+        worker = processes.start(
+            "w",
+            "scheduler_worker",
+            "--name",
+            "w",
+            "--concurrency",
+            "8",
+            TELEMACHUS_TASKS=f"test.mark_and_sleep={MODULE}.mark_and_sleep",
+        )
         submit_task(alice, "test.mark_and_sleep", str(marker), 600)
         wait_until(marker.exists, timeout=30, what="the task to start in a pool process")
 

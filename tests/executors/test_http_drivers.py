@@ -63,8 +63,18 @@ class TestAgainstSimllm:
         assert (result.prompt_tokens, result.completion_tokens) == (6, 4)
 
     def test_tool_calls_pass_through_plain_and_streamed(self, simllm):
-        tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
-            "type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}}}}}]
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "lookup",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
+                    },
+                },
+            }
+        ]
         plain = run(dispatch(driver(f"{simllm}/v1"), request(tools=tools)))
         streamed = run(dispatch(driver(f"{simllm}/v1"), request(tools=tools, stream=True), []))
         for result in (plain, streamed):
@@ -74,8 +84,13 @@ class TestAgainstSimllm:
         assert plain.output["message"]["tool_calls"][0]["id"] == streamed.output["message"]["tool_calls"][0]["id"]
 
     def test_embeddings(self, simllm):
-        embed = DispatchRequest(job_id=1, type="chat", model="m", input={"input": ["one two", "three"]},
-                                requirements={"model": "m", "api": "embeddings"})
+        embed = DispatchRequest(
+            job_id=1,
+            type="chat",
+            model="m",
+            input={"input": ["one two", "three"]},
+            requirements={"model": "m", "api": "embeddings"},
+        )
         result = run(dispatch(driver(f"{simllm}/v1"), embed))
         assert [item["index"] for item in result.output["data"]] == [0, 1]
         assert len(result.output["data"][0]["embedding"]) == 16 and result.prompt_tokens == 3
@@ -120,7 +135,9 @@ class TestAgainstSimllm:
             await d.aclose()
 
         run(scenario())
-        wait_until(lambda: http_json(f"{base}/stats")["disconnects"] == 1, timeout=5, what="the server to see the hang-up")
+        wait_until(
+            lambda: http_json(f"{base}/stats")["disconnects"] == 1, timeout=5, what="the server to see the hang-up"
+        )
         assert http_json(f"{base}/stats")["in_flight"] == 0
 
 
@@ -190,7 +207,9 @@ class TestFaults:
 class TestRemoteModel:
     def test_sends_the_key_from_the_named_environment_variable(self, faults, monkeypatch):
         monkeypatch.setenv("TEST_REMOTE_KEY", "sk-test-0123456789")
-        result = run(dispatch(driver(f"{faults}/auth/v1", kind="remote-model", api_key_env="TEST_REMOTE_KEY"), request()))
+        result = run(
+            dispatch(driver(f"{faults}/auth/v1", kind="remote-model", api_key_env="TEST_REMOTE_KEY"), request())
+        )
         assert result.output["message"]["content"] == "ok from auth"
 
     def test_the_key_is_redacted_from_upstream_errors(self, faults, monkeypatch):

@@ -10,8 +10,12 @@ from scheduler.services.submit import job_submit
 from tests.processes import free_port, wait_until
 
 KEY = "sk-live-telemachus-5ecret-key-0042"
-REMOTE = {"name": "hosted", "kind": "remote-model", "capabilities": {"models": ["m"]},
-          "transport": {"api_key_env": "HOSTED_API_KEY"}}
+REMOTE = {
+    "name": "hosted",
+    "kind": "remote-model",
+    "capabilities": {"models": ["m"]},
+    "transport": {"api_key_env": "HOSTED_API_KEY"},
+}
 
 
 @pytest.mark.slow
@@ -24,11 +28,21 @@ def test_the_api_key_never_leaves_the_environment(processes, api, operator, memb
     wrong = processes.faultserver(FAULT_EXPECTED_KEY="something-else")
     admin_api = api(operator)
     for name, base in (("hosted", right), ("echoing", wrong)):
-        response = admin_api.post("/api/executors/", {**REMOTE, "name": name, "endpoint": f"{base}/auth/v1"}, format="json")
+        response = admin_api.post(
+            "/api/executors/", {**REMOTE, "name": name, "endpoint": f"{base}/auth/v1"}, format="json"
+        )
         assert response.status_code == 201, response.json()
     Executor.objects.filter(name="echoing").update(weight=5)
-    jobs = [job_submit(user=alice, team="a", type="chat", requirements={"model": "m"},
-                       input={"messages": [{"role": "user", "content": "hi"}]}) for _ in range(2)]
+    jobs = [
+        job_submit(
+            user=alice,
+            team="a",
+            type="chat",
+            requirements={"model": "m"},
+            input={"messages": [{"role": "user", "content": "hi"}]},
+        )
+        for _ in range(2)
+    ]
     worker = processes.worker("w", HOSTED_API_KEY=KEY, TELEMACHUS_PROBE_INTERVAL_SECONDS="0.5")
     wait_until(lambda: not Job.objects.exclude(status__in=Job.TERMINAL).exists(), timeout=30, what="jobs to end")
     wait_until(lambda: Executor.objects.filter(last_probed_at__isnull=False).count() == 2, timeout=10, what="probes")
@@ -39,15 +53,27 @@ def test_the_api_key_never_leaves_the_environment(processes, api, operator, memb
     assert "invalid credentials: Bearer ***" in failed.error
 
     client.force_login(operator)
-    pages = [admin_api.get(path).content for path in (
-        "/api/executors/", *(f"/api/executors/{e.pk}/" for e in Executor.objects.all()),
-        *(f"/api/executors/{e.pk}/events/" for e in Executor.objects.all()), "/api/queue/", "/api/jobs/",
-        *(f"/api/jobs/{j.pk}/events/" for j in jobs),
-    )]
-    pages += [client.get(path).content for path in (
-        "/admin/executors/executor/", *(f"/admin/executors/executor/{e.pk}/change/" for e in Executor.objects.all()),
-        "/admin/scheduler/job/", *(f"/admin/scheduler/job/{j.pk}/change/" for j in jobs), "/admin/scheduler/jobevent/",
-    )]
+    pages = [
+        admin_api.get(path).content
+        for path in (
+            "/api/executors/",
+            *(f"/api/executors/{e.pk}/" for e in Executor.objects.all()),
+            *(f"/api/executors/{e.pk}/events/" for e in Executor.objects.all()),
+            "/api/queue/",
+            "/api/jobs/",
+            *(f"/api/jobs/{j.pk}/events/" for j in jobs),
+        )
+    ]
+    pages += [
+        client.get(path).content
+        for path in (
+            "/admin/executors/executor/",
+            *(f"/admin/executors/executor/{e.pk}/change/" for e in Executor.objects.all()),
+            "/admin/scheduler/job/",
+            *(f"/admin/scheduler/job/{j.pk}/change/" for j in jobs),
+            "/admin/scheduler/jobevent/",
+        )
+    ]
     for page in pages:
         assert KEY.encode() not in page
     stored = [str(row) for row in JobEvent.objects.values_list("meta", flat=True)]
@@ -85,8 +111,9 @@ class TestExecutorValidation:
 class TestSync:
     def test_api_sync_reads_the_servers_models(self, processes, api, operator):
         base = processes.simllm(models="llama3,qwen2")
-        executor = Executor.objects.create(name="box", kind="local-model", endpoint=f"{base}/v1",
-                                           capabilities={"models": ["old"], "class": "gpu"})
+        executor = Executor.objects.create(
+            name="box", kind="local-model", endpoint=f"{base}/v1", capabilities={"models": ["old"], "class": "gpu"}
+        )
         response = api(operator).post(f"/api/executors/{executor.pk}/sync/")
         assert response.status_code == 200
         assert response.json()["capabilities"] == {"models": ["llama3", "qwen2"], "class": "gpu"}
@@ -99,8 +126,12 @@ class TestSync:
         assert Executor.objects.get(name="box").offered_models == ["phi3"]
 
     def test_unreachable_is_502_and_changes_nothing(self, api, operator):
-        executor = Executor.objects.create(name="gone", kind="local-model", endpoint=f"http://127.0.0.1:{free_port()}/v1",
-                                           capabilities={"models": ["keep"]})
+        executor = Executor.objects.create(
+            name="gone",
+            kind="local-model",
+            endpoint=f"http://127.0.0.1:{free_port()}/v1",
+            capabilities={"models": ["keep"]},
+        )
         response = api(operator).post(f"/api/executors/{executor.pk}/sync/")
         assert response.status_code == 502 and response.json()["error"] == "executor_unreachable"
         assert Executor.objects.get(pk=executor.pk).offered_models == ["keep"]

@@ -31,14 +31,20 @@ def alice(member_setup):
 
 
 def executor(name: str, endpoint: str, **fields) -> Executor:
-    return Executor.objects.create(name=name, kind="local-model", endpoint=endpoint,
-                                   capabilities={"models": ["m"]}, **fields)
+    return Executor.objects.create(
+        name=name, kind="local-model", endpoint=endpoint, capabilities={"models": ["m"]}, **fields
+    )
 
 
 def submit(user, n: int = 1, **input_options) -> list[Job]:
     return [
-        job_submit(user=user, team="a", type="chat", requirements={"model": "m"},
-                   input={"messages": [{"role": "user", "content": f"#{i}"}], **input_options})
+        job_submit(
+            user=user,
+            team="a",
+            type="chat",
+            requirements={"model": "m"},
+            input={"messages": [{"role": "user", "content": f"#{i}"}], **input_options},
+        )
         for i in range(n)
     ]
 
@@ -48,7 +54,10 @@ def ended(jobs: list[Job]) -> bool:
 
 
 def events(job: Job) -> list[tuple[str, str | None]]:
-    return [(e.event, e.executor.name if e.executor else None) for e in JobEvent.objects.filter(job=job).select_related("executor")]
+    return [
+        (e.event, e.executor.name if e.executor else None)
+        for e in JobEvent.objects.filter(job=job).select_related("executor")
+    ]
 
 
 def executor_events(name: str) -> list[str]:
@@ -81,8 +90,13 @@ def test_retryable_failure_is_retried_on_the_other_executor(processes, alice):
     job.refresh_from_db()
     assert job.status == "done" and job.attempts == 2 and job.executor.name == "steady"
     assert events(job) == [
-        ("queued", None), ("placed", "flaky"), ("started", "flaky"), ("retry_scheduled", "flaky"),
-        ("placed", "steady"), ("started", "steady"), ("finished", "steady"),
+        ("queued", None),
+        ("placed", "flaky"),
+        ("started", "flaky"),
+        ("retry_scheduled", "flaky"),
+        ("placed", "steady"),
+        ("started", "steady"),
+        ("finished", "steady"),
     ]
     assert not Slot.objects.exists()
 
@@ -132,8 +146,11 @@ def test_breaker_opens_half_opens_and_closes(processes, alice, api, operator):
     QueuePolicy.objects.update_or_create(pk=1, defaults={"max_attempts": 1})
     QuotaPolicy.objects.create(scope="global", dimension="ai.concurrency", limit=1)
     failing = submit(alice, 3)
-    env = {"TELEMACHUS_BREAKER_THRESHOLD": "3", "TELEMACHUS_BREAKER_COOLDOWN_SECONDS": "2",
-           "TELEMACHUS_PROBE_INTERVAL_SECONDS": "3600"}
+    env = {
+        "TELEMACHUS_BREAKER_THRESHOLD": "3",
+        "TELEMACHUS_BREAKER_COOLDOWN_SECONDS": "2",
+        "TELEMACHUS_PROBE_INTERVAL_SECONDS": "3600",
+    }
     processes.worker("w", **env)
 
     # Three faults in a row open the breaker...
@@ -151,7 +168,10 @@ def test_breaker_opens_half_opens_and_closes(processes, alice, api, operator):
     # Operators see the same transitions through the API.
     listed = api(operator).get(f"/api/executors/{switchy.pk}/events/").json()["results"]
     assert [(e["event"], e["executor"]) for e in listed] == [
-        ("breaker_opened", "switchy"), ("breaker_half_open", "switchy"), ("breaker_closed", "switchy")]
+        ("breaker_opened", "switchy"),
+        ("breaker_half_open", "switchy"),
+        ("breaker_closed", "switchy"),
+    ]
     opened = JobEvent.objects.get(event="breaker_opened")
     first_start = min(JobEvent.objects.filter(job__in=later, event="started").values_list("at", flat=True))
     assert (first_start - opened.at).total_seconds() >= 2.0
@@ -165,8 +185,12 @@ def test_a_failed_trial_reopens_the_breaker(processes, alice):
     QueuePolicy.objects.update_or_create(pk=1, defaults={"max_attempts": 1})
     QuotaPolicy.objects.create(scope="global", dimension="ai.concurrency", limit=1)
     jobs = submit(alice, 2)
-    processes.worker("w", TELEMACHUS_BREAKER_THRESHOLD="1", TELEMACHUS_BREAKER_COOLDOWN_SECONDS="1",
-                     TELEMACHUS_PROBE_INTERVAL_SECONDS="3600")
+    processes.worker(
+        "w",
+        TELEMACHUS_BREAKER_THRESHOLD="1",
+        TELEMACHUS_BREAKER_COOLDOWN_SECONDS="1",
+        TELEMACHUS_PROBE_INTERVAL_SECONDS="3600",
+    )
     wait_until(lambda: ended(jobs), timeout=20, what="both jobs to fail")
     assert executor_events("switchy") == ["breaker_opened", "breaker_half_open", "breaker_opened"]
     assert JobEvent.objects.filter(event="breaker_opened").last().meta["trial_failed"] is True
@@ -219,11 +243,13 @@ def test_a_result_the_database_refuses_fails_only_its_job(processes, alice, on_p
 
 
 def test_an_executor_without_a_usable_driver_fails_its_jobs_not_the_worker(processes, alice):
-    Executor.objects.create(name="ghost", kind="ghost", capabilities={"models": ["m"]}, weight=10,
-                            last_probed_at=timezone.now())
+    Executor.objects.create(
+        name="ghost", kind="ghost", capabilities={"models": ["m"]}, weight=10, last_probed_at=timezone.now()
+    )
     (job,) = submit(alice)
-    worker = processes.worker("w", TELEMACHUS_EXECUTOR_DRIVERS="ghost=no.such.module.Driver",
-                              TELEMACHUS_PROBE_INTERVAL_SECONDS="3600")
+    worker = processes.worker(
+        "w", TELEMACHUS_EXECUTOR_DRIVERS="ghost=no.such.module.Driver", TELEMACHUS_PROBE_INTERVAL_SECONDS="3600"
+    )
     wait_until(lambda: ended([job]), timeout=20, what="the job to end")
     job.refresh_from_db()
     assert job.status == "failed" and "has no usable driver" in job.error and "no.such.module" in job.error

@@ -11,8 +11,9 @@ from executors.models import Executor
 
 def dispatch(**meta):
     executor = Executor(name="s", kind="sim", capabilities={"models": ["m"]}, meta={"latency_ms": 0, **meta})
-    request = DispatchRequest(job_id=1, type="chat", model="m",
-                              input={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    request = DispatchRequest(
+        job_id=1, type="chat", model="m", input={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    )
     return asyncio.run(SimDriver(executor).dispatch(request))
 
 
@@ -34,10 +35,19 @@ def test_bad_knob_values_fall_back_to_defaults():
     assert dispatch(fail_rate="often", output_tokens=None).completion_tokens == 3
 
 
-@pytest.mark.parametrize("meta", [
-    {"latency_ms": 1e12}, {"latency_ms": float("inf")}, {"jitter_ms": 1e15}, {"tokens_per_s": 1e-12, "output_tokens": 3},
-    {"output_tokens": float("nan")}, {"output_tokens": 1e30}, {"latency_ms": -5}, {"fail_rate": "abc"},
-])
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {"latency_ms": 1e12},
+        {"latency_ms": float("inf")},
+        {"jitter_ms": 1e15},
+        {"tokens_per_s": 1e-12, "output_tokens": 3},
+        {"output_tokens": float("nan")},
+        {"output_tokens": 1e30},
+        {"latency_ms": -5},
+        {"fail_rate": "abc"},
+    ],
+)
 def test_stored_nonsense_neither_hangs_nor_crashes_the_driver(meta, monkeypatch):
     """Values stored before the API's checks (or by SQL) are clamped or read as the default: the
     dispatch still ends, and soon (10 minutes at most, here shortened by scaling the clock)."""
@@ -53,7 +63,13 @@ def test_stored_nonsense_neither_hangs_nor_crashes_the_driver(meta, monkeypatch)
 
 
 def test_embedding_dims_are_bounded():
-    executor = Executor(name="s", kind="sim", capabilities={"models": ["m"], "embeddings": True},
-                        meta={"latency_ms": 0, "embedding_dims": 10**9})
-    request = DispatchRequest(job_id=1, type="chat", model="m", input={"input": "hi"}, requirements={"api": "embeddings"})
+    executor = Executor(
+        name="s",
+        kind="sim",
+        capabilities={"models": ["m"], "embeddings": True},
+        meta={"latency_ms": 0, "embedding_dims": 10**9},
+    )
+    request = DispatchRequest(
+        job_id=1, type="chat", model="m", input={"input": "hi"}, requirements={"api": "embeddings"}
+    )
     assert len(asyncio.run(SimDriver(executor).dispatch(request)).output["data"][0]["embedding"]) == 4096

@@ -12,15 +12,26 @@ from scheduler.services.submit import job_submit
 pytestmark = pytest.mark.django_db
 
 
-@pytest.mark.parametrize("broken", [
-    {"capabilities": ["m"]}, {"capabilities": {"models": "m"}}, {"capabilities": {"models": [1, None]}},
-    {"transport": "x"}, {"meta": [1]},
-])
+@pytest.mark.parametrize(
+    "broken",
+    [
+        {"capabilities": ["m"]},
+        {"capabilities": {"models": "m"}},
+        {"capabilities": {"models": [1, None]}},
+        {"transport": "x"},
+        {"meta": [1]},
+    ],
+)
 def test_a_broken_executor_cannot_stop_the_others(api, operator, member_setup, make_executor, caplog, broken):
     # Given a healthy executor, and a broken one that once offered the model...
     alice = member_setup[0]
-    job = job_submit(user=alice, team="a", type="chat", requirements={"model": "m"},
-                     input={"messages": [{"role": "user", "content": "hi"}]})
+    job = job_submit(
+        user=alice,
+        team="a",
+        type="chat",
+        requirements={"model": "m"},
+        input={"messages": [{"role": "user", "content": "hi"}]},
+    )
     make_executor("broken", models=["m"])
     Executor.objects.filter(name="shared").update(enabled=False)
     Executor.objects.filter(name="broken").update(**broken)

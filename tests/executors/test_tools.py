@@ -23,8 +23,15 @@ released = threading.Event()
 # --- tools a deployment might register ------------------------------------------------------------
 
 
-@tool(parameters={"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                  "required": ["a", "b"], "additionalProperties": False}, timeout_s=2)
+@tool(
+    parameters={
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+    timeout_s=2,
+)
 def add(a: int, b: int) -> dict:
     """Adds two integers."""
     return {"sum": a + b}
@@ -140,8 +147,9 @@ class TestSimulatedToolCalls:
 
     def test_rounds_marker_calls_the_first_tool_until_n_minus_one_results(self):
         first = sim_tool_calls(self.conversation(0), self.TOOLS)
-        assert first == [{"id": "call_1", "type": "function",
-                          "function": {"name": "echo", "arguments": '{"round": 1}'}}]
+        assert first == [
+            {"id": "call_1", "type": "function", "function": {"name": "echo", "arguments": '{"round": 1}'}}
+        ]
         assert sim_tool_calls(self.conversation(1), self.TOOLS)[0]["id"] == "call_2"
         assert sim_tool_calls(self.conversation(2), self.TOOLS) == []
 
@@ -150,8 +158,18 @@ class TestSimulatedToolCalls:
         assert sim_tool_calls(self.conversation(0), self.TOOLS, "none") == []
 
     def test_without_the_marker_a_tool_is_called_once_then_its_result_answered(self):
-        weather = [{"type": "function", "function": {"name": "weather", "parameters": {
-            "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+        weather = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "weather",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                    },
+                },
+            }
+        ]
         (call,) = sim_tool_calls(self.conversation(0, prompt="Paris tomorrow"), weather)
         assert call["function"] == {"name": "weather", "arguments": '{"city": "Paris tomorrow", "days": 2}'}
         assert sim_tool_calls(self.conversation(1, prompt="Paris tomorrow"), weather) == []
@@ -161,15 +179,20 @@ class TestSimulatedToolCalls:
         assert chosen[0]["function"]["name"] == "clock"
 
     def test_arguments_fit_the_schema(self):
-        strict = {"type": "object", "properties": {"city": {"type": "string"}, "n": {"type": "integer"}},
-                  "required": ["city", "n"], "additionalProperties": False}
+        strict = {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "n": {"type": "integer"}},
+            "required": ["city", "n"],
+            "additionalProperties": False,
+        }
         assert sample_arguments(strict, call=2) == {"city": "sim", "n": 0}
         assert sample_arguments({"type": "object"}, call=2) == {"round": 2}
 
     def test_the_sim_driver_answers_with_tool_calls(self):
         executor = Executor(name="s", kind="sim", capabilities={"models": ["m"]}, meta={"latency_ms": 0})
-        request = DispatchRequest(job_id=1, type="flow", model="m",
-                                  input={"messages": self.conversation(0), "tools": self.TOOLS})
+        request = DispatchRequest(
+            job_id=1, type="flow", model="m", input={"messages": self.conversation(0), "tools": self.TOOLS}
+        )
         result = asyncio.run(SimDriver(executor).dispatch(request))
         assert result.output["finish_reason"] == "tool_calls"
         assert result.output["message"]["tool_calls"][0]["function"]["name"] == "echo"

@@ -28,5 +28,8 @@ def test_every_reader_agrees_on_usable_executors(make_team, make_executor):
         for model in ("s", "o", "p", "x"):
             by_api = {e.name for e in executors_usable_by(team=team_id, model=model)}
             assert {e.name for e in conf.executors_usable_by(team_id=team_id, model=model)} == by_api
-            assert {e.name for e in cluster.executors if e.enabled and model in e.offered_models
-                    and cluster.usable_by(e, team_id)} == by_api
+            assert {
+                e.name
+                for e in cluster.executors
+                if e.enabled and model in e.offered_models and cluster.usable_by(e, team_id)
+            } == by_api

@@ -22,8 +22,13 @@ def budget(scope: str, subject: str, dimension: str, limit: int, window: str = "
 
 
 def submit(user, team="a", est=100):
-    return job_submit(user=user, team=team, type="chat", requirements={"model": "m", "est_tokens": est},
-                      input={"messages": [{"role": "user", "content": "hi"}]})
+    return job_submit(
+        user=user,
+        team=team,
+        type="chat",
+        requirements={"model": "m", "est_tokens": est},
+        input={"messages": [{"role": "user", "content": "hi"}]},
+    )
 
 
 def ledger(scope="team", subject="a") -> Usage:
@@ -31,12 +36,15 @@ def ledger(scope="team", subject="a") -> Usage:
 
 
 class TestWindows:
-    @pytest.mark.parametrize(("window", "start", "end"), [
-        ("minute", "2026-03-31 23:59:00", "2026-04-01 00:00:00"),
-        ("hour", "2026-03-31 23:00:00", "2026-04-01 00:00:00"),
-        ("day", "2026-03-31 00:00:00", "2026-04-01 00:00:00"),
-        ("month", "2026-03-01 00:00:00", "2026-04-01 00:00:00"),
-    ])
+    @pytest.mark.parametrize(
+        ("window", "start", "end"),
+        [
+            ("minute", "2026-03-31 23:59:00", "2026-04-01 00:00:00"),
+            ("hour", "2026-03-31 23:00:00", "2026-04-01 00:00:00"),
+            ("day", "2026-03-31 00:00:00", "2026-04-01 00:00:00"),
+            ("month", "2026-03-01 00:00:00", "2026-04-01 00:00:00"),
+        ],
+    )
     def test_fixed_utc_windows(self, window, start, end):
         from datetime import UTC, datetime
 
@@ -53,13 +61,18 @@ class TestWindows:
 class TestAdmission:
     def test_estimate_beyond_the_remaining_budget_is_429(self, api, member_setup):
         budget("team", "a", "ai.tokens", 150)
-        response = api(member_setup[0]).post("/api/jobs/", chat_body("a", requirements={"model": "m", "est_tokens": 200}),
-                                             format="json")
+        response = api(member_setup[0]).post(
+            "/api/jobs/", chat_body("a", requirements={"model": "m", "est_tokens": 200}), format="json"
+        )
         assert response.status_code == 429
         body = response.json()
         _, end = window_bounds("day", timezone.now())
         assert {k: body[k] for k in ("error", "dimension", "scope", "subject", "limit", "used")} == {
-            "error": "quota_exceeded", "dimension": "ai.tokens", "scope": "team", "subject": "a", "limit": 150,
+            "error": "quota_exceeded",
+            "dimension": "ai.tokens",
+            "scope": "team",
+            "subject": "a",
+            "limit": 150,
             "used": 0,
         }
         assert body["reset_at"] == end.isoformat()
@@ -71,8 +84,9 @@ class TestAdmission:
         submit(alice)
         submit(alice)
         job_claim(worker="w", limit=2)
-        response = api(alice).post("/api/jobs/", chat_body("a", requirements={"model": "m", "est_tokens": 100}),
-                                   format="json")
+        response = api(alice).post(
+            "/api/jobs/", chat_body("a", requirements={"model": "m", "est_tokens": 100}), format="json"
+        )
         assert response.status_code == 429 and response.json()["used"] == 200
 
     def test_request_budget(self, api, member_setup):
@@ -166,7 +180,9 @@ class TestClaimGate:
         job_finish(job_id=claim.job.pk, lease=claim.lease, result={}, tokens_used=100)
         assert job_claim(worker="w", limit=1).claims == []
         # The clock moves on: the usage now lies in the previous window.
-        Usage.objects.update(window_start=timezone.now().replace(minute=0, second=0, microsecond=0) - timedelta(hours=1))
+        Usage.objects.update(
+            window_start=timezone.now().replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
+        )
         assert [c.job.pk for c in job_claim(worker="w", limit=1).claims] == [waiting.pk]
 
     def test_executor_budget_moves_work_to_another_executor(self, member_setup, make_executor):
@@ -191,9 +207,17 @@ class TestUsageApi:
         (row,) = api(alice).get("/api/usage/?team=a").json()["results"]
         start, end = window_bounds("day", timezone.now())
         assert row == {
-            "policy": row["policy"], "scope": "team", "subject": "a", "dimension": "ai.tokens", "window": "day",
-            "limit": 1000, "used": 42, "reserved": 100, "remaining": 858,
-            "window_start": start.isoformat().replace("+00:00", "Z"), "reset_at": end.isoformat().replace("+00:00", "Z"),
+            "policy": row["policy"],
+            "scope": "team",
+            "subject": "a",
+            "dimension": "ai.tokens",
+            "window": "day",
+            "limit": 1000,
+            "used": 42,
+            "reserved": 100,
+            "remaining": 858,
+            "window_start": start.isoformat().replace("+00:00", "Z"),
+            "reset_at": end.isoformat().replace("+00:00", "Z"),
         }
 
     def test_visibility(self, api, operator, member_setup):

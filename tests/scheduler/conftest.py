@@ -8,8 +8,12 @@ from scheduler.services.submit import job_submit
 def submit():
     def make(user, team, model="m", priority=0, **requirements):
         return job_submit(
-            user=user, team=team.slug if hasattr(team, "slug") else team, type="chat", priority=priority,
-            requirements={"model": model, **requirements}, input={"messages": [{"role": "user", "content": "hi"}]},
+            user=user,
+            team=team.slug if hasattr(team, "slug") else team,
+            type="chat",
+            priority=priority,
+            requirements={"model": model, **requirements},
+            input={"messages": [{"role": "user", "content": "hi"}]},
         )
 
     return make

@@ -27,8 +27,13 @@ def fail(message: str) -> None:
 def introspect(context: TaskContext, tag: str) -> dict:
     """What a task learns from its context: its own result id, status and attempt."""
     result = context.task_result
-    return {"id": result.id, "status": str(result.status), "attempt": context.attempt, "tag": tag,
-            "workers": result.worker_ids}
+    return {
+        "id": result.id,
+        "status": str(result.status),
+        "attempt": context.attempt,
+        "tag": tag,
+        "workers": result.worker_ids,
+    }
 
 
 @task

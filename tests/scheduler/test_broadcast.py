@@ -19,5 +19,7 @@ def test_a_long_delta_splits_into_pieces_that_carry_their_offsets():
     assert len(payloads) > 1 and all(len(p.encode()) < 8000 for p in payloads)
     pieces = [json.loads(p.removeprefix(signals.DELTA)) for p in payloads]
     assert "".join(piece["text"] for piece in pieces) == text
-    assert [piece["offset"] for piece in pieces] == [100 + sum(len(p["text"]) for p in pieces[:i]) for i in range(len(pieces))]
+    assert [piece["offset"] for piece in pieces] == [
+        100 + sum(len(p["text"]) for p in pieces[:i]) for i in range(len(pieces))
+    ]
     assert {(piece["job"], piece["attempt"]) for piece in pieces} == {(7, 2)}

@@ -48,7 +48,9 @@ class TestPage:
         response = browser.post("/login/?next=/dashboard/", {"username": "alice", "password": "pw"})
         assert response.url == "/dashboard/"
         page = browser.get("/dashboard/")
-        assert page.status_code == 200 and b"/static/scheduler/dashboard.js" in page.content and b"alice" in page.content
+        assert (
+            page.status_code == 200 and b"/static/scheduler/dashboard.js" in page.content and b"alice" in page.content
+        )
         # No inline script, handler or style, so a Content-Security-Policy can forbid them.
         assert b"<script>" not in page.content and not re.search(rb"\son[a-z]+=", page.content)
         assert b"style=" not in page.content and b"<style" not in page.content
@@ -66,7 +68,10 @@ class TestSocket:
             assert connected
             first = json.loads(await communicator.receive_from(timeout=5))
             job = await database_sync_to_async(job_submit)(
-                user=alice, team="a", type="chat", requirements={"model": "m"},
+                user=alice,
+                team="a",
+                type="chat",
+                requirements={"model": "m"},
                 input={"messages": [{"role": "user", "content": "hi"}]},
             )
             second = json.loads(await communicator.receive_from(timeout=5))
@@ -156,8 +161,14 @@ class TestOperatorActions:
             reply = await receive_reply(acting)
             seen = await receive_state(watching, where=lambda s: s["queue"]["teams"][0]["weight"] == 3.0)
             weight_latency = time.monotonic() - started
-            await acting.send_json_to({"id": 2, "action": "executor.update", "executor": executor.pk,
-                                       "changes": {"max_concurrency": 7, "enabled": False}})
+            await acting.send_json_to(
+                {
+                    "id": 2,
+                    "action": "executor.update",
+                    "executor": executor.pk,
+                    "changes": {"max_concurrency": 7, "enabled": False},
+                }
+            )
             second = await receive_reply(acting)
             shown = await receive_state(acting, where=lambda s: s["queue"]["executors"][0]["max_concurrency"] == 7)
             await acting.disconnect()
@@ -177,8 +188,13 @@ class TestOperatorActions:
 
     def test_cancel_requeue_and_feature_switch(self, sockets, member_setup):
         operator_session, _ = sockets
-        job = job_submit(user=member_setup[0], team="a", type="chat", requirements={"model": "m"},
-                         input={"messages": [{"role": "user", "content": "hi"}]})
+        job = job_submit(
+            user=member_setup[0],
+            team="a",
+            type="chat",
+            requirements={"model": "m"},
+            input={"messages": [{"role": "user", "content": "hi"}]},
+        )
 
         async def scenario():
             communicator = socket(operator_session)
@@ -212,16 +228,23 @@ class TestOperatorActions:
 
     def test_a_members_socket_refuses_actions(self, sockets, member_setup):
         _, member_session = sockets
-        job = job_submit(user=member_setup[0], team="a", type="chat", requirements={"model": "m"},
-                         input={"messages": [{"role": "user", "content": "hi"}]})
+        job = job_submit(
+            user=member_setup[0],
+            team="a",
+            type="chat",
+            requirements={"model": "m"},
+            input={"messages": [{"role": "user", "content": "hi"}]},
+        )
 
         async def scenario():
             communicator = socket(member_session)
             await communicator.connect()
             state = await receive_state(communicator)
             replies = []
-            for request in ({"id": "w", "action": "policy.update", "changes": {"team_weights": {"a": 9}}},
-                            {"id": "c", "action": "job.cancel", "job": job.pk}):
+            for request in (
+                {"id": "w", "action": "policy.update", "changes": {"team_weights": {"a": 9}}},
+                {"id": "c", "action": "job.cancel", "job": job.pk},
+            ):
                 await communicator.send_json_to(request)
                 replies.append(await receive_reply(communicator))
             await communicator.disconnect()
@@ -229,8 +252,10 @@ class TestOperatorActions:
 
         state, replies = run(scenario)
         assert state["operator"] is False
-        assert [(r["reply"], r["ok"], r["error"]["error"]) for r in replies] == [("w", False, "forbidden"),
-                                                                                ("c", False, "forbidden")]
+        assert [(r["reply"], r["ok"], r["error"]["error"]) for r in replies] == [
+            ("w", False, "forbidden"),
+            ("c", False, "forbidden"),
+        ]
         assert QueuePolicy.objects.filter(team_weights={"a": 9}).count() == 0
         assert Job.objects.get().status == "queued" and not AuditEvent.objects.filter(source="dashboard").exists()
 
@@ -269,15 +294,25 @@ class TestPushes:
 
 def test_a_running_flow_shows_its_round(member_setup):
     alice = member_setup[0]
-    flow = job_submit(user=alice, team="a", type="flow", requirements={"model": "m"},
-                      input={"messages": [{"role": "user", "content": "go"}], "tools": ["echo"]})
+    flow = job_submit(
+        user=alice,
+        team="a",
+        type="flow",
+        requirements={"model": "m"},
+        input={"messages": [{"role": "user", "content": "go"}], "tools": ["echo"]},
+    )
     (claim,) = job_claim(worker="w", limit=1).claims
     round_begin(job_id=flow.pk, lease=claim.lease)
     call = {"id": "c1", "type": "function", "function": {"name": "echo", "arguments": "{}"}}
-    round_finish(job_id=flow.pk, lease=claim.lease, round=1,
-                 message={"role": "assistant", "content": None, "tool_calls": [call]})
-    round_requeue(job_id=flow.pk, lease=claim.lease, round=1,
-                  results=[ToolOutcome(name="echo", call_id="c1", ok=True, content="{}", seconds=0.0)])
+    round_finish(
+        job_id=flow.pk, lease=claim.lease, round=1, message={"role": "assistant", "content": None, "tool_calls": [call]}
+    )
+    round_requeue(
+        job_id=flow.pk,
+        lease=claim.lease,
+        round=1,
+        results=[ToolOutcome(name="echo", call_id="c1", ok=True, content="{}", seconds=0.0)],
+    )
     (job,) = dashboard_state(user=alice)["jobs"]
     assert (job["status"], job["round"], job["round_label"]) == ("queued", 2, "round 2 next")
     job_claim(worker="w", limit=1)
@@ -297,13 +332,21 @@ class TestMembersSeeOnlyTheirTeams:
         make_team("secretteam", {secretbob: "member"})
         make_executor("shared", models=["m"])
         make_executor("secretexec", models=["m"], team=Team.objects.get(slug="secretteam"))
-        QueuePolicy.objects.update_or_create(pk=QueuePolicy.SINGLETON_ID, defaults={
-            "team_weights": {"alpha": 2.0, "secretteam": 7.0},
-            "max_queue_depth": {"default": 100, "alpha": 50, "secretteam": 9},
-            "priority_map": {"member": 0, "team:alpha": 1, "team:secretteam": 5, "user:secretbob": 3},
-        })
-        job_submit(user=secretbob, team="secretteam", type="chat", requirements={"model": "m"},
-                   input={"messages": [{"role": "user", "content": "hi"}]})
+        QueuePolicy.objects.update_or_create(
+            pk=QueuePolicy.SINGLETON_ID,
+            defaults={
+                "team_weights": {"alpha": 2.0, "secretteam": 7.0},
+                "max_queue_depth": {"default": 100, "alpha": 50, "secretteam": 9},
+                "priority_map": {"member": 0, "team:alpha": 1, "team:secretteam": 5, "user:secretbob": 3},
+            },
+        )
+        job_submit(
+            user=secretbob,
+            team="secretteam",
+            type="chat",
+            requirements={"model": "m"},
+            input={"messages": [{"role": "user", "content": "hi"}]},
+        )
         return alice, operator
 
     def test_dashboard_socket(self, two_teams):

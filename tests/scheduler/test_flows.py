@@ -22,24 +22,39 @@ def toolbox(settings):
 
 def ended(*jobs: Job, timeout: float = 60) -> list[Job]:
     ids = [job.pk for job in jobs]
-    wait_until(lambda: Job.objects.filter(pk__in=ids, status__in=Job.TERMINAL).count() == len(ids), timeout=timeout,
-               interval=0.1, what="the jobs to end")
+    wait_until(
+        lambda: Job.objects.filter(pk__in=ids, status__in=Job.TERMINAL).count() == len(ids),
+        timeout=timeout,
+        interval=0.1,
+        what="the jobs to end",
+    )
     return [Job.objects.get(pk=pk) for pk in ids]
 
 
 def flow(user, prompt: str, tools=("echo",), **input_extra) -> Job:
-    return job_submit(user=user, team="a", type="flow", requirements={"model": "m", "est_tokens": 10},
-                      input={"messages": [{"role": "user", "content": prompt}], "tools": list(tools), **input_extra})
+    return job_submit(
+        user=user,
+        team="a",
+        type="flow",
+        requirements={"model": "m", "est_tokens": 10},
+        input={"messages": [{"role": "user", "content": prompt}], "tools": list(tools), **input_extra},
+    )
 
 
 def test_flow_tool_and_translate_jobs(processes, member_setup):
     alice, _, _, _, executor = member_setup
     Executor.objects.filter(pk=executor.pk).update(meta={"latency_ms": 20}, max_concurrency=1)
     agent = flow(alice, "plan the trip [rounds:4]", tools=("echo", "clock"))
-    tool = job_submit(user=alice, team="a", type="tool", requirements={},
-                      input={"tool": "echo", "arguments": {"city": "Ithaca"}})
-    translate = job_submit(user=alice, team="a", type="translate", requirements={"model": "m"},
-                           input={"text": "good morning", "target_lang": "Greek", "max_tokens": 8})
+    tool = job_submit(
+        user=alice, team="a", type="tool", requirements={}, input={"tool": "echo", "arguments": {"city": "Ithaca"}}
+    )
+    translate = job_submit(
+        user=alice,
+        team="a",
+        type="translate",
+        requirements={"model": "m"},
+        input={"text": "good morning", "target_lang": "Greek", "max_tokens": 8},
+    )
     processes.worker("w", concurrency=4, TELEMACHUS_TOOLS=TOOLBOX)
     agent, tool, translate = ended(agent, tool, translate)
 
@@ -87,8 +102,14 @@ def test_cancel_while_the_tools_run(processes, member_setup, toolbox):
 
     # When it is canceled while the tool runs: it ends canceled, and no second round starts.
     job_cancel(job_id=stuck.pk, by=alice)
-    wait_until(lambda: "aborting dispatch (canceled)" in worker.log_path.read_text()
-               or "aborting dispatch (lease lost)" in worker.log_path.read_text(), timeout=10, what="the abort")
+    wait_until(
+        lambda: (
+            "aborting dispatch (canceled)" in worker.log_path.read_text()
+            or "aborting dispatch (lease lost)" in worker.log_path.read_text()
+        ),
+        timeout=10,
+        what="the abort",
+    )
     job = Job.objects.get(pk=stuck.pk)
     assert (job.status, job.rounds) == ("canceled", 1)
     assert not JobEvent.objects.filter(job=job, event="round_started", meta__round=2).exists()
@@ -101,8 +122,13 @@ def test_flow_rounds_over_http(processes, member_setup):
     Executor.objects.filter(name="shared").update(enabled=False)
     Executor.objects.create(name="llm", kind="local-model", endpoint=f"{base}/v1", capabilities={"models": ["m"]})
     agent = flow(alice, "go [rounds:3]")
-    translate = job_submit(user=alice, team="a", type="translate", requirements={"model": "m"},
-                           input={"text": "hello", "target_lang": "French", "source_lang": "English"})
+    translate = job_submit(
+        user=alice,
+        team="a",
+        type="translate",
+        requirements={"model": "m"},
+        input={"text": "hello", "target_lang": "French", "source_lang": "English"},
+    )
     processes.worker("w", concurrency=4)
     agent, translate = ended(agent, translate)
 

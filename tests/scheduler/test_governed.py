@@ -49,7 +49,13 @@ def test_waits_for_its_claim_then_bills_what_it_reports(member_setup):
     usage.refresh_from_db()
     assert (usage.tokens, usage.reserved_tokens) == (42, 0)
     assert list(job.events.values_list("event", flat=True)) == [
-        "queued", "placed", "started", "round_started", "round_finished", "finished"]
+        "queued",
+        "placed",
+        "started",
+        "round_started",
+        "round_finished",
+        "finished",
+    ]
 
 
 def test_a_timeout_leaves_the_queue(member_setup):

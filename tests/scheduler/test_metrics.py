@@ -50,8 +50,14 @@ def test_names_labels_and_values_after_a_scripted_run(api, operator, member_setu
     dispatches_before = sample_count(DISPATCH_SECONDS, executor="shared", outcome="ok")
 
     def submit(user, team, model="m", priority=0):
-        return job_submit(user=user, team=team, type="chat", priority=priority, requirements={"model": model},
-                          input={"messages": [{"role": "user", "content": "hi"}]})
+        return job_submit(
+            user=user,
+            team=team,
+            type="chat",
+            priority=priority,
+            requirements={"model": model},
+            input={"messages": [{"role": "user", "content": "hi"}]},
+        )
 
     for _ in range(3):
         submit(alice, "a")
@@ -66,7 +72,8 @@ def test_names_labels_and_values_after_a_scripted_run(api, operator, member_setu
     assert samples["telemachus_jobs_finished_total", (("outcome", "done"), ("team", "a"), ("type", "chat"))] == 3
     assert samples["telemachus_jobs_finished_total", (("outcome", "canceled"), ("team", "a"), ("type", "chat"))] == 1
     assert samples["telemachus_tokens_billed_total", (("team", "a"),)] == sum(
-        Job.objects.filter(team__slug="a").values_list("tokens_used", flat=True).exclude(tokens_used=None))
+        Job.objects.filter(team__slug="a").values_list("tokens_used", flat=True).exclude(tokens_used=None)
+    )
     assert samples["telemachus_tokens_billed_total", (("team", "a"),)] > 0
     assert samples["telemachus_queue_depth", (("priority", "5"), ("team", "b"))] == 1
     assert ("telemachus_queue_depth", (("priority", "0"), ("team", "a"))) not in samples
@@ -80,11 +87,19 @@ def test_names_labels_and_values_after_a_scripted_run(api, operator, member_setu
     assert samples["telemachus_executor_breaker", (("executor", "shared"), ("state", "closed"))] == 1
     assert samples["telemachus_executor_breaker", (("executor", "shared"), ("state", "open"))] == 0
     assert samples["telemachus_executor_enabled", (("executor", "idle"),)] == 0
-    assert samples["telemachus_budget_remaining", (("dimension", "ai.tokens"), ("scope", "team"), ("subject", "b"),
-                                                   ("window", "day"))] == 100000
+    assert (
+        samples[
+            "telemachus_budget_remaining",
+            (("dimension", "ai.tokens"), ("scope", "team"), ("subject", "b"), ("window", "day")),
+        ]
+        == 100000
+    )
     assert samples["telemachus_claim_duration_seconds_count", ()] - claims_before >= 1
-    assert samples["telemachus_dispatch_latency_seconds_count", (("executor", "shared"), ("outcome", "ok"))] \
-        - dispatches_before == 3
+    assert (
+        samples["telemachus_dispatch_latency_seconds_count", (("executor", "shared"), ("outcome", "ok"))]
+        - dispatches_before
+        == 3
+    )
 
 
 @pytest.mark.django_db
@@ -103,7 +118,7 @@ def test_health_and_readiness(client, monkeypatch):
 
     # A migration not applied yet: not ready, and says which.
     monkeypatch.setattr(health, "_migrated", False)
-    (app, name), = MigrationLoader(connection).graph.leaf_nodes("telemachus")  # the latest: nothing depends on it
+    ((app, name),) = MigrationLoader(connection).graph.leaf_nodes("telemachus")  # the latest: nothing depends on it
     MigrationRecorder.Migration.objects.filter(app=app, name=name).delete()
     response = client.get("/readyz")
     assert response.status_code == 503

@@ -24,8 +24,14 @@ def policy(**fields) -> QueuePolicy:
 
 
 def submit(user, team, priority=0, **requirements):
-    return job_submit(user=user, team=team, type="chat", priority=priority,
-                      requirements={"model": "m", **requirements}, input={"messages": []})
+    return job_submit(
+        user=user,
+        team=team,
+        type="chat",
+        priority=priority,
+        requirements={"model": "m", **requirements},
+        input={"messages": []},
+    )
 
 
 def claim_order(n: int) -> list[int]:
@@ -228,14 +234,17 @@ class TestPlacement:
     UNEQUAL = {"small": (2, 1), "big": (6, 3)}
     EQUAL_CAPACITY = {"light": (4, 1), "heavy": (4, 3)}
 
-    @pytest.mark.parametrize(("executors", "rule", "expected"), [
-        (UNEQUAL, "least-loaded", {"small": 1, "big": 3}),
-        (UNEQUAL, "pack", {"small": 2, "big": 2}),  # fills the fullest executor first
-        (UNEQUAL, "weighted", {"small": 1, "big": 3}),
-        (EQUAL_CAPACITY, "least-loaded", {"light": 2, "heavy": 2}),  # same load, whatever the weight
-        (EQUAL_CAPACITY, "pack", {"light": 0, "heavy": 4}),
-        (EQUAL_CAPACITY, "weighted", {"light": 1, "heavy": 3}),  # spread 1:3 by weight
-    ])
+    @pytest.mark.parametrize(
+        ("executors", "rule", "expected"),
+        [
+            (UNEQUAL, "least-loaded", {"small": 1, "big": 3}),
+            (UNEQUAL, "pack", {"small": 2, "big": 2}),  # fills the fullest executor first
+            (UNEQUAL, "weighted", {"small": 1, "big": 3}),
+            (EQUAL_CAPACITY, "least-loaded", {"light": 2, "heavy": 2}),  # same load, whatever the weight
+            (EQUAL_CAPACITY, "pack", {"light": 0, "heavy": 4}),
+            (EQUAL_CAPACITY, "weighted", {"light": 1, "heavy": 3}),  # spread 1:3 by weight
+        ],
+    )
     def test_rules(self, member_setup, make_executor, executors, rule, expected):
         alice, _, _, _, shared = member_setup
         shared.delete()
@@ -295,20 +304,23 @@ class TestPolicyApi:
         assert client.get("/api/policy/").status_code == 200
         assert client.put("/api/policy/", {"placement": "pack"}, format="json").status_code == 403
 
-    @pytest.mark.parametrize(("body", "field"), [
-        ({"team_weights": {"nope": 1}}, "team_weights"),
-        ({"team_weights": {"a": -1}}, "team_weights"),
-        ({"max_queue_depth": {"a": -5}}, "max_queue_depth"),
-        ({"priority_map": {"wizard": 3}}, "priority_map"),
-        ({"priority_map": {"user:nobody": 3}}, "priority_map"),
-        ({"priority_map": {"member": 500}}, "priority_map"),
-        ({"placement": "random"}, "placement"),
-        ({"half_life_seconds": 0}, "half_life_seconds"),
-        ({"policy_class": "os.path.join"}, "policy_class"),
-        ({"policy_class": "no.such.Policy"}, "policy_class"),
-        ({"recovery": "retry"}, "recovery"),
-        ({"lease": 1}, "lease"),
-    ])
+    @pytest.mark.parametrize(
+        ("body", "field"),
+        [
+            ({"team_weights": {"nope": 1}}, "team_weights"),
+            ({"team_weights": {"a": -1}}, "team_weights"),
+            ({"max_queue_depth": {"a": -5}}, "max_queue_depth"),
+            ({"priority_map": {"wizard": 3}}, "priority_map"),
+            ({"priority_map": {"user:nobody": 3}}, "priority_map"),
+            ({"priority_map": {"member": 500}}, "priority_map"),
+            ({"placement": "random"}, "placement"),
+            ({"half_life_seconds": 0}, "half_life_seconds"),
+            ({"policy_class": "os.path.join"}, "policy_class"),
+            ({"policy_class": "no.such.Policy"}, "policy_class"),
+            ({"recovery": "retry"}, "recovery"),
+            ({"lease": 1}, "lease"),
+        ],
+    )
     def test_bad_input(self, api, operator, member_setup, body, field):
         response = api(operator).put("/api/policy/", body, format="json")
         assert response.status_code == 400 and field in response.json()["fields"]
@@ -320,7 +332,9 @@ class TestPolicyApi:
         assert page.status_code == 200
         form = page.context["adminform"].form
         data = {name: form.initial.get(name) for name in form.fields}
-        data.update({"placement": "weighted", "team_weights": '{"b": 2}', "max_queue_depth": "{}", "priority_map": "{}"})
+        data.update(
+            {"placement": "weighted", "team_weights": '{"b": 2}', "max_queue_depth": "{}", "priority_map": "{}"}
+        )
         data = {k: ("" if v is None else v) for k, v in data.items()}
         response = client.post("/admin/scheduler/queuepolicy/1/change/", data)
         assert response.status_code == 302, response.content[:3000]

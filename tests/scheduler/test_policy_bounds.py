@@ -80,8 +80,9 @@ class TestApiBounds:
         client.force_login(operator)
         form = client.get("/admin/scheduler/queuepolicy/1/change/").context["adminform"].form
         data = {name: ("" if form.initial.get(name) is None else form.initial.get(name)) for name in form.fields}
-        data.update({"aging_after_seconds": "1e11", "team_weights": '{"a": -3}', "max_queue_depth": "{}",
-                     "priority_map": "{}"})
+        data.update(
+            {"aging_after_seconds": "1e11", "team_weights": '{"a": -3}', "max_queue_depth": "{}", "priority_map": "{}"}
+        )
         response = client.post("/admin/scheduler/queuepolicy/1/change/", data)
         assert response.status_code == 200  # the form again, with errors
         errors = response.context["adminform"].form.errors
@@ -90,9 +91,17 @@ class TestApiBounds:
 
 
 BROKEN = {
-    "aging_after_seconds": 1e11, "share_window_seconds": 1e11, "half_life_seconds": 0.0, "aging_step_seconds": -5.0,
-    "team_weights": {"a": "heavy", "b": 1e300}, "max_queue_depth": {"default": 10**19}, "priority_map": {"member": "x"},
-    "max_attempts": 0, "placement": "random", "cost": "gold", "recovery": "pray",
+    "aging_after_seconds": 1e11,
+    "share_window_seconds": 1e11,
+    "half_life_seconds": 0.0,
+    "aging_step_seconds": -5.0,
+    "team_weights": {"a": "heavy", "b": 1e300},
+    "max_queue_depth": {"default": 10**19},
+    "priority_map": {"member": "x"},
+    "max_attempts": 0,
+    "placement": "random",
+    "cost": "gold",
+    "recovery": "pray",
 }
 
 
@@ -105,8 +114,13 @@ class TestStoredValues:
 
         # When jobs are submitted, claimed, finished, recovered, and the queue is looked at...
         for _ in range(3):
-            job_submit(user=alice, team="a", type="chat", requirements={"model": "m"},
-                       input={"messages": [{"role": "user", "content": "hi"}]})
+            job_submit(
+                user=alice,
+                team="a",
+                type="chat",
+                requirements={"model": "m"},
+                input={"messages": [{"role": "user", "content": "hi"}]},
+            )
         claims = job_claim(worker="w", limit=3).claims
         assert len(claims) == 3
         assert job_finish(job_id=claims[0].job.pk, lease=claims[0].lease, result={"ok": True})
@@ -148,8 +162,11 @@ class TestStoredValues:
 class TestWhatMembersSee:
     def test_no_other_team_or_user_leaks(self, api, operator, member_setup, make_user):
         # Given a policy naming both teams and both users...
-        body = {"team_weights": {"a": 2, "b": 5}, "max_queue_depth": {"default": 100, "a": 10, "b": 20},
-                "priority_map": {"member": 1, "manager": 5, "team:a": 3, "team:b": 4, "user:alice": 2, "user:bob": 9}}
+        body = {
+            "team_weights": {"a": 2, "b": 5},
+            "max_queue_depth": {"default": 100, "a": 10, "b": 20},
+            "priority_map": {"member": 1, "manager": 5, "team:a": 3, "team:b": 4, "user:alice": 2, "user:bob": 9},
+        }
         assert api(operator).put("/api/policy/", body, format="json").status_code == 200
 
         # When alice (team a) reads it...
@@ -172,8 +189,13 @@ def test_a_worker_process_keeps_working_on_a_broken_row(processes, member_setup)
 
     # When jobs are submitted...
     for _ in range(3):
-        job_submit(user=alice, team="a", type="chat", requirements={"model": "m"},
-                   input={"messages": [{"role": "user", "content": "hi"}]})
+        job_submit(
+            user=alice,
+            team="a",
+            type="chat",
+            requirements={"model": "m"},
+            input={"messages": [{"role": "user", "content": "hi"}]},
+        )
 
     # Then they are done, and the worker is still running and said why it ignored the row.
     wait_until(lambda: Job.objects.filter(status="done").count() == 3, timeout=60, what="3 jobs done")

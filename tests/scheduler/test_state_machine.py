@@ -13,7 +13,14 @@ from django.db.models import Count
 from django.db.models.functions import Now
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from executors.models import Executor
 from quotas.models import QuotaPolicy, Usage
@@ -33,8 +40,13 @@ EXECUTOR_LIMITS = {"e1": 2, "e2": 1}
 MAX_ATTEMPTS = 3
 # The status each lifecycle event leaves a job in.
 EVENT_STATUS = {
-    "queued": "queued", "requeued": "queued", "retry_scheduled": "queued", "started": "running",
-    "finished": "done", "failed": "failed", "canceled": "canceled",
+    "queued": "queued",
+    "requeued": "queued",
+    "retry_scheduled": "queued",
+    "started": "running",
+    "finished": "done",
+    "failed": "failed",
+    "canceled": "canceled",
 }
 
 
@@ -58,9 +70,14 @@ class Lifecycle(RuleBasedStateMachine):
     @rule(who=st.sampled_from([("alice", "a"), ("bob", "b"), ("carol", "a")]), priority=st.integers(-2, 2))
     def submit(self, who: tuple[str, str], priority: int) -> None:
         username, team = who
-        job = job_submit(user=self.users[username], team=team, type="chat", priority=priority,
-                         requirements={"model": "m", "est_tokens": 5},
-                         input={"messages": [{"role": "user", "content": "hi"}]})
+        job = job_submit(
+            user=self.users[username],
+            team=team,
+            type="chat",
+            priority=priority,
+            requirements={"model": "m", "est_tokens": 5},
+            input={"messages": [{"role": "user", "content": "hi"}]},
+        )
         self.expected[job.pk] = "queued"
 
     @rule(limit=st.integers(1, 4))
@@ -76,8 +93,15 @@ class Lifecycle(RuleBasedStateMachine):
     def finish(self, data: st.DataObject, how: str) -> None:
         job_id = data.draw(st.sampled_from(sorted(self.leases)))
         lease = self.leases.pop(job_id)
-        outcome = Outcome(job_id=job_id, lease=lease, ok=how == "done", result={"ok": True} if how == "done" else None,
-                          error="" if how == "done" else "boom", retryable=how == "retry", tokens_used=3)
+        outcome = Outcome(
+            job_id=job_id,
+            lease=lease,
+            ok=how == "done",
+            result={"ok": True} if how == "done" else None,
+            error="" if how == "done" else "boom",
+            retryable=how == "retry",
+            tokens_used=3,
+        )
         report = jobs_finish(outcomes=[outcome])
         assert report.refused == [], report
         attempts = Job.objects.get(pk=job_id).attempts
@@ -172,8 +196,11 @@ class Lifecycle(RuleBasedStateMachine):
     def events_tell_the_same_story(self) -> None:
         latest: dict[int, str] = {}
         finished: dict[int, int] = {}
-        for job_id, event in JobEvent.objects.filter(job__isnull=False, event__in=EVENT_STATUS).order_by("id") \
-                .values_list("job_id", "event"):
+        for job_id, event in (
+            JobEvent.objects.filter(job__isnull=False, event__in=EVENT_STATUS)
+            .order_by("id")
+            .values_list("job_id", "event")
+        ):
             latest[job_id] = event
             finished[job_id] = finished.get(job_id, 0) + (event == "finished")
         for job_id, status in self.expected.items():
@@ -193,7 +220,14 @@ def test_the_lifecycle_keeps_its_invariants(make_user, make_team, make_executor)
     QuotaPolicy.objects.create(scope="team", subject="a", dimension="ai.concurrency", limit=CAPS["team:a"])
     QueuePolicy.objects.update_or_create(pk=1, defaults={"max_attempts": MAX_ATTEMPTS})
     assert Team.objects.count() == 2 and Executor.objects.count() == 2
-    run_state_machine_as_test(Lifecycle, settings=settings(
-        max_examples=50, stateful_step_count=50, deadline=None, derandomize=True, database=None,
-        suppress_health_check=list(HealthCheck),
-    ))
+    run_state_machine_as_test(
+        Lifecycle,
+        settings=settings(
+            max_examples=50,
+            stateful_step_count=50,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )

@@ -74,8 +74,12 @@ class TestEnqueue:
         job = Job.objects.get(pk=int(result.id))
         assert (job.type, job.status, job.user, job.team.slug) == ("task", "queued", alice, "a")
         assert job.requirements == {"model": "cpu", "est_tokens": 0}
-        assert job.input == {"callable": "tests.scheduler.declared_tasks.add", "args": [2], "kwargs": {"b": 3},
-                             "backend": "default"}
+        assert job.input == {
+            "callable": "tests.scheduler.declared_tasks.add",
+            "args": [2],
+            "kwargs": {"b": 3},
+            "backend": "default",
+        }
         assert job.meta == {"queue_name": "default"} and job.run_after is None
         assert result.status == TaskResultStatus.READY and not result.is_finished
         assert (result.args, result.kwargs, result.backend) == ([2], {"b": 3}, "default")
@@ -97,7 +101,9 @@ class TestEnqueue:
 
         jobs = Job.objects.in_bulk([int(r.id) for r in (by_bot, bot_in_b, alice_in_b)])
         assert [(jobs[int(r.id)].user.username, jobs[int(r.id)].team.slug) for r in (by_bot, bot_in_b, alice_in_b)] == [
-            ("tasks-bot", "a"), ("tasks-bot", "b"), ("alice", "b")
+            ("tasks-bot", "a"),
+            ("tasks-bot", "b"),
+            ("alice", "b"),
         ]
 
     def test_a_backend_alias_per_team_chooses_the_team_with_using(self, alice, make_team, settings):
@@ -111,9 +117,15 @@ class TestEnqueue:
         assert result.backend == "team-b" and task_backends["team-b"].get_result(result.id).id == result.id
 
     def test_priority_run_after_and_queue_map_onto_the_job(self, alice, settings):
-        settings.TASKS = {"default": {"BACKEND": BACKEND, "OPTIONS": {
-            "team": "a", "queues": {"default": {"model": "cpu"}, "big": {"model": "cpu", "memory_mb": 8192}},
-        }}}
+        settings.TASKS = {
+            "default": {
+                "BACKEND": BACKEND,
+                "OPTIONS": {
+                    "team": "a",
+                    "queues": {"default": {"model": "cpu"}, "big": {"model": "cpu", "memory_mb": 8192}},
+                },
+            }
+        }
         later = timezone.now() + timedelta(hours=1)
 
         with enqueue_as(user=alice):
@@ -160,7 +172,11 @@ class TestRefused:
     @pytest.mark.parametrize(
         ("args", "kwargs", "message"),
         [
-            ((datetime(2025, 1, 1, tzinfo=UTC),), {}, r"Task args\[0\] must be JSON, not datetime datetime.datetime\(2025"),
+            (
+                (datetime(2025, 1, 1, tzinfo=UTC),),
+                {},
+                r"Task args\[0\] must be JSON, not datetime datetime.datetime\(2025",
+            ),
             ((1,), {"b": {1, 2}}, r"Task kwargs\['b'\] must be JSON, not set \{1, 2\}; pass what the task needs"),
             ((1,), {"b": [b"raw"]}, r"Task kwargs\['b'\]\[0\] must be JSON, not bytes b'raw'"),
             ((math.nan, 1), {}, r"Task args\[0\] must be JSON: nan is not a JSON number"),
@@ -196,8 +212,9 @@ class TestRefused:
     def test_a_task_not_reachable_by_its_name(self, alice):
         # A Task made from a function that stays a plain function in its module: workers find by the
         # dotted path a plain function, which they must refuse to run.
-        shadow = type(add)(priority=0, func=declared_tasks.not_a_task, backend="default", queue_name="default",
-                           run_after=None)
+        shadow = type(add)(
+            priority=0, func=declared_tasks.not_a_task, backend="default", queue_name="default", run_after=None
+        )
 
         with enqueue_as(user=alice), pytest.raises(InvalidTask, match="not_a_task is not a task declared with"):
             shadow.enqueue()
@@ -229,10 +246,20 @@ class TestGetResult:
     def test_ids_that_are_not_task_results(self, alice, make_executor):
         backend = task_backends["default"]
         make_executor("model-server", models=["m"])  # a cpu-node's `cpu` takes no chat
-        chat = job_submit(user=alice, team="a", type="chat", requirements={"model": "m"},
-                          input={"messages": [{"role": "user", "content": "hi"}]})
-        registered = job_submit(user=alice, team="a", type="task", requirements={"model": "cpu"},
-                                input={"callable": "telemachus.add", "args": [1], "kwargs": {}})
+        chat = job_submit(
+            user=alice,
+            team="a",
+            type="chat",
+            requirements={"model": "m"},
+            input={"messages": [{"role": "user", "content": "hi"}]},
+        )
+        registered = job_submit(
+            user=alice,
+            team="a",
+            type="task",
+            requirements={"model": "cpu"},
+            input={"callable": "telemachus.add", "args": [1], "kwargs": {}},
+        )
 
         for result_id in ("nope", "999999", str(chat.pk), str(registered.pk)):
             with pytest.raises(TaskResultDoesNotExist):
@@ -249,8 +276,9 @@ class TestGetResult:
         with enqueue_as(user=alice):
             result = add.enqueue(1, 2)
         (claim,) = job_claim(worker="w1", limit=1).claims
-        jobs_finish(outcomes=[Outcome(job_id=claim.job.pk, lease=claim.lease, ok=False, error="pool died",
-                                      retryable=True)])
+        jobs_finish(
+            outcomes=[Outcome(job_id=claim.job.pk, lease=claim.lease, ok=False, error="pool died", retryable=True)]
+        )
         Job.objects.filter(pk=claim.job.pk).update(run_after=None)
         first = Job.objects.get(pk=claim.job.pk).started_at
         time.sleep(0.01)
@@ -332,8 +360,13 @@ class TestWithAWorkerProcess:
         assert bad_call.status == TaskResultStatus.FAILED and bad_call.errors[0].exception_class is JobFailed
         assert "bad arguments for task 'tests.scheduler.declared_tasks.add'" in bad_call.errors[0].traceback
 
-        assert context.return_value == {"id": context.id, "status": "RUNNING", "attempt": 1, "tag": "hello",
-                                        "workers": ["w"]}
+        assert context.return_value == {
+            "id": context.id,
+            "status": "RUNNING",
+            "attempt": 1,
+            "tag": "hello",
+            "workers": ["w"],
+        }
         connection.close()
 
     def test_cancel_stops_the_task_and_reads_as_failed(self, alice, processes, tmp_path):
@@ -380,8 +413,12 @@ class TestWithAWorkerProcess:
         deadline = time.monotonic() + 90
         while not all(finished(r) for r in results):
             assert time.monotonic() < deadline, "timed out waiting for 6 tasks"
-            seen.append((Slot.objects.filter(team__slug="a").count(),
-                         Job.objects.filter(team__slug="a", status="running").count()))
+            seen.append(
+                (
+                    Slot.objects.filter(team__slug="a").count(),
+                    Job.objects.filter(team__slug="a", status="running").count(),
+                )
+            )
             time.sleep(0.05)
 
         assert {r.status for r in results} == {TaskResultStatus.SUCCESSFUL}
@@ -400,9 +437,16 @@ class TestRefusedBeforeAWorkerSeesIt:
         monkeypatch.setitem(sys.modules, module.__name__, module)
         module.work = task(module.work)
 
-        with enqueue_as(user=alice), pytest.raises(InvalidTask, match=(
-            r"tests.scheduler.made_at_run_time.work: module tests.scheduler.made_at_run_time is not importable "
-            r"from a file, so workers could not find it")):
+        with (
+            enqueue_as(user=alice),
+            pytest.raises(
+                InvalidTask,
+                match=(
+                    r"tests.scheduler.made_at_run_time.work: module tests.scheduler.made_at_run_time is not importable "
+                    r"from a file, so workers could not find it"
+                ),
+            ),
+        ):
             module.work.enqueue(1)
         assert not Job.objects.exists()
 
@@ -418,4 +462,6 @@ class TestRefusedBeforeAWorkerSeesIt:
 
     def test_declared_tasks_still_pass(self, alice):
         with enqueue_as(user=alice):
-            assert Job.objects.get(pk=int(add.enqueue(1, 2).id)).input["callable"] == "tests.scheduler.declared_tasks.add"
+            assert (
+                Job.objects.get(pk=int(add.enqueue(1, 2).id)).input["callable"] == "tests.scheduler.declared_tasks.add"
+            )

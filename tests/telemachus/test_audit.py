@@ -15,8 +15,13 @@ from telemachus.models import AuditEvent, FeatureSwitch, Team
 
 pytestmark = pytest.mark.django_db
 
-EXECUTOR = {"name": "gpu-1", "kind": "local-model", "endpoint": "http://127.0.0.1:9/v1",
-            "capabilities": {"models": ["llama3"]}, "max_concurrency": 2}
+EXECUTOR = {
+    "name": "gpu-1",
+    "kind": "local-model",
+    "endpoint": "http://127.0.0.1:9/v1",
+    "capabilities": {"models": ["llama3"]},
+    "max_concurrency": 2,
+}
 
 
 def only_event(action: str) -> AuditEvent:
@@ -40,8 +45,11 @@ class TestApiActionsAreAudited:
         assert (created.object_type, created.object_id, created.before) == ("executor", str(executor_id), None)
         assert created.after["max_concurrency"] == 2 and created.after["enabled"] is True
 
-        client.patch(f"/api/executors/{executor_id}/", {"max_concurrency": 8, "enabled": False,
-                                                         "endpoint": "http://127.0.0.1:10/v1"}, format="json")
+        client.patch(
+            f"/api/executors/{executor_id}/",
+            {"max_concurrency": 8, "enabled": False, "endpoint": "http://127.0.0.1:10/v1"},
+            format="json",
+        )
         edited = only_event("executor.update")
         assert_by_operator(edited)
         assert edited.before == {"endpoint": "http://127.0.0.1:9/v1", "max_concurrency": 2, "enabled": True}
@@ -58,18 +66,23 @@ class TestApiActionsAreAudited:
 
     def test_refused_edits_leave_no_event(self, api, operator, member_setup):
         executor = member_setup[4]
-        assert api(member_setup[0]).patch(f"/api/executors/{executor.pk}/", {"enabled": False},
-                                          format="json").status_code == 403
-        assert api(operator).patch(f"/api/executors/{executor.pk}/", {"max_concurrency": -1},
-                                   format="json").status_code == 400
+        assert (
+            api(member_setup[0]).patch(f"/api/executors/{executor.pk}/", {"enabled": False}, format="json").status_code
+            == 403
+        )
+        assert (
+            api(operator).patch(f"/api/executors/{executor.pk}/", {"max_concurrency": -1}, format="json").status_code
+            == 400
+        )
         assert not AuditEvent.objects.filter(object_type="executor").exists()
 
     @pytest.mark.slow
     @pytest.mark.django_db(transaction=True)
     def test_executor_sync(self, api, operator, processes):
         base = processes.simllm(models="llama3,qwen")
-        executor = Executor.objects.create(name="box", kind="local-model", endpoint=f"{base}/v1",
-                                           capabilities={"models": ["old"], "class": "gpu"})
+        executor = Executor.objects.create(
+            name="box", kind="local-model", endpoint=f"{base}/v1", capabilities={"models": ["old"], "class": "gpu"}
+        )
         assert api(operator).post(f"/api/executors/{executor.pk}/sync/").status_code == 200
         synced = only_event("executor.sync")
         assert_by_operator(synced)
@@ -86,7 +99,9 @@ class TestApiActionsAreAudited:
 
         client.patch(f"/api/quota-policies/{rule_id}/", {"limit": 50}, format="json")
         assert (only_event("quota_policy.update").before, only_event("quota_policy.update").after) == (
-            {"limit": 1000}, {"limit": 50})
+            {"limit": 1000},
+            {"limit": 50},
+        )
 
         client.delete(f"/api/quota-policies/{rule_id}/")
         assert only_event("quota_policy.delete").before == {**rule, "limit": 50}
@@ -94,23 +109,36 @@ class TestApiActionsAreAudited:
     def test_team_lifecycle_members_and_grants(self, api, operator, make_user):
         make_user("alice"), make_user("bob")
         client = api(operator)
-        client.post("/api/teams/", {"slug": "ml", "name": "ML", "members": [{"username": "alice", "role": "member"}]},
-                    format="json")
+        client.post(
+            "/api/teams/",
+            {"slug": "ml", "name": "ML", "members": [{"username": "alice", "role": "member"}]},
+            format="json",
+        )
         created = only_event("team.create")
         assert_by_operator(created)
-        assert created.after == {"slug": "ml", "name": "ML", "members": {"alice": "member"},
-                                 "grants": {"team": ["chat:use"], "users": {}}}
+        assert created.after == {
+            "slug": "ml",
+            "name": "ML",
+            "members": {"alice": "member"},
+            "grants": {"team": ["chat:use"], "users": {}},
+        }
 
         client.post("/api/teams/ml/members/", {"username": "bob", "role": "member"}, format="json")
         assert only_event("team.member_add").after == {"username": "bob", "role": "member"}
         client.post("/api/teams/ml/members/", {"username": "bob", "role": "manager"}, format="json")
         role = only_event("team.member_role")
-        assert (role.before, role.after) == ({"username": "bob", "role": "member"}, {"username": "bob", "role": "manager"})
+        assert (role.before, role.after) == (
+            {"username": "bob", "role": "member"},
+            {"username": "bob", "role": "manager"},
+        )
         client.delete("/api/teams/ml/members/alice/")
         assert only_event("team.member_remove").before == {"username": "alice", "role": "member"}
 
-        client.put("/api/teams/ml/grants/", {"team": ["chat:use", "flows:run"], "users": {"alice": ["tools:invoke"]}},
-                   format="json")
+        client.put(
+            "/api/teams/ml/grants/",
+            {"team": ["chat:use", "flows:run"], "users": {"alice": ["tools:invoke"]}},
+            format="json",
+        )
         grants = only_event("team.grants")
         assert grants.before == {"team": ["chat:use"], "users": {}}
         assert grants.after == {"team": ["chat:use", "flows:run"], "users": {"alice": ["tools:invoke"]}}
@@ -137,12 +165,21 @@ class TestApiActionsAreAudited:
         policy = only_event("queue_policy.update")
         assert (policy.before, policy.after) == ({"team_weights": {}}, {"team_weights": {"a": 2.0}})
 
-        job = job_submit(user=member_setup[0], team="a", type="chat", requirements={"model": "m"},
-                         input={"messages": [{"role": "user", "content": "hi"}]})
+        job = job_submit(
+            user=member_setup[0],
+            team="a",
+            type="chat",
+            requirements={"model": "m"},
+            input={"messages": [{"role": "user", "content": "hi"}]},
+        )
         client.post(f"/api/jobs/{job.pk}/cancel/")
         cancel = only_event("job.cancel")
         assert_by_operator(cancel)
-        assert (cancel.object_id, cancel.before, cancel.after) == (str(job.pk), {"status": "queued"}, {"status": "canceled"})
+        assert (cancel.object_id, cancel.before, cancel.after) == (
+            str(job.pk),
+            {"status": "queued"},
+            {"status": "canceled"},
+        )
         client.post(f"/api/jobs/{job.pk}/requeue/")
         assert only_event("job.requeue").after == {"status": "queued"}
 
@@ -167,10 +204,17 @@ class TestAdminActionsAreAudited:
 
     def test_executor_list_edit_and_actions(self, browser, member_setup):
         executor = member_setup[4]
-        response = browser.post("/admin/executors/executor/", {
-            "form-TOTAL_FORMS": "1", "form-INITIAL_FORMS": "1", "form-0-id": executor.pk,
-            "form-0-enabled": "on", "form-0-max_concurrency": "9", "_save": "Save",
-        })
+        response = browser.post(
+            "/admin/executors/executor/",
+            {
+                "form-TOTAL_FORMS": "1",
+                "form-INITIAL_FORMS": "1",
+                "form-0-id": executor.pk,
+                "form-0-enabled": "on",
+                "form-0-max_concurrency": "9",
+                "_save": "Save",
+            },
+        )
         assert response.status_code == 302, response.content[:2000]
         edited = only_event("executor.update")
         assert_by_operator(edited, "admin")
@@ -183,18 +227,37 @@ class TestAdminActionsAreAudited:
         assert only_event("executor.delete").source == "admin"
 
     def test_quota_rule_add_and_delete(self, browser, member_setup):
-        response = browser.post("/admin/quotas/quotapolicy/add/", {
-            "scope": "team", "subject": "a", "dimension": "ai.concurrency", "limit": "3", "window": "",
-        })
+        response = browser.post(
+            "/admin/quotas/quotapolicy/add/",
+            {
+                "scope": "team",
+                "subject": "a",
+                "dimension": "ai.concurrency",
+                "limit": "3",
+                "window": "",
+            },
+        )
         assert response.status_code == 302, response.content[:2000]
         created = only_event("quota_policy.create")
         assert_by_operator(created, "admin")
-        assert created.after == {"scope": "team", "subject": "a", "dimension": "ai.concurrency", "limit": 3,
-                                 "window": None}
+        assert created.after == {
+            "scope": "team",
+            "subject": "a",
+            "dimension": "ai.concurrency",
+            "limit": 3,
+            "window": None,
+        }
         rule = QuotaPolicy.objects.get()
-        browser.post(f"/admin/quotas/quotapolicy/{rule.pk}/change/", {
-            "scope": "team", "subject": "a", "dimension": "ai.concurrency", "limit": "5", "window": "",
-        })
+        browser.post(
+            f"/admin/quotas/quotapolicy/{rule.pk}/change/",
+            {
+                "scope": "team",
+                "subject": "a",
+                "dimension": "ai.concurrency",
+                "limit": "5",
+                "window": "",
+            },
+        )
         assert only_event("quota_policy.update").after == {"limit": 5}
         browser.post(f"/admin/quotas/quotapolicy/{rule.pk}/delete/", {"post": "yes"})
         assert only_event("quota_policy.delete").source == "admin"
@@ -203,13 +266,23 @@ class TestAdminActionsAreAudited:
         alice, _, team_a, *_ = member_setup
         carol = make_user("carol")
         membership = team_a.memberships.get()
-        response = browser.post(f"/admin/telemachus/team/{team_a.pk}/change/", {
-            "slug": "a", "name": "Team A",
-            "memberships-TOTAL_FORMS": "2", "memberships-INITIAL_FORMS": "1",
-            "memberships-0-id": membership.pk, "memberships-0-team": team_a.pk, "memberships-0-user": alice.pk,
-            "memberships-0-role": "member", "memberships-0-DELETE": "on",
-            "memberships-1-team": team_a.pk, "memberships-1-user": carol.pk, "memberships-1-role": "manager",
-        })
+        response = browser.post(
+            f"/admin/telemachus/team/{team_a.pk}/change/",
+            {
+                "slug": "a",
+                "name": "Team A",
+                "memberships-TOTAL_FORMS": "2",
+                "memberships-INITIAL_FORMS": "1",
+                "memberships-0-id": membership.pk,
+                "memberships-0-team": team_a.pk,
+                "memberships-0-user": alice.pk,
+                "memberships-0-role": "member",
+                "memberships-0-DELETE": "on",
+                "memberships-1-team": team_a.pk,
+                "memberships-1-user": carol.pk,
+                "memberships-1-role": "manager",
+            },
+        )
         assert response.status_code == 302, response.content[:3000]
         assert only_event("team.update").after == {"name": "Team A"}
         assert only_event("team.member_remove").before == {"username": "alice", "role": "member"}
@@ -256,7 +329,9 @@ class TestAuditApi:
         assert len(client.get("/api/audit/", {"actor": "operator", "since": since}).json()["results"]) == 3
         assert len(client.get("/api/audit/", {"actor": "operator", "until": since}).json()["results"]) == 1
         assert {e["action"] for e in client.get("/api/audit/", {"actor": "system"}).json()["results"]} == {
-            "team.create", "team.member_add"}
+            "team.create",
+            "team.member_add",
+        }
         assert client.get("/api/audit/", {"since": "yesterday"}).json()["error"] == "validation_error"
 
     def test_operators_only(self, api, member_setup):

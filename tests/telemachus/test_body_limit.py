@@ -23,8 +23,9 @@ class Echo:
             message = await receive()
             body += message.get("body", b"")
             more = message.get("more_body", False)
-        payload = json.dumps({"headers": {k.decode(): v.decode() for k, v in scope["headers"]},
-                              "body": body.decode()}).encode()
+        payload = json.dumps(
+            {"headers": {k.decode(): v.decode() for k, v in scope["headers"]}, "body": body.decode()}
+        ).encode()
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": payload})
 
@@ -56,8 +57,11 @@ def test_a_chunked_body_is_read_whole_and_given_its_length():
 @pytest.mark.parametrize("headers", [[(b"content-length", b"101")], [(b"transfer-encoding", b"chunked")]])
 def test_a_body_over_the_limit_is_a_413_declared_or_not(headers):
     status, body = call("/api/jobs/", [b"x" * 60, b"x" * 41], headers)
-    assert status == 413 and body == {"error": "payload_too_large", "detail": "Request body exceeds 100 bytes.",
-                                      "limit": 100}
+    assert status == 413 and body == {
+        "error": "payload_too_large",
+        "detail": "Request body exceeds 100 bytes.",
+        "limit": 100,
+    }
 
 
 @override_settings(TELEMACHUS_MAX_BODY_BYTES=100)
@@ -79,15 +83,26 @@ def test_daphne_reads_a_chunked_job_and_refuses_a_huge_one(processes, member_set
     alice = member_setup[0]
     token = api(alice)._credentials["HTTP_AUTHORIZATION"]
     port = free_port()
-    processes.spawn("daphne", "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "telemachus.asgi:application",
-                    TELEMACHUS_MAX_BODY_BYTES="100000")
+    processes.spawn(
+        "daphne",
+        "-m",
+        "daphne",
+        "-b",
+        "127.0.0.1",
+        "-p",
+        str(port),
+        "telemachus.asgi:application",
+        TELEMACHUS_MAX_BODY_BYTES="100000",
+    )
     wait_until(lambda: answers(f"http://127.0.0.1:{port}/api/schema/"), timeout=30, what="daphne to listen")
 
     def raw_post(chunks: list[bytes]) -> tuple[int, dict]:
         with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
-            conn.sendall(b"POST /api/jobs/ HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                         b"Authorization: " + token.encode() + b"\r\nTransfer-Encoding: chunked\r\n"
-                         b"Connection: close\r\n\r\n")
+            conn.sendall(
+                b"POST /api/jobs/ HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Authorization: " + token.encode() + b"\r\nTransfer-Encoding: chunked\r\n"
+                b"Connection: close\r\n\r\n"
+            )
             for chunk in chunks:
                 conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
             conn.sendall(b"0\r\n\r\n")

@@ -22,9 +22,18 @@ pytestmark = pytest.mark.django_db
 # Executor columns that change with the work, not with configuration (see the triggers' migration).
 RUNTIME = {"last_seen": timezone.now(), "last_probed_at": timezone.now(), "consecutive_failures": 3}
 CONFIGURED = {
-    "team": "a team", "kind": "local-model", "name": "renamed", "endpoint": "http://127.0.0.1:1/v1",
-    "capabilities": {"models": ["x"]}, "max_concurrency": 9, "enabled": False, "health": "down", "weight": 5,
-    "transport": {"timeout": 3}, "meta": {"k": 1}, "breaker": "open",
+    "team": "a team",
+    "kind": "local-model",
+    "name": "renamed",
+    "endpoint": "http://127.0.0.1:1/v1",
+    "capabilities": {"models": ["x"]},
+    "max_concurrency": 9,
+    "enabled": False,
+    "health": "down",
+    "weight": 5,
+    "transport": {"timeout": 3},
+    "meta": {"k": 1},
+    "breaker": "open",
     "breaker_until": timezone.now() + timedelta(seconds=5),
 }
 
@@ -84,8 +93,9 @@ class TestWhatBumps:
 def test_a_configuration_write_wakes_listeners_when_it_commits(member_setup):
     # Given a connection listening on the workers' channel...
     s = connection.settings_dict
-    with psycopg.connect(host=s["HOST"] or "127.0.0.1", port=s["PORT"] or 5432, user=s["USER"], dbname=s["NAME"],
-                         autocommit=True) as listener:
+    with psycopg.connect(
+        host=s["HOST"] or "127.0.0.1", port=s["PORT"] or 5432, user=s["USER"], dbname=s["NAME"], autocommit=True
+    ) as listener:
         listener.execute(f"LISTEN {CHANNEL}")
 
         # When an operator raises an executor's capacity with a plain UPDATE...

@@ -46,8 +46,16 @@ def test_other_pages_have_the_policy_and_no_inline_script(path):
     assert inline == [], inline
 
 
-@pytest.mark.parametrize("path", ["/admin/", "/admin/scheduler/job/", "/admin/scheduler/queuepolicy/1/change/",
-                                  "/admin/executors/executor/add/", "/admin/auth/user/"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/admin/",
+        "/admin/scheduler/job/",
+        "/admin/scheduler/queuepolicy/1/change/",
+        "/admin/executors/executor/add/",
+        "/admin/auth/user/",
+    ],
+)
 def test_admin_pages_need_no_inline_script(operator, path):
     QueuePolicy.objects.get_or_create(pk=1)
     browser = Client()

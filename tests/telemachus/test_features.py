@@ -23,8 +23,12 @@ def test_a_switched_off_kind_is_refused_at_submit(api, operator, member_setup):
     response = api(alice).post("/api/jobs/", chat_body("a"), format="json")
 
     assert response.status_code == 403
-    assert response.json() == {"error": "feature_disabled", "detail": "'chat' is switched off for team 'a'.",
-                               "feature": "chat", "team": "a"}
+    assert response.json() == {
+        "error": "feature_disabled",
+        "detail": "'chat' is switched off for team 'a'.",
+        "feature": "chat",
+        "team": "a",
+    }
     assert not Job.objects.exists()
 
 
@@ -58,13 +62,16 @@ def test_states_read_by_everyone_switched_by_operators(api, operator, member_set
     assert response.status_code == 403 and response.json()["error"] == "forbidden"
 
 
-@pytest.mark.parametrize(("body", "field"), [
-    ({"feature": "email", "enabled": False}, "feature"),
-    ({"feature": "chat", "enabled": None}, "enabled"),
-    ({"feature": "chat", "team": "nope", "enabled": False}, "team"),
-    ({"feature": "chat", "enabled": "maybe"}, "enabled"),
-    ({"feature": "chat", "enabled": False, "extra": 1}, "extra"),
-])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"feature": "email", "enabled": False}, "feature"),
+        ({"feature": "chat", "enabled": None}, "enabled"),
+        ({"feature": "chat", "team": "nope", "enabled": False}, "team"),
+        ({"feature": "chat", "enabled": "maybe"}, "enabled"),
+        ({"feature": "chat", "enabled": False, "extra": 1}, "extra"),
+    ],
+)
 def test_bad_input(api, operator, member_setup, body, field):
     response = api(operator).put("/api/features/", body, format="json")
     assert response.status_code == 400 and field in response.json()["fields"]
@@ -77,8 +84,17 @@ def test_a_refusal_names_the_feature_plainly_whoever_submits(api, operator, memb
     alice = member_setup[0]
     switch(api(operator), kind.value, False)
     with pytest.raises(FeatureDisabled) as refused:
-        job_submit(user=alice, team="a", type=kind, requirements={"model": "m"},
-                   input={"messages": [{"role": "user", "content": "hi"}]})
-    assert refused.value.body() == {"error": "feature_disabled", "detail": f"'{kind.value}' is switched off for team 'a'.",
-                                    "feature": kind.value, "team": "a"}
+        job_submit(
+            user=alice,
+            team="a",
+            type=kind,
+            requirements={"model": "m"},
+            input={"messages": [{"role": "user", "content": "hi"}]},
+        )
+    assert refused.value.body() == {
+        "error": "feature_disabled",
+        "detail": f"'{kind.value}' is switched off for team 'a'.",
+        "feature": kind.value,
+        "team": "a",
+    }
     assert type(refused.value.body()["feature"]) is str

@@ -45,13 +45,16 @@ def test_method_not_allowed_on_an_api_view_is_json(api, operator):
     assert_error(api(operator).delete("/api/queue/"), 405, "method_not_allowed")
 
 
-@pytest.mark.parametrize("path", [
-    "/api/teams/a/members/x%00y/",
-    "/api/teams/a%00/",
-    "/api/jobs/?team=a%00",
-    "/api/jobs/?sta%00tus=queued",
-    "/api/usage/?user=%00",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/api/teams/a/members/x%00y/",
+        "/api/teams/a%00/",
+        "/api/jobs/?team=a%00",
+        "/api/jobs/?sta%00tus=queued",
+        "/api/usage/?user=%00",
+    ],
+)
 def test_nul_in_a_path_or_query_is_a_400(api, operator, member_setup, path):
     client = api(operator)
     method = client.delete if "members" in path else client.get

@@ -19,15 +19,31 @@ def cursor(raw: str) -> str:
 @pytest.fixture
 def jobs(member_setup):
     alice = member_setup[0]
-    return [job_submit(user=alice, team="a", type="chat", requirements={"model": "m"},
-                       input={"messages": [{"role": "user", "content": "hi"}]}) for _ in range(3)]
+    return [
+        job_submit(
+            user=alice,
+            team="a",
+            type="chat",
+            requirements={"model": "m"},
+            input={"messages": [{"role": "user", "content": "hi"}]},
+        )
+        for _ in range(3)
+    ]
 
 
 @pytest.mark.parametrize("path", [*LISTS, "/api/jobs/{job}/events/"])
-@pytest.mark.parametrize("crafted", [
-    cursor("p=abc"), cursor("p=99999999999999999999999"), cursor("o=1&r=x"), cursor("p=1\x00"), "é",
-    cursor("p=-"), cursor("o=-1"),
-])
+@pytest.mark.parametrize(
+    "crafted",
+    [
+        cursor("p=abc"),
+        cursor("p=99999999999999999999999"),
+        cursor("o=1&r=x"),
+        cursor("p=1\x00"),
+        "é",
+        cursor("p=-"),
+        cursor("o=-1"),
+    ],
+)
 def test_a_crafted_cursor_is_a_400(api, operator, jobs, path, crafted):
     response = api(operator).get(path.format(job=jobs[0].pk), {"cursor": crafted})
     assert response.status_code == 400, response.content

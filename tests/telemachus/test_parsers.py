@@ -34,12 +34,15 @@ BAD_TEXT = ["\\u0000", "a\\u0000b", "\\ud800", "x\\udfffy", "\\udc00\\ud800"]
 
 
 @pytest.mark.parametrize("text", BAD_TEXT)
-@pytest.mark.parametrize("where", [
-    '"meta": {"note": "%s"}',
-    '"meta": {"%s": 1}',
-    '"input": {"messages": [{"role": "user", "content": "%s"}]}',
-    '"input": {"messages": [{"role": "user", "content": "hi"}], "extra": ["%s"]}',
-])
+@pytest.mark.parametrize(
+    "where",
+    [
+        '"meta": {"note": "%s"}',
+        '"meta": {"%s": 1}',
+        '"input": {"messages": [{"role": "user", "content": "%s"}]}',
+        '"input": {"messages": [{"role": "user", "content": "hi"}], "extra": ["%s"]}',
+    ],
+)
 def test_nul_or_a_lone_surrogate_in_free_form_json_is_a_400(api, member_setup, text, where):
     # Given a valid job body with the text spliced into a free-form part...
     body = json.dumps(chat_body("a"))[:-1] + ", " + (where % text) + "}"
@@ -56,11 +59,14 @@ def test_a_valid_surrogate_pair_is_fine(api, member_setup):
     assert Job.objects.get().meta == {"emoji": "\U0001f600"}
 
 
-@pytest.mark.parametrize("field,value", [
-    ("meta", '{"a": "\\u0000"}'),
-    ("transport", '{"\\ud800": 1}'),
-    ("capabilities", '{"models": ["m"], "note": "\\u0000"}'),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("meta", '{"a": "\\u0000"}'),
+        ("transport", '{"\\ud800": 1}'),
+        ("capabilities", '{"models": ["m"], "note": "\\u0000"}'),
+    ],
+)
 def test_executor_free_form_fields_refuse_unstorable_text(api, operator, field, value):
     body = {"name": "e1", "kind": "sim", "capabilities": {"models": ["m"]}}
     raw = json.dumps({k: v for k, v in body.items() if k != field})[:-1] + f', "{field}": {value}}}'
@@ -77,8 +83,9 @@ def test_policy_keys_refuse_unstorable_text(api, operator, body):
 
 def test_grants_refuse_unstorable_user_names(api, operator, make_team):
     make_team("a")
-    response = post_raw(api(operator), "/api/teams/a/grants/", '{"team": [], "users": {"\\u0000": ["chat:use"]}}',
-                        method="put")
+    response = post_raw(
+        api(operator), "/api/teams/a/grants/", '{"team": [], "users": {"\\u0000": ["chat:use"]}}', method="put"
+    )
     assert response.status_code == 400 and response.json()["error"] == "validation_error"
 
 
@@ -87,8 +94,11 @@ def test_a_body_over_the_limit_is_a_413(api, member_setup):
     body = chat_body("a", meta={"pad": "x" * 2000})
     response = api(member_setup[0]).post("/api/jobs/", body, format="json")
     assert response.status_code == 413
-    assert response.json() == {"error": "payload_too_large", "detail": "Request body exceeds 1000 bytes.",
-                               "limit": 1000}
+    assert response.json() == {
+        "error": "payload_too_large",
+        "detail": "Request body exceeds 1000 bytes.",
+        "limit": 1000,
+    }
 
 
 @pytest.mark.parametrize("size", [1_048_577, 3 * 1024 * 1024])

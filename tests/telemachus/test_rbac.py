@@ -25,13 +25,17 @@ def submit(client, type="chat", **overrides):
 
 
 class TestJobTypePermissions:
-    @pytest.mark.parametrize(("job_type", "permission"), [("flow", "flows:run"), ("task", "flows:run"), ("tool", "tools:invoke")])
+    @pytest.mark.parametrize(
+        ("job_type", "permission"), [("flow", "flows:run"), ("task", "flows:run"), ("tool", "tools:invoke")]
+    )
     def test_missing_permission_is_403_naming_it_and_persists_nothing(self, api, chat_only, job_type, permission):
         _, carol, _ = chat_only
         response = submit(api(carol), type=job_type)
         assert response.status_code == 403
         assert response.json() == {
-            "error": "forbidden", "detail": f"Requires {permission} in team 'lab'.", "permission": permission,
+            "error": "forbidden",
+            "detail": f"Requires {permission} in team 'lab'.",
+            "permission": permission,
             "team": "lab",
         }
         assert not Job.objects.exists() and not JobEvent.objects.exists()
@@ -75,10 +79,14 @@ class TestGrantsApi:
         assert response.json() == {"team": ["chat:use", "tools:invoke"], "users": {"carol": ["flows:run"]}}
         assert api(operator).get("/api/teams/lab/").json()["grants"] == response.json()
 
-    @pytest.mark.parametrize(("body", "field"), [
-        ({"team": ["root:all"]}, "team"), ({"team": [], "users": {"nobody": ["chat:use"]}}, "users"),
-        ({"users": {}}, "team"),
-    ])
+    @pytest.mark.parametrize(
+        ("body", "field"),
+        [
+            ({"team": ["root:all"]}, "team"),
+            ({"team": [], "users": {"nobody": ["chat:use"]}}, "users"),
+            ({"users": {}}, "team"),
+        ],
+    )
     def test_bad_grants(self, api, operator, chat_only, body, field):
         response = api(operator).put("/api/teams/lab/grants/", body, format="json")
         assert response.status_code == 400 and field in response.json()["fields"]
@@ -142,8 +150,9 @@ class TestCrossTeamIsolation:
 
     @pytest.fixture
     def bobs_job(self, member_setup):
-        return job_submit(user=member_setup[1], team="b", type="chat", requirements={"model": "m"},
-                          input={"messages": []})
+        return job_submit(
+            user=member_setup[1], team="b", type="chat", requirements={"model": "m"}, input={"messages": []}
+        )
 
     def test_detail(self, api, member_setup, bobs_job):
         assert api(member_setup[0]).get(f"/api/jobs/{bobs_job.pk}/").json()["error"] == "not_found"
@@ -161,10 +170,18 @@ class TestCrossTeamIsolation:
 
 
 class TestNoMassAssignment:
-    @pytest.mark.parametrize("field, value", [
-        ("status", "done"), ("executor", "shared"), ("tokens_used", 1), ("attempts", 9), ("user", "bob"),
-        ("result", {"text": "forged"}), ("lease", "x"),
-    ])
+    @pytest.mark.parametrize(
+        "field, value",
+        [
+            ("status", "done"),
+            ("executor", "shared"),
+            ("tokens_used", 1),
+            ("attempts", 9),
+            ("user", "bob"),
+            ("result", {"text": "forged"}),
+            ("lease", "x"),
+        ],
+    )
     def test_submit_refuses_server_fields(self, api, member_setup, field, value):
         response = api(member_setup[0]).post("/api/jobs/", chat_body("a", **{field: value}), format="json")
         assert response.status_code == 400 and field in response.json()["fields"]
@@ -177,8 +194,9 @@ class TestNoMassAssignment:
 
     @pytest.mark.parametrize("method", ["put", "patch", "delete"])
     def test_jobs_cannot_be_updated(self, api, member_setup, method):
-        job = job_submit(user=member_setup[0], team="a", type="chat", requirements={"model": "m"},
-                         input={"messages": []})
+        job = job_submit(
+            user=member_setup[0], team="a", type="chat", requirements={"model": "m"}, input={"messages": []}
+        )
         response = getattr(api(member_setup[0]), method)(f"/api/jobs/{job.pk}/", {"status": "done"}, format="json")
         assert response.status_code == 405 and response.json()["error"] == "method_not_allowed"
         assert Job.objects.get(pk=job.pk).status == "queued"

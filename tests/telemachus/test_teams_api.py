@@ -13,7 +13,8 @@ class TestTeamsApi:
     def test_operator_creates_team_with_members(self, api, operator, make_user):
         alice = make_user("alice")
         response = api(operator).post(
-            "/api/teams/", {"slug": "ml", "name": "ML", "members": [{"username": "alice", "role": "manager"}]},
+            "/api/teams/",
+            {"slug": "ml", "name": "ML", "members": [{"username": "alice", "role": "manager"}]},
             format="json",
         )
         assert response.status_code == 201, response.json()
@@ -146,8 +147,10 @@ def test_deleting_a_team_and_a_member_at_once_never_errs(api, operator, make_use
             finally:
                 connection.close()
 
-        threads = [threading.Thread(target=run, args=("team", f"/api/teams/t{i}/")),
-                   threading.Thread(target=run, args=("member", f"/api/teams/t{i}/members/alice/"))]
+        threads = [
+            threading.Thread(target=run, args=("team", f"/api/teams/t{i}/")),
+            threading.Thread(target=run, args=("member", f"/api/teams/t{i}/members/alice/")),
+        ]
         for t in threads:
             t.start()
         for t in threads:

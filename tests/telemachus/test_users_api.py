@@ -28,18 +28,28 @@ def test_an_operator_sets_up_a_team_over_the_api(api, operator, member_setup):
 
 
 def test_operator_flag_and_password(api, operator):
-    body = api(operator).post("/api/users/", {"username": "olga", "password": "correct horse battery 9",
-                                              "operator": True, "token": False}, format="json").json()
+    body = (
+        api(operator)
+        .post(
+            "/api/users/",
+            {"username": "olga", "password": "correct horse battery 9", "operator": True, "token": False},
+            format="json",
+        )
+        .json()
+    )
     assert body["operator"] is True and body["invited"] is False and body["token"] is None
     assert get_user_model().objects.get(username="olga").check_password("correct horse battery 9")
 
 
-@pytest.mark.parametrize(("body", "field"), [
-    ({"username": "operator"}, "username"),
-    ({"username": "has space"}, "username"),
-    ({"username": "pat", "password": "123"}, "password"),
-    ({"username": "pat", "is_superuser": True}, "is_superuser"),
-])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"username": "operator"}, "username"),
+        ({"username": "has space"}, "username"),
+        ({"username": "pat", "password": "123"}, "password"),
+        ({"username": "pat", "is_superuser": True}, "is_superuser"),
+    ],
+)
 def test_bad_input(api, operator, body, field):
     response = api(operator).post("/api/users/", body, format="json")
     assert response.status_code == 400 and field in response.json()["fields"]

@@ -36,15 +36,18 @@ def test_the_sites_own_origin_opens_it():
     assert opens("http://LOCALHOST:80", host="localhost")
 
 
-@pytest.mark.parametrize("origin", [
-    "http://127.0.0.1:9999",  # another port on the same host: another site
-    "https://127.0.0.1:8000",  # another scheme
-    "http://evil.example:8000",
-    "http://127.0.0.1",  # port 80, not 8000
-    "null",
-    "",
-    "http://127.0.0.1:notaport",
-])
+@pytest.mark.parametrize(
+    "origin",
+    [
+        "http://127.0.0.1:9999",  # another port on the same host: another site
+        "https://127.0.0.1:8000",  # another scheme
+        "http://evil.example:8000",
+        "http://127.0.0.1",  # port 80, not 8000
+        "null",
+        "",
+        "http://127.0.0.1:notaport",
+    ],
+)
 def test_other_origins_are_refused(origin):
     assert not opens(origin)
 

@@ -27,8 +27,12 @@ class Command(BaseCommand):
         models = [m.strip() for m in o["models"].split(",") if m.strip()]
         if not models:
             raise CommandError("--models needs at least one model name")
-        app = SimLLM(models=models, latency_ms=o["latency_ms"], tokens_per_s=o["tokens_per_s"],
-                     fail_rate=o["fail_rate"], output_tokens=o["output_tokens"])
+        app = SimLLM(
+            models=models,
+            latency_ms=o["latency_ms"],
+            tokens_per_s=o["tokens_per_s"],
+            fail_rate=o["fail_rate"],
+            output_tokens=o["output_tokens"],
+        )
         self.stdout.write(f"simllm serving {', '.join(models)} on http://{o['host']}:{o['port']}/v1 (simulated)")
-        uvicorn.run(app, host=o["host"], port=o["port"], log_level="warning", backlog=4096,
-                    timeout_keep_alive=30)
+        uvicorn.run(app, host=o["host"], port=o["port"], log_level="warning", backlog=4096, timeout_keep_alive=30)

@@ -14,19 +14,27 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY,
-                            help=f"dispatches in flight at once (default {DEFAULT_CONCURRENCY})")
+        parser.add_argument(
+            "--concurrency",
+            type=int,
+            default=DEFAULT_CONCURRENCY,
+            help=f"dispatches in flight at once (default {DEFAULT_CONCURRENCY})",
+        )
         parser.add_argument("--name", default=None, help="worker name, unique per process (default host:pid)")
         parser.add_argument(
             "--burst", action="store_true", help="exit once nothing is claimable and nothing is in flight"
         )
         parser.add_argument(
-            "--idle-poll", type=float, default=DEFAULT_IDLE_POLL,
+            "--idle-poll",
+            type=float,
+            default=DEFAULT_IDLE_POLL,
             help=f"longest sleep with nothing waking the worker, seconds (default {DEFAULT_IDLE_POLL:g}): "
-                 "notifications, its own finishes and time-bound moments the claim names wake it",
+            "notifications, its own finishes and time-bound moments the claim names wake it",
         )
         parser.add_argument(
-            "--grace", type=float, default=None,
+            "--grace",
+            type=float,
+            default=None,
             help="seconds to let in-flight work finish after SIGTERM before giving it back to the queue",
         )
 
@@ -38,7 +46,10 @@ class Command(BaseCommand):
         if idle_poll <= 0:
             raise CommandError("--idle-poll must be positive")
         worker = Worker(
-            name=name or f"{socket.gethostname()}:{os.getpid()}", concurrency=concurrency, burst=burst,
-            idle_poll=idle_poll, grace=grace,
+            name=name or f"{socket.gethostname()}:{os.getpid()}",
+            concurrency=concurrency,
+            burst=burst,
+            idle_poll=idle_poll,
+            grace=grace,
         )
         asyncio.run(worker.run())

@@ -40,7 +40,11 @@ class Command(BaseCommand):
             )
             _, cpu_created = Executor.objects.get_or_create(
                 name="cpu",
-                defaults={"kind": "cpu-node", "capabilities": {"models": ["cpu"], "class": "cpu"}, "max_concurrency": 2},
+                defaults={
+                    "kind": "cpu-node",
+                    "capabilities": {"models": ["cpu"], "class": "cpu"},
+                    "max_concurrency": 2,
+                },
             )
         self.stdout.write(
             f"demo team: {team.slug}; sim executor: {'created' if created else 'present'}; "

@@ -67,9 +67,18 @@ class TestFlow:
         flow = submit(api(alice), flow_body(tools=["echo"])).json()
         (claim,) = job_claim(worker="w", limit=1).claims
         round_begin(job_id=flow["id"], lease=claim.lease)
-        round_finish(job_id=flow["id"], lease=claim.lease, round=1, prompt_tokens=5, completion_tokens=2,
-                     message={"role": "assistant", "content": None, "tool_calls": [
-                         {"id": "c1", "type": "function", "function": {"name": "echo", "arguments": "{}"}}]})
+        round_finish(
+            job_id=flow["id"],
+            lease=claim.lease,
+            round=1,
+            prompt_tokens=5,
+            completion_tokens=2,
+            message={
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "echo", "arguments": "{}"}}],
+            },
+        )
         events = api(alice).get(f"/api/jobs/{flow['id']}/events/").json()["results"]
         rounds = [e for e in events if e["event"].startswith("round_")]
         assert [e["event"] for e in rounds] == ["round_started", "round_finished"]
@@ -113,7 +122,9 @@ class TestTool:
         assert by_tool.job.input == {"tool": "echo", "arguments": {"say": "hi"}}
         assert Job.objects.get(pk=tool_job["id"]).status == "running"
         assert list(JobEvent.objects.filter(job_id=tool_job["id"]).values_list("event", flat=True)) == [
-            "queued", "started"]
+            "queued",
+            "started",
+        ]
 
 
 class TestTranslate:

@@ -53,8 +53,12 @@ class TestSubmit:
         refused = browser.post("/api/jobs/", chat_body("a"), content_type="application/json")
         assert refused.status_code == 403 and "CSRF" in refused.json()["detail"]
         browser.get("/admin/login/")  # sets the csrftoken cookie
-        accepted = browser.post("/api/jobs/", chat_body("a"), content_type="application/json",
-                                HTTP_X_CSRFTOKEN=browser.cookies["csrftoken"].value)
+        accepted = browser.post(
+            "/api/jobs/",
+            chat_body("a"),
+            content_type="application/json",
+            HTTP_X_CSRFTOKEN=browser.cookies["csrftoken"].value,
+        )
         assert accepted.status_code == 201 and accepted.json()["user"] == "alice"
 
     @pytest.mark.parametrize("team", ["b", "nope"])
@@ -86,16 +90,30 @@ class TestSubmit:
         response = submit(api(member_setup[0]), chat_body("a", model="private"))
         assert response.status_code == 400 and response.json()["error"] == "unknown_model"
 
-    @pytest.mark.parametrize("body", [
-        chat_body("a", model="cpu"),
-        {"type": "translate", "team": "a", "requirements": {"model": "cpu"}, "input": {"text": "hi", "target_lang": "fr"}},
-    ], ids=["chat", "translate"])
+    @pytest.mark.parametrize(
+        "body",
+        [
+            chat_body("a", model="cpu"),
+            {
+                "type": "translate",
+                "team": "a",
+                "requirements": {"model": "cpu"},
+                "input": {"text": "hi", "target_lang": "fr"},
+            },
+        ],
+        ids=["chat", "translate"],
+    )
     def test_a_cpu_node_pseudo_model_takes_no_model_call(self, api, member_setup, make_executor, body):
         make_executor("cpu", models=["cpu"], kind="cpu-node")
         response = submit(api(member_setup[0]), body)
         assert response.status_code == 400 and response.json()["error"] == "unknown_model"
         assert response.json()["model"] == "cpu" and "'cpu'" in response.json()["detail"]
-        task = {"type": "task", "team": "a", "requirements": {"model": "cpu"}, "input": {"callable": "telemachus.add", "args": [1, 2]}}
+        task = {
+            "type": "task",
+            "team": "a",
+            "requirements": {"model": "cpu"},
+            "input": {"callable": "telemachus.add", "args": [1, 2]},
+        }
         assert submit(api(member_setup[0]), task).status_code == 201, "its task jobs are still welcome"
 
     def test_a_chat_job_is_never_placed_on_a_cpu_node(self, api, member_setup, make_executor):
@@ -161,7 +179,9 @@ class TestSubmit:
         response = api(member_setup[0]).post("/api/jobs/", json.dumps(body), content_type="application/json")
         assert response.status_code == 413
         assert response.json() == {
-            "error": "payload_too_large", "detail": "Request body exceeds 2048 bytes.", "limit": 2048,
+            "error": "payload_too_large",
+            "detail": "Request body exceeds 2048 bytes.",
+            "limit": 2048,
         }
         assert not Job.objects.exists()
 
@@ -223,8 +243,21 @@ class TestListAndDetail:
         detail = api(alice).get(f"/api/jobs/{job['id']}/").json()
         assert detail == job
         assert set(detail) >= {
-            "id", "type", "team", "user", "priority", "status", "requirements", "executor", "submitted_at",
-            "started_at", "finished_at", "tokens_used", "attempts", "result", "error",
+            "id",
+            "type",
+            "team",
+            "user",
+            "priority",
+            "status",
+            "requirements",
+            "executor",
+            "submitted_at",
+            "started_at",
+            "finished_at",
+            "tokens_used",
+            "attempts",
+            "result",
+            "error",
         }
 
     def test_list_query_count_does_not_grow_with_jobs(self, api, member_setup):
@@ -292,8 +325,13 @@ class TestCancel:
         response = api(alice).post(f"/api/jobs/{job['id']}/cancel/")
         assert (response.json()["status"], response.json()["tokens_used"]) == ("canceled", 70)
         events = api(alice).get(f"/api/jobs/{job['id']}/events/").json()["results"]
-        assert events[-1]["meta"] == {"was": "running", "by": "alice", "reason": "canceled by alice", "tokens": 70,
-                                      "billed": "estimate"}
+        assert events[-1]["meta"] == {
+            "was": "running",
+            "by": "alice",
+            "reason": "canceled by alice",
+            "tokens": 70,
+            "billed": "estimate",
+        }
 
     def test_cancel_charges_fair_share_for_the_attempt_not_since_the_first_start(self, api, member_setup):
         # Given a job whose first attempt started an hour ago, running again now (a retry)...
@@ -322,8 +360,13 @@ class TestCancel:
 class TestRequeue:
     def failed_job(self, member_setup) -> Job:
         alice = member_setup[0]
-        job = job_submit(user=alice, team="a", type="chat", requirements={"model": "m"},
-                         input={"messages": [{"role": "user", "content": "hi"}]})
+        job = job_submit(
+            user=alice,
+            team="a",
+            type="chat",
+            requirements={"model": "m"},
+            input={"messages": [{"role": "user", "content": "hi"}]},
+        )
         (claim,) = job_claim(worker="w", limit=1).claims
         job_finish(job_id=job.pk, lease=claim.lease, error="upstream said no", tokens_used=5)
         return Job.objects.get(pk=job.pk)
@@ -336,7 +379,10 @@ class TestRequeue:
         body = response.json()
         assert (body["status"], body["attempts"], body["error"], body["finished_at"]) == ("queued", 0, "", None)
         requeued = JobEvent.objects.filter(job=job).last()
-        assert (requeued.event, requeued.meta) == ("requeued", {"reason": "operator", "was": "failed", "by": "operator"})
+        assert (requeued.event, requeued.meta) == (
+            "requeued",
+            {"reason": "operator", "was": "failed", "by": "operator"},
+        )
         assert [c.job.pk for c in job_claim(worker="w", limit=1).claims] == [job.pk]
 
     def test_a_member_may_not(self, api, member_setup):
@@ -351,8 +397,9 @@ class TestRequeue:
         assert api(member_setup[1]).post(f"/api/jobs/{job.pk}/requeue/").status_code == 404
 
     def test_only_failed_or_canceled_jobs(self, api, operator, member_setup):
-        queued = job_submit(user=member_setup[0], team="a", type="chat", requirements={"model": "m"},
-                            input={"messages": []})
+        queued = job_submit(
+            user=member_setup[0], team="a", type="chat", requirements={"model": "m"}, input={"messages": []}
+        )
         response = api(operator).post(f"/api/jobs/{queued.pk}/requeue/")
         assert response.status_code == 409 and response.json()["status"] == "queued"
         job_claim(worker="w", limit=1)

@@ -30,14 +30,46 @@ def test_queue_shows_depth_caps_and_executors(api, operator, member_setup):
 
     assert snapshot["global"] == {"in_use": 0, "cap": 10}
     assert snapshot["teams"] == [
-        {"team": "a", "queued": 3, "running": 0, "in_use": 0, "cap": 2, "weight": 3.0, "target_share": 0.75,
-         "actual_share": 0.0, "not_served": [], "waits": []},
-        {"team": "b", "queued": 1, "running": 0, "in_use": 0, "cap": None, "weight": 1.0, "target_share": 0.25,
-         "actual_share": 0.0, "not_served": [], "waits": []},
+        {
+            "team": "a",
+            "queued": 3,
+            "running": 0,
+            "in_use": 0,
+            "cap": 2,
+            "weight": 3.0,
+            "target_share": 0.75,
+            "actual_share": 0.0,
+            "not_served": [],
+            "waits": [],
+        },
+        {
+            "team": "b",
+            "queued": 1,
+            "running": 0,
+            "in_use": 0,
+            "cap": None,
+            "weight": 1.0,
+            "target_share": 0.25,
+            "actual_share": 0.0,
+            "not_served": [],
+            "waits": [],
+        },
     ]
     assert snapshot["executors"] == [
-        {"id": member_setup[4].pk, "name": "shared", "kind": "sim", "team": None, "enabled": True, "health": "ok",
-         "breaker": "closed", "breaker_until": None, "models": ["m"], "in_use": 0, "limit": 4, "max_concurrency": 4}
+        {
+            "id": member_setup[4].pk,
+            "name": "shared",
+            "kind": "sim",
+            "team": None,
+            "enabled": True,
+            "health": "ok",
+            "breaker": "closed",
+            "breaker_until": None,
+            "models": ["m"],
+            "in_use": 0,
+            "limit": 4,
+            "max_concurrency": 4,
+        }
     ]
 
 
@@ -54,15 +86,24 @@ def test_why_a_team_is_not_served_and_actual_shares(api, operator, member_setup,
     Job.objects.create(type="chat", user=bob, team=member_setup[3], model="llama", requirements={"model": "llama"})
     # One finished attempt of b's, 30 s long, inside the share window.
     now = timezone.now()
-    Job.objects.create(type="chat", user=bob, team=member_setup[3], model="m", status="done",
-                       started_at=now - timedelta(seconds=40), finished_at=now - timedelta(seconds=10))
+    Job.objects.create(
+        type="chat",
+        user=bob,
+        team=member_setup[3],
+        model="m",
+        status="done",
+        started_at=now - timedelta(seconds=40),
+        finished_at=now - timedelta(seconds=10),
+    )
 
     teams = {t["team"]: t for t in api(operator).get("/api/queue/").json()["teams"]}
 
     assert teams["a"]["not_served"] == ["at team cap"]
     reset = (timezone.now() + timedelta(days=1)).strftime("%Y-%m-%d 00:00")
-    assert teams["b"]["not_served"] == [f"over budget: team b ai.tokens empty until {reset} UTC",
-                                        "executor llama is disabled"]
+    assert teams["b"]["not_served"] == [
+        f"over budget: team b ai.tokens empty until {reset} UTC",
+        "executor llama is disabled",
+    ]
     assert [w["code"] for w in teams["b"]["waits"]] == ["budget_empty", "executor_disabled"]
     assert teams["b"]["waits"][0]["reset_at"].startswith(reset.replace(" ", "T"))
     assert 0.8 < teams["b"]["actual_share"] < 1.0 and 0 < teams["a"]["actual_share"] < 0.2
@@ -109,8 +150,9 @@ class TestEveryWaitReasonIsNamed:
         submit(alice, "a")
         job_claim(worker="w", limit=5)
         teams = {t["team"]: t for t in api(operator).get("/api/queue/").json()["teams"]}
-        assert teams["a"]["waits"] == [{"code": "executor_full", "text": "executor shared is full",
-                                        "executor": "shared", "model": "m", "limit": 1}]
+        assert teams["a"]["waits"] == [
+            {"code": "executor_full", "text": "executor shared is full", "executor": "shared", "model": "m", "limit": 1}
+        ]
 
     def test_an_executor_rule_makes_it_full_too(self, api, operator, member_setup):
         alice = member_setup[0]
@@ -124,7 +166,9 @@ class TestEveryWaitReasonIsNamed:
         alice, _, _, _, executor = member_setup
         other = make_executor("second", models=["m"])
         submit(alice, "a")
-        Executor.objects.filter(pk=executor.pk).update(breaker="open", breaker_until=timezone.now() + timedelta(minutes=1))
+        Executor.objects.filter(pk=executor.pk).update(
+            breaker="open", breaker_until=timezone.now() + timedelta(minutes=1)
+        )
         assert self.reasons(api, operator) == [], "the second executor can still take it"
         Executor.objects.filter(pk=other.pk).update(health="down")
         assert sorted(self.reasons(api, operator)) == ["executor_breaker_open", "executor_down"]
@@ -153,15 +197,19 @@ class TestEveryWaitReasonIsNamed:
         submit(alice, "a")
         submit(alice, "a")
         teams = {t["team"]: t for t in api(operator).get("/api/queue/").json()["teams"]}
-        assert teams["a"]["waits"] == [{"code": "depth_cap", "cap": 2,
-                                        "text": "queue at its depth cap (2): new jobs are refused"}]
+        assert teams["a"]["waits"] == [
+            {"code": "depth_cap", "cap": 2, "text": "queue at its depth cap (2): new jobs are refused"}
+        ]
 
 
-@pytest.mark.parametrize(("change", "code", "text"), [
-    ({"max_concurrency": 0}, "executor_no_capacity", "executor shared has capacity 0"),
-    ({"enabled": False}, "executor_disabled", "executor shared is disabled"),
-    ({"rule": 0}, "executor_no_capacity", "executor shared has capacity 0 (an executor concurrency rule)"),
-])
+@pytest.mark.parametrize(
+    ("change", "code", "text"),
+    [
+        ({"max_concurrency": 0}, "executor_no_capacity", "executor shared has capacity 0"),
+        ({"enabled": False}, "executor_disabled", "executor shared is disabled"),
+        ({"rule": 0}, "executor_no_capacity", "executor shared has capacity 0 (an executor concurrency rule)"),
+    ],
+)
 def test_an_executor_with_no_capacity_is_named_as_the_reason(api, operator, member_setup, change, code, text):
     """A queue that waits on an executor someone set to 0 (or disabled) says so, on the queue
     (GET /api/queue/) and on the job's row of the dashboard, not "full" or nothing."""

@@ -41,14 +41,18 @@ class Stack:
         return http_json(f"{parsed.scheme}://{parsed.netloc}/stats")["prefixes"].get(prefix, {})
 
 
-def model_executor(server: str, *, models=("m",), name: str | None = None, prefix: str | None = None,
-                   **fields) -> Executor:
+def model_executor(
+    server: str, *, models=("m",), name: str | None = None, prefix: str | None = None, **fields
+) -> Executor:
     """An executor on `server` under a fresh path prefix (the fault server's picks its fault)."""
     prefix = prefix or f"p{next(_prefixes)}"
     fields.setdefault("max_concurrency", 8)
     return Executor.objects.create(
-        name=name or f"x{next(_prefixes)}", kind="local-model", endpoint=f"{server}/{prefix}/v1",
-        capabilities={"models": list(models), **fields.pop("capabilities", {})}, **fields,
+        name=name or f"x{next(_prefixes)}",
+        kind="local-model",
+        endpoint=f"{server}/{prefix}/v1",
+        capabilities={"models": list(models), **fields.pop("capabilities", {})},
+        **fields,
     )
 
 
@@ -82,7 +86,8 @@ def live_deltas() -> bool:
 
 
 WORKER_ENV = {
-    "TELEMACHUS_RETRY_BASE_SECONDS": "0.05", "TELEMACHUS_RETRY_MAX_SECONDS": "0.2",
+    "TELEMACHUS_RETRY_BASE_SECONDS": "0.05",
+    "TELEMACHUS_RETRY_MAX_SECONDS": "0.2",
     "TELEMACHUS_PROBE_INTERVAL_SECONDS": "3600",
 }
 

@@ -17,12 +17,18 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture
 def job(member_setup) -> Job:
-    return job_submit(user=member_setup[0], team="a", type="chat", requirements={"model": "m"},
-                      input={"messages": [{"role": "user", "content": "hi"}]})
+    return job_submit(
+        user=member_setup[0],
+        team="a",
+        type="chat",
+        requirements={"model": "m"},
+        input={"messages": [{"role": "user", "content": "hi"}]},
+    )
 
 
 def cancel_elsewhere(job_id: int) -> None:
     """Cancel on another thread, so on another database connection, committed there."""
+
     def cancel() -> None:
         try:
             job_cancel(job_id=job_id)
@@ -61,8 +67,13 @@ def test_a_watch_wakes_when_its_job_changes_elsewhere(job):
 
 @pytest.mark.postgres
 def test_a_watch_taken_after_a_change_since_a_mark_hears_of_it(job, member_setup):
-    other = job_submit(user=member_setup[0], team="a", type="chat", requirements={"model": "m"},
-                       input={"messages": [{"role": "user", "content": "hi"}]})
+    other = job_submit(
+        user=member_setup[0],
+        team="a",
+        type="chat",
+        requirements={"model": "m"},
+        input={"messages": [{"role": "user", "content": "hi"}]},
+    )
 
     async def scenario():
         feed = JobFeed.current()

@@ -28,8 +28,13 @@ def alice(member_setup):
 
 def submit(user, *, stream: bool = False, team: str = "a") -> Job:
     body = chat_body(team)
-    return job_submit(user=user, team=team, type=body["type"], requirements=body["requirements"],
-                      input={**body["input"], **({"stream": True} if stream else {})})
+    return job_submit(
+        user=user,
+        team=team,
+        type=body["type"],
+        requirements=body["requirements"],
+        input={**body["input"], **({"stream": True} if stream else {})},
+    )
 
 
 def events(response: httpx.Response) -> Iterator[tuple[str, dict]]:
@@ -84,8 +89,10 @@ class TestWhoMaySee:
         bob = may_chat(member_setup[1])
         bobs = idle_job(bob, "b")
         response = httpx.get(f"{stack.base}/api/jobs/{bobs.pk}/{action}", headers=auth(alice))
-        assert response.status_code == 404 and response.json() == {"error": "not_found",
-                                                                   "detail": f"Job {bobs.pk} not found."}
+        assert response.status_code == 404 and response.json() == {
+            "error": "not_found",
+            "detail": f"Job {bobs.pk} not found.",
+        }
 
     @pytest.mark.parametrize("headers", [{}, {"Authorization": "Token nope"}, {"Authorization": "Basic YTpi"}])
     @pytest.mark.parametrize("action", ["wait/?timeout=0", "stream/"])
@@ -109,7 +116,9 @@ class TestWhoMaySee:
         # A signed-in browser session without a CSRF token (a reported case) gets the same JSON 405.
         browser = Client()
         browser.force_login(alice)
-        response = httpx.post(f"{stack.base}/api/jobs/{job.pk}/wait/", cookies={"sessionid": browser.cookies["sessionid"].value})
+        response = httpx.post(
+            f"{stack.base}/api/jobs/{job.pk}/wait/", cookies={"sessionid": browser.cookies["sessionid"].value}
+        )
         assert response.status_code == 405 and response.json()["error"] == "method_not_allowed"
 
 
@@ -122,7 +131,11 @@ def test_a_stream_of_a_finished_job_is_its_history(stack, alice):
     assert [name for name, _ in seen] == ["job", "event", "event", "event", "event", "done"]
     assert [data["event"] for name, data in seen if name == "event"] == ["queued", "placed", "started", "finished"]
     assert seen[-1][1]["status"] == "done"
-    with httpx.stream("GET", f"{stack.base}/api/jobs/{job.pk}/stream/", timeout=30,
-                      headers={**auth(alice), "Last-Event-ID": str(seen[1][1]["id"])}) as response:
+    with httpx.stream(
+        "GET",
+        f"{stack.base}/api/jobs/{job.pk}/stream/",
+        timeout=30,
+        headers={**auth(alice), "Last-Event-ID": str(seen[1][1]["id"])},
+    ) as response:
         resumed = [data["event"] for name, data in events(response) if name == "event"]
     assert resumed == ["placed", "started", "finished"]

@@ -76,8 +76,12 @@ def test_a_stream_on_one_api_process_shows_a_job_another_submitted_and_a_worker_
     warm(first, alice)
     warm(second, alice)
     # Given a streamed job submitted through the second API process
-    submitted = httpx.post(f"{second}/api/jobs/", headers=auth(alice), timeout=30,
-                           json=chat_body("a", input={"messages": [{"role": "user", "content": "hi"}], "stream": True}))
+    submitted = httpx.post(
+        f"{second}/api/jobs/",
+        headers=auth(alice),
+        timeout=30,
+        json=chat_body("a", input={"messages": [{"role": "user", "content": "hi"}], "stream": True}),
+    )
     assert submitted.status_code == 201
     job_id = submitted.json()["id"]
     # And a streamed call to the second one too, relayed while it runs

@@ -25,10 +25,16 @@ from tests.scheduler.gateway.conftest import WORKER_ENV, live_deltas, may_chat, 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 HELLO = [{"role": "user", "content": "hello there"}]
-WEATHER = [{"type": "function", "function": {
-    "name": "weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-}}]
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 def sdk(stack, user, **options) -> OpenAI:
@@ -63,8 +69,9 @@ class TestModels:
 
     def test_a_cpu_node_pseudo_model_is_not_a_chat_model(self, stack, alice):
         stack.executor(stack.simllm)
-        Executor.objects.create(name="cpu", kind="cpu-node", capabilities={"models": ["cpu"], "class": "cpu"},
-                                max_concurrency=2)
+        Executor.objects.create(
+            name="cpu", kind="cpu-node", capabilities={"models": ["cpu"], "class": "cpu"}, max_concurrency=2
+        )
         client = sdk(stack, alice)
         assert [model.id for model in client.models.list()] == ["m"]
         with pytest.raises(openai.NotFoundError) as listed:
@@ -98,13 +105,20 @@ class TestChat:
         assert reply.choices[0].finish_reason == "length"
         assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (6, 4, 10)
         job = job_of(reply.id)
-        assert (job.status, job.team.slug, job.user, job.type, job.meta) == ("done", "a", alice, "chat", {"via": "openai"})
+        assert (job.status, job.team.slug, job.user, job.type, job.meta) == (
+            "done",
+            "a",
+            alice,
+            "chat",
+            {"via": "openai"},
+        )
         assert job.requirements == {"model": "m", "est_tokens": 10}, "estimate: the prompt and max_tokens"
 
     def test_streamed(self, stack, alice):
         executor = stack.executor(stack.trickle)
         stream = sdk(stack, alice).chat.completions.create(
-            model="m", messages=HELLO, stream=True, stream_options={"include_usage": True})
+            model="m", messages=HELLO, stream=True, stream_options={"include_usage": True}
+        )
         chunks, running_at_first_text = [], None
         for chunk in stream:
             chunks.append(chunk)
@@ -112,7 +126,9 @@ class TestChat:
                 running_at_first_text = job_of(chunk.id).status == "running"
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         job = job_of(chunks[0].id)
-        assert text == job.result["message"]["content"] == "[simulated by simllm] " + " ".join(f"sim{i}" for i in range(8))
+        assert (
+            text == job.result["message"]["content"] == "[simulated by simllm] " + " ".join(f"sim{i}" for i in range(8))
+        )
         assert chunks[0].choices[0].delta.role == "assistant"
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
@@ -138,8 +154,11 @@ class TestChat:
             name, arguments, call_id = call.function.name, call.function.arguments, call.id
         assert (name, json.loads(arguments)) == ("weather", {"city": "Paris"})
         messages += [
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}],
+            },
             {"role": "tool", "tool_call_id": call_id, "content": "sunny, 21 C"},
         ]
         answer = client.chat.completions.create(model="m", messages=messages, tools=WEATHER)
@@ -179,38 +198,60 @@ class TestErrors:
         assert caught.value.code == "model_not_found" and caught.value.param == "model"
         assert not Job.objects.exists()
 
-    @pytest.mark.parametrize("body, param", [
-        ({"model": "m", "messages": []}, "messages"),
-        ({"model": "m"}, "messages"),
-        ({"messages": HELLO}, "model"),
-        ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-        ({"model": "m", "messages": HELLO, "temperature": 5}, "temperature"),
-        ({"model": "m", "messages": HELLO, "max_tokens": "lots"}, "max_tokens"),
-        ({"model": "m", "messages": HELLO, "n": 2}, "n"),
-        ({"model": "m", "messages": HELLO, "tools": [{"type": "function"}]}, "tools[0]"),
-        ({"model": "m", "messages": HELLO, "stream_options": {"include_usage": True}}, "stream_options"),
-    ])
+    @pytest.mark.parametrize(
+        "body, param",
+        [
+            ({"model": "m", "messages": []}, "messages"),
+            ({"model": "m"}, "messages"),
+            ({"messages": HELLO}, "model"),
+            ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+            ({"model": "m", "messages": HELLO, "temperature": 5}, "temperature"),
+            ({"model": "m", "messages": HELLO, "max_tokens": "lots"}, "max_tokens"),
+            ({"model": "m", "messages": HELLO, "n": 2}, "n"),
+            ({"model": "m", "messages": HELLO, "tools": [{"type": "function"}]}, "tools[0]"),
+            ({"model": "m", "messages": HELLO, "stream_options": {"include_usage": True}}, "stream_options"),
+        ],
+    )
     def test_bad_bodies(self, stack, alice, body, param):
         stack.executor(stack.simllm)
-        response = httpx.post(f"{stack.base}/v1/chat/completions", json=body,
-                              headers={"Authorization": f"Bearer {token(alice)}"})
+        response = httpx.post(
+            f"{stack.base}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {token(alice)}"}
+        )
         assert response.status_code == 400
-        assert response.json()["error"]["param"] == param and response.json()["error"]["type"] == "invalid_request_error"
+        assert (
+            response.json()["error"]["param"] == param and response.json()["error"]["type"] == "invalid_request_error"
+        )
         assert not Job.objects.exists()
 
     @pytest.mark.parametrize("path", ["chat/completions", "embeddings"])
-    @pytest.mark.parametrize("raw, param", [
-        ('{"model": "m", "messages": ' + "[" * 1000 + "]" * 1000 + "}", None),
-        ('{"model": "m", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}", None),
-        ('{"model": "m", "messages": ' + "[" * 70 + "]" * 70 + "}", "messages.0.0"),
-        ('{"model": "m", "input": ["x"], "messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),
-        ('{"model": "m", "input": ["x"], "messages": [{"role": "user", "content": "a\\u0000b"}]}', "messages.0.content"),
-        ('{"model": "m", "input": ["x"], "messages": [{"role": "user", "content": "x", "\\udfff": 1}]}', "messages.0"),
-    ], ids=["deep", "deeper", "past-the-limit", "surrogate", "nul", "surrogate-key"])
+    @pytest.mark.parametrize(
+        "raw, param",
+        [
+            ('{"model": "m", "messages": ' + "[" * 1000 + "]" * 1000 + "}", None),
+            ('{"model": "m", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}", None),
+            ('{"model": "m", "messages": ' + "[" * 70 + "]" * 70 + "}", "messages.0.0"),
+            (
+                '{"model": "m", "input": ["x"], "messages": [{"role": "user", "content": "\\ud800"}]}',
+                "messages.0.content",
+            ),
+            (
+                '{"model": "m", "input": ["x"], "messages": [{"role": "user", "content": "a\\u0000b"}]}',
+                "messages.0.content",
+            ),
+            (
+                '{"model": "m", "input": ["x"], "messages": [{"role": "user", "content": "x", "\\udfff": 1}]}',
+                "messages.0",
+            ),
+        ],
+        ids=["deep", "deeper", "past-the-limit", "surrogate", "nul", "surrogate-key"],
+    )
     def test_unstorable_bodies_are_400_not_500(self, stack, alice, path, raw, param):
         stack.executor(stack.simllm, models=["m"], capabilities={"embeddings": True})
-        response = httpx.post(f"{stack.base}/v1/{path}", content=raw.encode(), headers={
-            "Authorization": f"Bearer {token(alice)}", "Content-Type": "application/json"})
+        response = httpx.post(
+            f"{stack.base}/v1/{path}",
+            content=raw.encode(),
+            headers={"Authorization": f"Bearer {token(alice)}", "Content-Type": "application/json"},
+        )
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["type"] == "invalid_request_error", error
@@ -228,8 +269,11 @@ class TestErrors:
 
     def test_what_django_would_refuse_is_refused_here_too(self, stack, alice):
         headers = {"Authorization": f"Bearer {token(alice)}"}
-        huge = httpx.post(f"{stack.base}/v1/chat/completions", headers=headers,
-                          json={"model": "m", "messages": [{"role": "user", "content": "x" * 1_100_000}]})
+        huge = httpx.post(
+            f"{stack.base}/v1/chat/completions",
+            headers=headers,
+            json={"model": "m", "messages": [{"role": "user", "content": "x" * 1_100_000}]},
+        )
         assert huge.status_code == 413 and huge.json()["error"]["code"] == "payload_too_large"
         spoofed = httpx.get(f"{stack.base}/v1/models", headers={**headers, "Host": "evil.example"})
         assert spoofed.status_code == 400 and "Host" in spoofed.json()["error"]["message"]
@@ -315,8 +359,11 @@ class TestErrors:
         job = Job.objects.get(pk=int(caught.value.response.headers["x-telemachus-job"]))
         assert job.status == "canceled" and not Slot.objects.exists()
         assert job.error == "timed out after 1.5 s" == JobEvent.objects.get(job=job, event="canceled").meta["reason"]
-        wait_until(lambda: stack.stats(executor).get("disconnects") == 1, timeout=30,
-                   what="the model server to see its request aborted")
+        wait_until(
+            lambda: stack.stats(executor).get("disconnects") == 1,
+            timeout=30,
+            what="the model server to see its request aborted",
+        )
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -329,7 +376,8 @@ def test_a_client_that_disconnects_cancels_its_job_and_frees_the_slot(stack, ali
     client = socket.create_connection((host, int(port)))
     client.sendall(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        + f"Authorization: Bearer {token(alice)}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+        + f"Authorization: Bearer {token(alice)}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
     )
     wait_until(lambda: stack.stats(executor).get("in_flight") == 1, timeout=30, what="the model call to start")
     job = Job.objects.get()
@@ -347,8 +395,11 @@ def test_a_client_that_disconnects_cancels_its_job_and_frees_the_slot(stack, ali
     assert job.tokens_used == job.cost_estimate == 6 + 256 == canceled.meta["tokens"]
     ledger = Usage.objects.get(scope="team", subject="a")
     assert (ledger.tokens, ledger.reserved_tokens) == (262, 0)
-    wait_until(lambda: stack.stats(executor).get("disconnects") == 1, timeout=30,
-               what="the model server to see its request aborted")
+    wait_until(
+        lambda: stack.stats(executor).get("disconnects") == 1,
+        timeout=30,
+        what="the model server to see its request aborted",
+    )
 
 
 @pytest.mark.skipif(not live_deltas(), reason="output reaches the API process only at the end (SQLite, no Redis)")
@@ -359,7 +410,8 @@ def test_a_client_that_leaves_a_stream_midway_cancels_its_job(stack, alice):
     client = socket.create_connection((host, int(port)))
     client.sendall(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        + f"Authorization: Bearer {token(alice)}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+        + f"Authorization: Bearer {token(alice)}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
     )
     # Given a stream under way: the first text has arrived
     received = b""
@@ -372,8 +424,11 @@ def test_a_client_that_leaves_a_stream_midway_cancels_its_job(stack, alice):
     wait_until(lambda: Job.objects.get().status == "canceled", timeout=30, what="the job to be canceled")
     assert not Slot.objects.exists()
     assert Job.objects.get().error == "client disconnected"
-    wait_until(lambda: stack.stats(executor).get("disconnects") == 1, timeout=30,
-               what="the model server to see its request aborted")
+    wait_until(
+        lambda: stack.stats(executor).get("disconnects") == 1,
+        timeout=30,
+        what="the model server to see its request aborted",
+    )
 
 
 def test_a_team_cap_of_two_holds_for_ten_concurrent_calls(stack, alice):

@@ -4,6 +4,7 @@
 def test_the_schema_documents_the_gateway(client):
     paths = client.get("/api/schema/", {"format": "json"}).json()["paths"]
     assert paths["/api/jobs/{job_id}/wait/"]["get"]["responses"]["200"]["content"]["application/json"]["schema"] == {
-        "$ref": "#/components/schemas/JobOutput"}
+        "$ref": "#/components/schemas/JobOutput"
+    }
     assert "text/event-stream" in paths["/api/jobs/{job_id}/stream/"]["get"]["responses"]["200"]["content"]
     assert {"/v1/chat/completions", "/v1/embeddings", "/v1/models"} <= set(paths)

@@ -15,14 +15,29 @@ HELLO = [{"role": "user", "content": "hello there"}]
 
 class TestChatCall:
     def test_options_pass_through_and_the_estimate_counts_prompt_and_completion(self):
-        call = shapes.chat_call({
-            "model": "m", "messages": HELLO, "max_completion_tokens": 20, "temperature": 0.5, "seed": 7,
-            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
-            "stream": True, "stream_options": {"include_usage": True}, "service_tier": "flex", "metadata": {"x": 1},
-        })
+        call = shapes.chat_call(
+            {
+                "model": "m",
+                "messages": HELLO,
+                "max_completion_tokens": 20,
+                "temperature": 0.5,
+                "seed": 7,
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "auto",
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "service_tier": "flex",
+                "metadata": {"x": 1},
+            }
+        )
         assert call.input == {
-            "messages": HELLO, "max_tokens": 20, "temperature": 0.5, "seed": 7, "stream": True,
-            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
+            "messages": HELLO,
+            "max_tokens": 20,
+            "temperature": 0.5,
+            "seed": 7,
+            "stream": True,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": "auto",
         }, "max_completion_tokens becomes max_tokens; options model servers do not share are dropped"
         assert (call.est_tokens, call.stream, call.include_usage) == (6 + 20, True, True)
 
@@ -30,42 +45,60 @@ class TestChatCall:
         assert shapes.chat_call({"model": "m", "messages": HELLO}).est_tokens == 6 + shapes.DEFAULT_COMPLETION_ESTIMATE
 
     def test_a_tool_conversation_is_accepted(self):
-        shapes.chat_call({"model": "m", "messages": [
-            *HELLO,
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
-                                                                   "function": {"name": "f", "arguments": "{}"}}]},
-            {"role": "tool", "tool_call_id": "c1", "content": "42"},
-        ]})
+        shapes.chat_call(
+            {
+                "model": "m",
+                "messages": [
+                    *HELLO,
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                    },
+                    {"role": "tool", "tool_call_id": "c1", "content": "42"},
+                ],
+            }
+        )
 
-    @pytest.mark.parametrize("body, param", [
-        ([], None),
-        ({"model": "", "messages": HELLO}, "model"),
-        ({"model": "m" * 201, "messages": HELLO}, "model"),
-        ({"model": "m", "messages": "hi"}, "messages"),
-        ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content"),
-        ({"model": "m", "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
-        ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
-        ({"model": "m", "messages": HELLO, "stream": "yes"}, "stream"),
-        ({"model": "m", "messages": HELLO, "max_tokens": 0}, "max_tokens"),
-        ({"model": "m", "messages": HELLO, "max_tokens": True}, "max_tokens"),
-        ({"model": "m", "messages": HELLO, "top_p": 1.5}, "top_p"),
-        ({"model": "m", "messages": HELLO, "temperature": float("nan")}, "temperature"),
-        ({"model": "m", "messages": HELLO, "tools": {"f": 1}}, "tools"),
-        ({"model": "m", "messages": HELLO, "tool_choice": "always"}, "tool_choice"),
-        ({"model": "m", "messages": HELLO, "tool_choice": {"function": 5}}, "tool_choice"),
-        ({"model": "m", "messages": HELLO, "tools": [{"function": {"name": "f"}}, 5]}, "tools[1]"),
-        ({"model": "m", "messages": HELLO, "max_tokens": 10**30}, "max_tokens"),
-        ({"model": "m", "messages": HELLO, "seed": 10**30}, "seed"),
-    ])
+    @pytest.mark.parametrize(
+        "body, param",
+        [
+            ([], None),
+            ({"model": "", "messages": HELLO}, "model"),
+            ({"model": "m" * 201, "messages": HELLO}, "model"),
+            ({"model": "m", "messages": "hi"}, "messages"),
+            ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content"),
+            ({"model": "m", "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+            ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+            ({"model": "m", "messages": HELLO, "stream": "yes"}, "stream"),
+            ({"model": "m", "messages": HELLO, "max_tokens": 0}, "max_tokens"),
+            ({"model": "m", "messages": HELLO, "max_tokens": True}, "max_tokens"),
+            ({"model": "m", "messages": HELLO, "top_p": 1.5}, "top_p"),
+            ({"model": "m", "messages": HELLO, "temperature": float("nan")}, "temperature"),
+            ({"model": "m", "messages": HELLO, "tools": {"f": 1}}, "tools"),
+            ({"model": "m", "messages": HELLO, "tool_choice": "always"}, "tool_choice"),
+            ({"model": "m", "messages": HELLO, "tool_choice": {"function": 5}}, "tool_choice"),
+            ({"model": "m", "messages": HELLO, "tools": [{"function": {"name": "f"}}, 5]}, "tools[1]"),
+            ({"model": "m", "messages": HELLO, "max_tokens": 10**30}, "max_tokens"),
+            ({"model": "m", "messages": HELLO, "seed": 10**30}, "seed"),
+        ],
+    )
     def test_bad_bodies(self, body, param):
         with pytest.raises(shapes.OpenAIError) as caught:
             shapes.chat_call(body)
         assert caught.value.status == 400 and caught.value.param == param
 
 
-@pytest.mark.parametrize("raw", [b"{nope", b'{"model": "m", "stop": Infinity}', b'{"temperature": NaN}',
-                                 b'{"model": "m", "messages": [{"role": "user", "content": "a\\u0000b"}]}',
-                                 b'{"model\\u0000": "m"}'])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"{nope",
+        b'{"model": "m", "stop": Infinity}',
+        b'{"temperature": NaN}',
+        b'{"model": "m", "messages": [{"role": "user", "content": "a\\u0000b"}]}',
+        b'{"model\\u0000": "m"}',
+    ],
+)
 def test_bodies_the_database_could_not_store_are_refused(raw):
     with pytest.raises(shapes.OpenAIError) as caught:
         shapes.parse_body(raw)
@@ -79,13 +112,23 @@ class TestEmbeddingsCall:
         assert call.api == "embeddings" and call.est_tokens == est
         assert call.input == {"input": value, "dimensions": 8, "encoding_format": "base64"}
 
-    @pytest.mark.parametrize("body", [{"model": "e"}, {"model": "e", "input": ""}, {"model": "e", "input": []},
-                                      {"model": "e", "input": ["a", ""]}, {"model": "e", "input": [None]},
-                                      {"model": "e", "input": [{"a": 1}]}, {"model": "e", "input": [[1, "a"]]},
-                                      {"model": "e", "input": [True]}, {"model": "e", "input": 5},
-                                      {"model": "e", "input": "a", "dimensions": 0},
-                                      {"model": "e", "input": "a", "dimensions": 10**9},
-                                      {"model": "e", "input": "a", "encoding_format": "hex"}])
+    @pytest.mark.parametrize(
+        "body",
+        [
+            {"model": "e"},
+            {"model": "e", "input": ""},
+            {"model": "e", "input": []},
+            {"model": "e", "input": ["a", ""]},
+            {"model": "e", "input": [None]},
+            {"model": "e", "input": [{"a": 1}]},
+            {"model": "e", "input": [[1, "a"]]},
+            {"model": "e", "input": [True]},
+            {"model": "e", "input": 5},
+            {"model": "e", "input": "a", "dimensions": 0},
+            {"model": "e", "input": "a", "dimensions": 10**9},
+            {"model": "e", "input": "a", "encoding_format": "hex"},
+        ],
+    )
     def test_bad_bodies(self, body):
         with pytest.raises(shapes.OpenAIError):
             shapes.embeddings_call(body)
@@ -95,8 +138,14 @@ class TestErrors:
     def test_domain_errors_in_openai_shape(self):
         unknown = shapes.from_domain(errors.UnknownModel("no such model", model="x"))
         assert (unknown.status, unknown.code, unknown.param) == (404, "model_not_found", "model")
-        assert unknown.body() == {"error": {"message": "no such model", "type": "invalid_request_error",
-                                            "param": "model", "code": "model_not_found"}}
+        assert unknown.body() == {
+            "error": {
+                "message": "no such model",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": "model_not_found",
+            }
+        }
         later = shapes.from_domain(errors.TryLater("queue full", retry_after=7))
         assert (later.status, later.code, later.headers) == (429, "try_later", {"retry-after": "7"})
         invalid = shapes.from_domain(errors.ValidationFailed({"priority": ["At most 5."]}))
@@ -107,17 +156,24 @@ class TestErrors:
         later = timezone.now() + timedelta(hours=5)
         retry = shapes.from_domain(errors.QuotaExceeded("spent", reset_at=soon.isoformat()))
         wait = shapes.from_domain(errors.QuotaExceeded("spent", reset_at=later.isoformat()))
-        assert retry.status == 429 and 25 <= int(retry.headers["retry-after"]) <= 31 and "x-should-retry" not in retry.headers
+        assert (
+            retry.status == 429
+            and 25 <= int(retry.headers["retry-after"]) <= 31
+            and "x-should-retry" not in retry.headers
+        )
         assert int(wait.headers["retry-after"]) > 3600 and wait.headers["x-should-retry"] == "false"
 
-    @pytest.mark.parametrize("status, upstream, timed_out, expected", [
-        ("failed", 502, False, (502, "executor_error")),
-        ("failed", None, True, (504, "executor_timeout")),
-        ("failed", 504, False, (504, "executor_timeout")),
-        ("failed", 400, False, (400, "model_server_rejected")),
-        ("failed", 429, False, (502, "executor_error")),
-        ("canceled", None, False, (409, "job_canceled")),
-    ])
+    @pytest.mark.parametrize(
+        "status, upstream, timed_out, expected",
+        [
+            ("failed", 502, False, (502, "executor_error")),
+            ("failed", None, True, (504, "executor_timeout")),
+            ("failed", 504, False, (504, "executor_timeout")),
+            ("failed", 400, False, (400, "model_server_rejected")),
+            ("failed", 429, False, (502, "executor_error")),
+            ("canceled", None, False, (409, "job_canceled")),
+        ],
+    )
     def test_how_a_job_that_did_not_answer_is_told(self, status, upstream, timed_out, expected):
         failure = shapes.failure(status=status, error="boom", upstream_status=upstream, timed_out=timed_out)
         assert (failure.status, failure.code) == expected and failure.headers["x-should-retry"] == "false"
@@ -157,9 +213,31 @@ def test_any_json_body_is_either_accepted_or_a_400():
     """Bodies built at random from JSON values under the request's own keys: never anything but a
     ModelCall or an OpenAIError (a 500 would be a crash)."""
     rng = random.Random(20261203)
-    keys = ["model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
-            "top_p", "n", "tools", "tool_choice", "seed", "stop", "input", "dimensions", "encoding_format", "role",
-            "content", "function", "name", "tool_call_id", "include_usage", "type"]
+    keys = [
+        "model",
+        "messages",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "tools",
+        "tool_choice",
+        "seed",
+        "stop",
+        "input",
+        "dimensions",
+        "encoding_format",
+        "role",
+        "content",
+        "function",
+        "name",
+        "tool_call_id",
+        "include_usage",
+        "type",
+    ]
 
     def value(depth: int = 0):
         kinds = ["none", "bool", "int", "float", "str"] + (["list", "dict"] if depth < 3 else [])

@@ -81,10 +81,12 @@ class TestFinish:
         submit(alice, a)
         submit(alice, a)
         first, second = job_claim(worker="w", limit=2).claims
-        report = jobs_finish(outcomes=[
-            Outcome(job_id=first.job.pk, lease=first.lease, ok=True, result={}),
-            Outcome(job_id=second.job.pk, lease=uuid.uuid4(), ok=True, result={}),
-        ])
+        report = jobs_finish(
+            outcomes=[
+                Outcome(job_id=first.job.pk, lease=first.lease, ok=True, result={}),
+                Outcome(job_id=second.job.pk, lease=uuid.uuid4(), ok=True, result={}),
+            ]
+        )
         assert report.accepted == [first.job.pk] and report.refused == [second.job.pk]
         assert list(Slot.objects.values_list("job_id", flat=True)) == [second.job.pk]
 
@@ -122,7 +124,9 @@ class TestRecover:
         job = Job.objects.get(pk=running.job.pk)
         assert job.status == "queued" and job.lease is None and not Slot.objects.exists()
         assert JobEvent.objects.get(job=job, event="requeued").meta == {
-            "worker": "w1", "attempt": 1, "reason": "lease expired"
+            "worker": "w1",
+            "attempt": 1,
+            "reason": "lease expired",
         }
         (again,) = job_claim(worker="w2", limit=1).claims
         assert again.job.pk == job.pk and again.job.attempts == 2

@@ -21,14 +21,23 @@ pytestmark = pytest.mark.django_db
 
 
 def submit_flow(user, team="a", *, prompt="go [rounds:3]", tools=("echo",), **input_extra) -> Job:
-    return job_submit(user=user, team=team, type="flow", requirements={"model": "m", "est_tokens": 10},
-                      input={"messages": [{"role": "user", "content": prompt}], "tools": list(tools), **input_extra})
+    return job_submit(
+        user=user,
+        team=team,
+        type="flow",
+        requirements={"model": "m", "est_tokens": 10},
+        input={"messages": [{"role": "user", "content": prompt}], "tools": list(tools), **input_extra},
+    )
 
 
 def calling(n: int, tool: str = "echo") -> dict:
-    return {"role": "assistant", "content": None,
-            "tool_calls": [{"id": f"call_{n}", "type": "function",
-                            "function": {"name": tool, "arguments": json.dumps({"round": n})}}]}
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": f"call_{n}", "type": "function", "function": {"name": tool, "arguments": json.dumps({"round": n})}}
+        ],
+    }
 
 
 def answer(text: str = "done") -> dict:
@@ -59,16 +68,23 @@ class TestOneRound:
         assert start.round == 1 and start.pending == []
         assert start.messages == [{"role": "user", "content": "go [rounds:3]"}]
 
-        end = round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=calling(1), prompt_tokens=6,
-                           completion_tokens=4)
+        end = round_finish(
+            job_id=flow.pk, lease=claim.lease, round=1, message=calling(1), prompt_tokens=6, completion_tokens=4
+        )
         assert end.tools_to_run and end.tool_calls == calling(1)["tool_calls"]
         job = Job.objects.get(pk=flow.pk)
         # Still held (its lease, for the tools) but no slot, no reservation: capacity is free.
         assert (job.status, job.lease, job.rounds, job.tokens_used) == ("running", claim.lease, 1, 10)
         assert not Slot.objects.exists() and job.reservation is None
         finished = JobEvent.objects.get(job=job, event="round_finished")
-        assert finished.meta | {"seconds": None} == {"round": 1, "tokens": 10, "prompt_tokens": 6,
-                                                       "completion_tokens": 4, "tools": ["echo"], "seconds": None}
+        assert finished.meta | {"seconds": None} == {
+            "round": 1,
+            "tokens": 10,
+            "prompt_tokens": 6,
+            "completion_tokens": 4,
+            "tools": ["echo"],
+            "seconds": None,
+        }
 
     def test_tool_results_join_the_conversation_and_the_next_round_is_new_work(self, member_setup):
         alice = member_setup[0]
@@ -209,8 +225,13 @@ class TestOrder:
         flow = submit_flow(alice)
         claim = claim_one()
         round_begin(job_id=flow.pk, lease=claim.lease)
-        chat = job_submit(user=alice, team="a", type="chat", requirements={"model": "m"},
-                          input={"messages": [{"role": "user", "content": "meanwhile"}]})
+        chat = job_submit(
+            user=alice,
+            team="a",
+            type="chat",
+            requirements={"model": "m"},
+            input={"messages": [{"role": "user", "content": "meanwhile"}]},
+        )
         round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=calling(1))
         round_requeue(job_id=flow.pk, lease=claim.lease, round=1, results=[echoed(1)])
         assert claim_one().job.pk == chat.pk
@@ -222,8 +243,13 @@ class TestOrder:
         flow = submit_flow(alice)
         claim = claim_one()
         round_begin(job_id=flow.pk, lease=claim.lease)
-        job_submit(user=alice, team="a", type="chat", requirements={"model": "m"},
-                   input={"messages": [{"role": "user", "content": "meanwhile"}]})
+        job_submit(
+            user=alice,
+            team="a",
+            type="chat",
+            requirements={"model": "m"},
+            input={"messages": [{"role": "user", "content": "meanwhile"}]},
+        )
         round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=calling(1))
         round_requeue(job_id=flow.pk, lease=claim.lease, round=1, results=[echoed(1)])
         job = Job.objects.get(pk=flow.pk)
@@ -237,8 +263,14 @@ class TestOrder:
         flow = submit_flow(alice)
         claim = claim_one()
         round_begin(job_id=flow.pk, lease=claim.lease)
-        urgent = job_submit(user=bob, team="b", type="chat", priority=5, requirements={"model": "m"},
-                            input={"messages": [{"role": "user", "content": "now"}]})
+        urgent = job_submit(
+            user=bob,
+            team="b",
+            type="chat",
+            priority=5,
+            requirements={"model": "m"},
+            input={"messages": [{"role": "user", "content": "now"}]},
+        )
         assert job_claim(worker="w", limit=1).claims == []  # the round holds the only slot
         round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=calling(1))
         round_requeue(job_id=flow.pk, lease=claim.lease, round=1, results=[echoed(1)])

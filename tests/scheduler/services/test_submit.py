@@ -18,14 +18,20 @@ pytestmark = pytest.mark.django_db
 
 
 def spec(team="a", model="m", priority=0, est=10) -> JobSpec:
-    return JobSpec(team=team, type="chat", priority=priority, requirements={"model": model, "est_tokens": est},
-                   input={"messages": [{"role": "user", "content": "hi"}]})
+    return JobSpec(
+        team=team,
+        type="chat",
+        priority=priority,
+        requirements={"model": model, "est_tokens": est},
+        input={"messages": [{"role": "user", "content": "hi"}]},
+    )
 
 
 def one(user, **kwargs) -> Job:
     s = spec(**kwargs)
-    return job_submit(user=user, team=s.team, type=s.type, requirements=s.requirements, input=s.input,
-                      priority=s.priority)
+    return job_submit(
+        user=user, team=s.team, type=s.type, requirements=s.requirements, input=s.input, priority=s.priority
+    )
 
 
 # BEGIN, the team lock (with the version, the ledger and the NOTIFY), the queue depth, the job
@@ -166,8 +172,9 @@ def test_a_submit_wakes_the_workers_when_it_commits(member_setup):
     alice = member_setup[0]
     one(alice)
     s = connection.settings_dict
-    with psycopg.connect(host=s["HOST"] or "127.0.0.1", port=s["PORT"] or 5432, user=s["USER"], dbname=s["NAME"],
-                         autocommit=True) as listener:
+    with psycopg.connect(
+        host=s["HOST"] or "127.0.0.1", port=s["PORT"] or 5432, user=s["USER"], dbname=s["NAME"], autocommit=True
+    ) as listener:
         listener.execute(f"LISTEN {signals.CHANNEL}")
         one(alice)
         jobs_submit(user=alice, jobs=[spec(), spec()])
