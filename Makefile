@@ -32,6 +32,7 @@ test: $(VENV)/.installed-dev
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 

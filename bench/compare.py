@@ -68,10 +68,10 @@ def telemachus_run(database_url: str, jobs: int, workers: int) -> dict:
     import django
 
     django.setup()
+    import throughput
     from django.core.management import call_command
     from django.db.models import Max, Min
 
-    import throughput
     from executors.models import Executor
     from quotas.models import QuotaPolicy
     from scheduler.models import Job, QueuePolicy

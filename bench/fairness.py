@@ -61,7 +61,6 @@ from pathlib import Path
 from typing import Any
 
 import django
-
 from benchlib import percentile, pg_database, pg_url
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 import django
-
 from benchlib import percentile, pg_database, pg_url
 
 ROOT = Path(__file__).resolve().parent.parent

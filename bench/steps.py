@@ -150,9 +150,8 @@ def child(database_url: str, rounds: int, batch: int, drain_jobs: int) -> dict:
     import django
 
     django.setup()
-    from django.core.management import call_command
-
     import throughput
+    from django.core.management import call_command
 
     call_command("migrate", verbosity=0)
     setup = throughput.seed()
@@ -166,6 +165,7 @@ def child(database_url: str, rounds: int, batch: int, drain_jobs: int) -> dict:
 def claim_finish(step: str, setup: dict, *, rounds: int, batch: int) -> dict:
     """Per variant: ms per claim of `batch` jobs and per finish of them (medians over rounds)."""
     import throughput
+
     from scheduler.services.claim import job_claim
     from scheduler.services.finish import Outcome, jobs_finish
     from telemachus.config import config_cache_clear
@@ -201,6 +201,7 @@ def claim_finish(step: str, setup: dict, *, rounds: int, batch: int) -> dict:
 def submit_latency(setup: dict, *, rounds: int, per_round: int) -> dict:
     """ms per job_submit, with the configuration cache (B) and dropped before each call (A)."""
     import throughput
+
     from scheduler.services.submit import job_submit
     from telemachus.config import config_cache_clear
 

@@ -11,8 +11,8 @@ from rest_framework.views import APIView
 
 from executors.models import Executor
 from executors.registry import known_kinds
-from executors.simknobs import knob_problems
 from executors.services import executor_create, executor_delete, executor_sync, executor_update
+from executors.simknobs import knob_problems
 from telemachus import rbac
 from telemachus.errors import NotFound
 from telemachus.models import Team

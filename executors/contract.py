@@ -16,7 +16,6 @@ from typing import Any, ClassVar
 from executors.models import Executor
 from executors.selectors import Capacity, executor_capacity
 
-
 # The model APIs a step may call (`requirements.api`); an executor that serves embeddings says so
 # with `capabilities.embeddings: true`.
 CHAT_API, EMBEDDINGS_API = "chat", "embeddings"

@@ -13,7 +13,6 @@ from quotas.rules import quota_rule_errors
 from quotas.services import quota_policy_create, quota_policy_delete, quota_policy_update
 from telemachus.admin import ReadOnlyAdmin
 
-
 _accounts: ContextVar[dict[int, Account]] = ContextVar("quota_accounts")
 
 

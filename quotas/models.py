@@ -79,4 +79,5 @@ class Usage(models.Model):
 
     def __str__(self) -> str:
         who = f"{self.scope}:{self.subject}" if self.subject else self.scope
-        return f"{who} {self.window} from {self.window_start:%Y-%m-%d %H:%M}: {self.tokens} tokens, {self.requests} requests"
+        since = f"{self.window_start:%Y-%m-%d %H:%M}"
+        return f"{who} {self.window} from {since}: {self.tokens} tokens, {self.requests} requests"

@@ -24,8 +24,8 @@ from django.contrib.auth import get_user_model
 from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
 from django.utils import timezone
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram, multiprocess
-from prometheus_client.exposition import choose_encoder
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 
 from executors.models import Executor

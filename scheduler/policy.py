@@ -9,7 +9,8 @@ The default, `FairSharePolicy`:
   order   priority first (a queued job's priority ages upward after a wait, bounded, so low
           priority is delayed but never starved); within a priority, the team with the lowest
           (running cost + next job's cost + decayed past usage) / weight goes next, first ready
-          first within the team (a flow's next round is ready when its last one ended). Weight 0 takes only capacity no team with a positive weight wants.
+          first within the team (a flow's next round is ready when its last one ended). Weight 0
+          takes only capacity no team with a positive weight wants.
   admit   a per-team queue depth cap: beyond it, try later (with a Retry-After from the team's
           recent drain rate).
   place   least-loaded (default), pack or weighted, among executors that fit the job.

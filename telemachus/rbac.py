@@ -6,7 +6,8 @@ the dashboard agree by construction.
 * In a team, a `member` submits jobs with the permissions the team grants it and sees and cancels
   its own jobs; a `manager` also sees and cancels all the team's jobs and manages its members.
 * Job types need a permission: chat and translate `chat:use`, tool `tools:invoke`, flow, task and
-  a governed slot `flows:run` (a flow that names tools also needs `tools:invoke`). They are Django permissions on Team, granted with django-guardian on a team (to the
+  a governed slot `flows:run` (a flow that names tools also needs `tools:invoke`). They are Django permissions on Team,
+  granted with django-guardian on a team (to the
   team's group, so every member has it, or to single users) or globally.
 * A job can also be shown to a user with guardian's `scheduler.view_job` on it; a team-owned
   executor serves other teams whose group holds `executors.use_executor` on it. Those two rules

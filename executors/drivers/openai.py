@@ -31,8 +31,8 @@ from executors.contract import (
     Probe,
     StreamEvent,
 )
-from executors.tokens import count_prompt_tokens
 from executors.models import Executor
+from executors.tokens import count_prompt_tokens
 
 # Request options a job may pass through to the model server, beside model and messages.
 PASSTHROUGH_OPTIONS = (

@@ -26,7 +26,6 @@ from executors.simknobs import KNOBS, knob
 from executors.simtools import sim_tool_calls
 from executors.tokens import count_prompt_tokens, embedding_inputs, simulated_embedding
 
-
 # However the knobs combine (a long reply at a crawl), one dispatch waits at most this long.
 MAX_DELAY_S = KNOBS["latency_ms"][2] / 1000
 

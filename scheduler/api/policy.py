@@ -93,7 +93,8 @@ class PolicyInput(StrictSerializer):
         bad = [k for k in mapping if k not in roles and not k.startswith(("team:", "user:"))]
         if bad:
             raise serializers.ValidationError(
-                f"Unknown keys {', '.join(sorted(bad))}: use a role ({', '.join(sorted(roles))}), team:<slug> or user:<name>."
+                f"Unknown keys {', '.join(sorted(bad))}: use a role ({', '.join(sorted(roles))}), "
+                "team:<slug> or user:<name>."
             )
         _known_teams(teams)
         missing = users - set(get_user_model().objects.filter(username__in=users).values_list("username", flat=True))

@@ -4,8 +4,8 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import status
 from rest_framework.generics import ListAPIView
 from rest_framework.request import Request
-from rest_framework.settings import api_settings
 from rest_framework.response import Response
+from rest_framework.settings import api_settings
 from rest_framework.views import APIView
 
 from executors.api import managed_executor
@@ -19,10 +19,10 @@ from scheduler.api.serializers import (
 )
 from scheduler.models import Job, JobEvent
 from scheduler.rbac import require_cancel, visible_jobs
-from scheduler.snapshot import queue_snapshot
 from scheduler.services.cancel import job_cancel
 from scheduler.services.requeue import job_requeue
 from scheduler.services.submit import JobSpec, job_submit, jobs_submit
+from scheduler.snapshot import queue_snapshot
 from telemachus.errors import NotFound, ValidationFailed
 from telemachus.pagination import OldestFirstCursorPagination
 from telemachus.throttles import SubmitRateThrottle

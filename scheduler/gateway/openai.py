@@ -23,12 +23,12 @@ from django.conf import settings
 
 from executors.contract import EMBEDDINGS_API
 from executors.selectors import models_usable_by
+from scheduler.configuration import configuration
 from scheduler.gateway import shapes
 from scheduler.gateway.asgi import Reply, Request
 from scheduler.gateway.auth import token_key, user_for_token
 from scheduler.gateway.database import db
 from scheduler.gateway.feed import Delta, JobFeed, Relay, Watch
-from scheduler.configuration import configuration
 from scheduler.models import Job, JobEvent
 from scheduler.services.cancel import job_cancel
 from scheduler.services.submit import job_submit

@@ -20,7 +20,6 @@ from scheduler.services.tooljobs import tool_jobs_start
 from scheduler.state import ClaimState, ExecutorView
 from telemachus.changes import changes_notify
 
-
 MAX_ORDER_ROUNDS = 3
 
 

@@ -14,8 +14,8 @@ from django.db.models.functions import Now
 from quotas.budget import Bill, quota_settle
 from scheduler import signals
 from scheduler.bulk import update_rows
-from scheduler.models import Job, JobEvent, QueuePolicy, Slot
 from scheduler.configuration import configuration, policy_record
+from scheduler.models import Job, JobEvent, QueuePolicy, Slot
 from scheduler.services.events import events_record, job_event
 from scheduler.services.shares import team_shares_charge
 from telemachus.config import config_at, version_annotation

@@ -18,8 +18,8 @@ def job_requeue(*, job_id: int, by: rbac.Principal) -> Job:
     the tokens it used, which were billed) stay. It keeps its place by age, bypasses the depth cap
     (an operator's decision), and still meets caps and budgets at the claim like any queued job.
 
-    Audited (`job.requeue`). Locks the job row (level 3). A queued, running or done job is a 409 conflict: cancel a running
-    job first; submit a done one again."""
+    Audited (`job.requeue`). Locks the job row (level 3). A queued, running or done job is a 409 conflict: cancel a
+    running job first; submit a done one again."""
     rbac.require_operator(by)
     with transaction.atomic():
         job = lock_job(job_id)
