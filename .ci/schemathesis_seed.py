@@ -10,7 +10,7 @@ from scheduler.services.cancel import job_cancel
 from scheduler.services.claim import job_claim
 from scheduler.services.finish import job_finish
 from scheduler.services.submit import job_submit
-from telemachus.services import team_create
+from telemachus.teams.services import team_create
 
 call_command("telemachus_demo", stdout=open("/dev/null", "w"))
 User = get_user_model()

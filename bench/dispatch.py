@@ -169,7 +169,7 @@ def seed(endpoint: str) -> tuple:
     from django.contrib.auth import get_user_model
 
     from executors.models import Executor
-    from telemachus.services import team_create, team_member_set
+    from telemachus.teams.services import team_create, team_member_set
 
     user = get_user_model().objects.create_user("bench")
     team = team_create(slug="bench", name="bench")
@@ -185,8 +185,8 @@ def queue(n: int, user, team) -> None:
     from django.db import connection, transaction
     from django.utils import timezone
 
-    from scheduler import signals
     from scheduler.models import Job
+    from scheduler.notify import channels as signals
 
     now = timezone.now()
     rows = [

@@ -81,16 +81,16 @@ from django.utils import timezone  # noqa: E402
 
 from executors.models import Executor  # noqa: E402
 from quotas.models import QuotaPolicy  # noqa: E402
-from scheduler import signals  # noqa: E402
+from scheduler.core.policy import FairSharePolicy, team_usage  # noqa: E402
+from scheduler.core.selectors import queue_policy  # noqa: E402
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot, TeamShare  # noqa: E402
-from scheduler.policy import FairSharePolicy, team_usage  # noqa: E402
-from scheduler.selectors import queue_policy  # noqa: E402
+from scheduler.notify import channels as signals  # noqa: E402
 from scheduler.services.claim import job_claim  # noqa: E402
 from scheduler.services.finish import job_finish  # noqa: E402
 from scheduler.services.policy import queue_policy_update  # noqa: E402
 from scheduler.services.submit import job_submit  # noqa: E402
 from telemachus.models import Team  # noqa: E402
-from telemachus.services import team_create, team_member_set  # noqa: E402
+from telemachus.teams.services import team_create, team_member_set  # noqa: E402
 
 SLOTS = 24
 WORKERS = 2

@@ -45,11 +45,11 @@ from django.db.models import Max, Min  # noqa: E402
 from django.utils import timezone  # noqa: E402
 
 from executors.models import Executor  # noqa: E402
-from scheduler import signals  # noqa: E402
 from scheduler.models import Job, JobEvent, Slot, TeamShare  # noqa: E402
+from scheduler.notify import channels as signals  # noqa: E402
 from scheduler.services.policy import queue_policy_update  # noqa: E402
 from scheduler.services.submit import job_submit  # noqa: E402
-from telemachus.services import team_create, team_member_set  # noqa: E402
+from telemachus.teams.services import team_create, team_member_set  # noqa: E402
 
 MODEL = "sim"
 

@@ -137,7 +137,7 @@ def seed(simllm: str, streaming: str) -> str:
     from rest_framework.authtoken.models import Token
 
     from executors.models import Executor
-    from telemachus.services import team_create, team_member_set
+    from telemachus.teams.services import team_create, team_member_set
 
     user = get_user_model().objects.create_user("bench")
     team_member_set(team=team_create(slug="bench", name="bench"), username="bench", role="member")

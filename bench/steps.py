@@ -82,7 +82,7 @@ def before(step: str):
 def _mark_running_before(chosen, *, worker, now, expires, lease):
     from django.db.models import F
 
-    from scheduler.bulk import update_rows
+    from scheduler.core.bulk import update_rows
     from scheduler.models import Job
 
     owned = dict(
@@ -112,7 +112,7 @@ def _mark_running_before(chosen, *, worker, now, expires, lease):
 
 
 def _team_shares_charge_before(*, charges, now, half_life) -> None:
-    from scheduler.bulk import update_rows
+    from scheduler.core.bulk import update_rows
     from scheduler.models import TeamShare
 
     charges = {team_id: amount for team_id, amount in charges.items() if amount}
@@ -168,7 +168,7 @@ def claim_finish(step: str, setup: dict, *, rounds: int, batch: int) -> dict:
 
     from scheduler.services.claim import job_claim
     from scheduler.services.finish import Outcome, jobs_finish
-    from telemachus.config import config_cache_clear
+    from telemachus.control.config import config_cache_clear
 
     uncached = step == "configuration cache"
     timings = {variant: {"claim": [], "finish": []} for variant in "AB"}
@@ -203,7 +203,7 @@ def submit_latency(setup: dict, *, rounds: int, per_round: int) -> dict:
     import throughput
 
     from scheduler.services.submit import job_submit
-    from telemachus.config import config_cache_clear
+    from telemachus.control.config import config_cache_clear
 
     user, team = setup["users"][0]
     timings = {"A": [], "B": []}
@@ -258,7 +258,7 @@ def worker(one_thread: bool, name: str) -> None:
     import django
 
     django.setup()
-    from scheduler.worker import Worker
+    from scheduler.worker.runner import Worker
 
     if one_thread:
         Worker.held_db = Worker.db

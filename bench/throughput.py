@@ -74,7 +74,7 @@ def seed() -> dict:
 
     from executors.models import Executor
     from quotas.models import QuotaPolicy
-    from telemachus.services import team_create, team_member_set
+    from telemachus.teams.services import team_create, team_member_set
 
     users = []
     for name in ("t1", "t2"):

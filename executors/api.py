@@ -13,10 +13,10 @@ from executors.models import Executor
 from executors.registry import known_kinds
 from executors.services import executor_create, executor_delete, executor_sync, executor_update
 from executors.simknobs import knob_problems
-from telemachus import rbac
 from telemachus.errors import NotFound
+from telemachus.http.serializers import StrictSerializer
 from telemachus.models import Team
-from telemachus.serializers import StrictSerializer
+from telemachus.teams import rbac
 
 HTTP_KINDS = ("local-model", "remote-model")
 SECRET_KEY_NAMES = re.compile(r"key|token|secret|password|passwd|auth|bearer|credential", re.IGNORECASE)

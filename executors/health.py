@@ -6,7 +6,7 @@ cooldown, then the claim lets one trial request through (half open); its outcome
 or opens it again. Each transition is a job-independent event. Probes (GET /models) set `health`
 and `last_seen`; a `down` executor is not placed.
 
-Transactions here lock executor rows only (lock level 2, see scheduler/locks.py), never job rows,
+Transactions here lock executor rows only (lock level 2, see scheduler/core/locks.py), never job rows,
 so they run after the finish that produced the outcomes, not inside it.
 
 The events are stored by whoever installs a recorder (`events_recorder_install`; the scheduler
@@ -23,7 +23,7 @@ from django.db.models.functions import Now
 
 from executors.contract import Probe
 from executors.models import Executor
-from telemachus.changes import changes_notify
+from telemachus.control.changes import changes_notify
 
 BREAKER_OPENED, BREAKER_HALF_OPEN, BREAKER_CLOSED = "breaker_opened", "breaker_half_open", "breaker_closed"
 HEALTH_CHANGED = "health_changed"

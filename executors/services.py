@@ -7,7 +7,7 @@ from django.db.models import ProtectedError
 from executors.contract import DispatchError
 from executors.models import Executor
 from executors.registry import driver_for
-from telemachus.audit import Actor, audit_record, changed_fields
+from telemachus.control.audit import Actor, audit_record, changed_fields
 from telemachus.errors import Conflict, ExecutorUnreachable
 
 # What the audit log keeps of an executor (the runtime state, health and breaker, is not an edit).

@@ -13,10 +13,10 @@ from quotas.models import QuotaPolicy
 from quotas.rules import quota_rule_errors
 from quotas.selectors import usage_report
 from quotas.services import quota_policy_create, quota_policy_delete, quota_policy_update
-from telemachus import rbac
 from telemachus.errors import NotFound
-from telemachus.pagination import query_params_check
-from telemachus.serializers import StrictSerializer
+from telemachus.http.pagination import query_params_check
+from telemachus.http.serializers import StrictSerializer
+from telemachus.teams import rbac
 
 
 class QuotaPolicyInput(StrictSerializer):

@@ -3,7 +3,7 @@
 Caps come from `QuotaPolicy(dimension=ai.concurrency)` (and an executor's own max_concurrency);
 in-use counts come from live Slot rows, never from counters, so they cannot drift: a crashed
 worker's slots are counted until recovery deletes them, and never after (the scheduler, which owns
-the slots, counts them: scheduler.selectors.slot_counts)."""
+the slots, counts them: scheduler.core.selectors.slot_counts)."""
 
 from collections import Counter
 from dataclasses import dataclass, field

@@ -5,9 +5,9 @@ from django.utils import timezone
 
 from quotas.budget import Budgets
 from quotas.models import QuotaPolicy
-from telemachus import rbac
 from telemachus.errors import NotFound
 from telemachus.models import Membership
+from telemachus.teams import rbac
 
 Scope = QuotaPolicy.Scope
 

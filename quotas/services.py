@@ -3,7 +3,7 @@ from typing import Any
 from django.db import transaction
 
 from quotas.models import QuotaPolicy
-from telemachus.audit import Actor, audit_record, changed_fields
+from telemachus.control.audit import Actor, audit_record, changed_fields
 
 AUDITED = ("scope", "subject", "dimension", "limit", "window")
 

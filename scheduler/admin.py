@@ -4,8 +4,8 @@ from django import forms
 from django.contrib import admin, messages
 from django.http import HttpRequest
 
+from scheduler.core.bounds import field_problem
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
-from scheduler.policy_bounds import field_problem
 from scheduler.services.cancel import job_cancel
 from scheduler.services.policy import EDITABLE, queue_policy_update
 from scheduler.services.requeue import job_requeue
@@ -97,7 +97,7 @@ class SlotAdmin(ReadOnlyAdmin):
 
 
 class QueuePolicyForm(forms.ModelForm):
-    """The API's bounds (scheduler/policy_bounds.py), so the admin cannot store what the API refuses."""
+    """The API's bounds (scheduler/core/bounds.py), so the admin cannot store what the API refuses."""
 
     class Meta:
         model = QueuePolicy

@@ -7,7 +7,7 @@ class SchedulerConfig(AppConfig):
     def ready(self) -> None:
         """Install what the lower layers report through: they never import the scheduler."""
         from executors import health, selectors
-        from scheduler.selectors import executor_load
+        from scheduler.core.selectors import executor_load
         from scheduler.services.events import executor_events_record
 
         health.events_recorder_install(executor_events_record)

@@ -13,7 +13,7 @@ one consistent picture without a shared directory or a scrape of every process:
   answer a dispatch) is observed in that process with prometheus_client histograms. With
   PROMETHEUS_MULTIPROC_DIR set (bin/run sets it), every process on the host writes there and any
   scrape merges them (prometheus_client's multiprocess mode); a worker on another host exposes its
-  own on TELEMACHUS_METRICS_BIND (scheduler/probes.py)."""
+  own on TELEMACHUS_METRICS_BIND (scheduler/worker/probes.py)."""
 
 import os
 from collections.abc import Iterator
@@ -29,8 +29,8 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 
 from executors.models import Executor
+from scheduler.live.snapshot import Cluster, consistent_read
 from scheduler.models import Job
-from scheduler.snapshot import Cluster, consistent_read
 from telemachus.models import Team
 
 WAIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)

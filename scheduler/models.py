@@ -25,7 +25,7 @@ class Job(models.Model):
         FLOW = "flow"
         TASK = "task"
         TOOL = "tool"
-        # A slot held by app code that runs its own model call (scheduler/governed.py): queued and
+        # A slot held by app code that runs its own model call (scheduler/flows/governed.py): queued and
         # claimed like a flow's round, never dispatched by a worker.
         GOVERNED = "governed", "Governed slot"
 
@@ -232,10 +232,10 @@ class Slot(models.Model):
 
 class QueuePolicy(models.Model):
     """The operator-editable policy record; a singleton (pk=1). Its row is also the global claim lock:
-    every transaction that creates slots locks it first (see scheduler/locks.py), so an edit applies
+    every transaction that creates slots locks it first (see scheduler/core/locks.py), so an edit applies
     to the next claim. Edits go through scheduler/services/policy.py, which audits them."""
 
-    # Not columns: read with the claim lock and set on the copy lock_claim returns (scheduler/locks.py).
+    # Not columns: read with the claim lock and set on the copy lock_claim returns (scheduler/core/locks.py).
     config_version: int
     next_retry: datetime | None
     tools_queued: bool

@@ -1,5 +1,5 @@
 """Who may see and cancel jobs, and which permission each job type needs: the job rules of
-telemachus/rbac.py, kept with the Job model they read."""
+telemachus/teams/rbac.py, kept with the Job model they read."""
 
 from django.db.models import Q, QuerySet
 from guardian.shortcuts import get_objects_for_user
@@ -7,7 +7,7 @@ from guardian.shortcuts import get_objects_for_user
 from scheduler.models import Job
 from telemachus.errors import Forbidden
 from telemachus.models import Membership
-from telemachus.rbac import CHAT, FLOWS, TOOLS, Principal, is_operator, team_role
+from telemachus.teams.rbac import CHAT, FLOWS, TOOLS, Principal, is_operator, team_role
 
 JOB_TYPE_PERMISSION: dict[str, str] = {
     Job.Type.CHAT: CHAT,

@@ -9,7 +9,7 @@ from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.request import Request
 
 from scheduler.metrics import metrics_exposition
-from telemachus import rbac
+from telemachus.teams import rbac
 
 
 @login_required

@@ -3,10 +3,10 @@ from django.contrib import admin
 from django.db.models import Count
 from django.http import HttpRequest
 
-from telemachus import rbac
-from telemachus.features import feature_set
+from telemachus.control.features import feature_set
 from telemachus.models import AuditEvent, FeatureSwitch, Membership, Team
-from telemachus.services import team_create, team_delete, team_member_remove, team_member_set, team_update
+from telemachus.teams import rbac
+from telemachus.teams.services import team_create, team_delete, team_member_remove, team_member_set, team_update
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):

@@ -8,4 +8,4 @@ class TelemachusConfig(AppConfig):
     verbose_name = "Teams"
 
     def ready(self) -> None:
-        from telemachus import signin  # noqa: F401  (connects the sign-in counting signals)
+        from telemachus.teams import signin  # noqa: F401  (connects the sign-in counting signals)

@@ -17,10 +17,10 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path  # noqa: E402
 
-from scheduler.consumers import DashboardConsumer  # noqa: E402
 from scheduler.gateway.asgi import GatewayRouter  # noqa: E402
-from telemachus.body_limit import BodyLimit  # noqa: E402
-from telemachus.websocket import SameOriginValidator  # noqa: E402
+from scheduler.live.consumers import DashboardConsumer  # noqa: E402
+from telemachus.http.body_limit import BodyLimit  # noqa: E402
+from telemachus.http.websocket import SameOriginValidator  # noqa: E402
 
 application = ProtocolTypeRouter(
     {

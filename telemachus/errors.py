@@ -1,5 +1,5 @@
 """Domain errors. Services raise these; views never build error responses themselves, the one
-exception handler (telemachus/exception_handler.py) turns them into the API's JSON shape: a
+exception handler (telemachus/http/exception_handler.py) turns them into the API's JSON shape: a
 machine-readable `error` code, a human `detail`, and sometimes more (per-field errors, reset_at)."""
 
 from typing import Any

@@ -17,7 +17,7 @@ class Team(models.Model):
     class Meta:
         ordering = ["slug"]
         # Granted as guardian object permissions on a team (to its group, or to single users), or
-        # globally; see telemachus/rbac.py for which job types need which.
+        # globally; see telemachus/teams/rbac.py for which job types need which.
         permissions = [
             ("use_chat", "chat:use (chat and translate jobs)"),
             ("invoke_tools", "tools:invoke (tool jobs)"),
@@ -48,7 +48,7 @@ class Membership(models.Model):
 
 class ConfigVersion(models.Model):
     """One row whose `version` moves whenever configuration changes. Database triggers bump it in the
-    transaction of every write to a configuration table (telemachus/config.py, and the migrations
+    transaction of every write to a configuration table (telemachus/control/config.py, and the migrations
     that watch each table); no Python code writes it."""
 
     SINGLETON_ID = 1
@@ -66,7 +66,7 @@ class AuditEvent(models.Model):
     """Append-only log of what people changed: who (and through which surface), when, on what, and
     the fields' values before and after. It lives in the lowest app so every layer can write it in
     the transaction of the change it describes (executors and quotas may not import scheduler).
-    Written only by telemachus.audit.audit_record; job lifecycle events stay in JobEvent."""
+    Written only by telemachus.control.audit.audit_record; job lifecycle events stay in JobEvent."""
 
     class Source(models.TextChoices):
         API = "api"

@@ -62,7 +62,7 @@ if not SECRET_KEY:
     SECRET_KEY = "dev-insecure-telemachus-key-only-for-local-runs"
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
-CSRF_FAILURE_VIEW = "telemachus.http_errors.csrf_failure"
+CSRF_FAILURE_VIEW = "telemachus.http.errors.csrf_failure"
 
 INSTALLED_APPS = [
     "daphne",
@@ -92,7 +92,7 @@ if django.VERSION < (6, 0):
 
 MIDDLEWARE = [
     # First, so errors raised by any middleware below under /api/ and /v1/ are JSON too.
-    "telemachus.http_errors.ApiErrorMiddleware",
+    "telemachus.http.errors.ApiErrorMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -100,7 +100,7 @@ MIDDLEWARE = [
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
-    "telemachus.middleware.AuditSourceMiddleware",
+    "telemachus.http.middleware.AuditSourceMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "csp.middleware.CSPMiddleware",
 ]
@@ -173,7 +173,7 @@ if REDIS_URL:
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
-# Throttle and sign-in counts (telemachus/throttles.py, telemachus/signin.py): per process by
+# Throttle and sign-in counts (telemachus/http/throttles.py, telemachus/teams/signin.py): per process by
 # default, shared by every API server through Redis when REDIS_URL is set.
 if REDIS_URL:
     CACHES = {
@@ -231,14 +231,14 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "DEFAULT_PARSER_CLASSES": ["telemachus.parsers.BoundedJSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["telemachus.http.parsers.BoundedJSONParser"],
     "DEFAULT_RENDERER_CLASSES": [
         "rest_framework.renderers.JSONRenderer",
         "rest_framework.renderers.BrowsableAPIRenderer",
     ],
-    "DEFAULT_PAGINATION_CLASS": "telemachus.pagination.NewestFirstCursorPagination",
+    "DEFAULT_PAGINATION_CLASS": "telemachus.http.pagination.NewestFirstCursorPagination",
     "PAGE_SIZE": 50,
-    "EXCEPTION_HANDLER": "telemachus.exception_handler.exception_handler",
+    "EXCEPTION_HANDLER": "telemachus.http.exception_handler.exception_handler",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
 }
@@ -251,12 +251,12 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
-    "ENUM_NAME_OVERRIDES": {"PermissionEnum": "telemachus.api.PERMISSION_CHOICES"},
+    "ENUM_NAME_OVERRIDES": {"PermissionEnum": "telemachus.teams.api.PERMISSION_CHOICES"},
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
         # Paths served ahead of Django's URLconf: /v1/, /api/jobs/{id}/wait/ and /stream/.
         "scheduler.gateway.schema.gateway_paths",
-        "telemachus.schema.declare_errors",
+        "telemachus.http.schema.declare_errors",
     ],
 }
 

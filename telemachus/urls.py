@@ -9,12 +9,12 @@ from quotas import api as quotas_api
 from scheduler import views as pages
 from scheduler.api import views as scheduler_views
 from scheduler.api.policy import PolicyApi
-from telemachus import api as teams_api
-from telemachus.audit_api import AuditListApi
-from telemachus.features_api import FeatureApi
-from telemachus.health import healthz, readyz
-from telemachus.signin import attempts_limited
-from telemachus.users_api import UserListCreateApi
+from telemachus.control.audit_api import AuditListApi
+from telemachus.control.features_api import FeatureApi
+from telemachus.http.health import healthz, readyz
+from telemachus.teams import api as teams_api
+from telemachus.teams.signin import attempts_limited
+from telemachus.teams.users_api import UserListCreateApi
 
 api = [
     path("", include("scheduler.api.urls")),

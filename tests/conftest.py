@@ -8,10 +8,10 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from executors.models import Executor
-from telemachus import rbac
-from telemachus.config import config_cache_clear
+from telemachus.control.config import config_cache_clear
 from telemachus.models import Team
-from telemachus.services import team_create, team_member_set
+from telemachus.teams import rbac
+from telemachus.teams.services import team_create, team_member_set
 from tests.processes import Processes
 
 _names = itertools.count(1)

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
+from scheduler.core.policy import FairSharePolicy
+from scheduler.core.state import ClaimState
 from scheduler.models import Job
-from scheduler.policy import FairSharePolicy
-from scheduler.state import ClaimState
 
 
 class BusinessHoursPolicy(FairSharePolicy):

@@ -1,6 +1,6 @@
 from django.db import migrations
 
-from telemachus.config import watch_config
+from telemachus.control.config import watch_config
 
 
 class Migration(migrations.Migration):

@@ -9,13 +9,13 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from scheduler.api.serializers import StrictSerializer
+from scheduler.core.bounds import MAPS, SCALARS, field_problem
+from scheduler.core.policy import BaseQueuePolicy
+from scheduler.core.selectors import policy_seen_by, queue_policy
 from scheduler.models import QueuePolicy
-from scheduler.policy import BaseQueuePolicy
-from scheduler.policy_bounds import MAPS, SCALARS, field_problem
-from scheduler.selectors import policy_seen_by, queue_policy
 from scheduler.services.policy import EDITABLE, queue_policy_update
-from telemachus import rbac
 from telemachus.models import Membership, Team
+from telemachus.teams import rbac
 
 
 def _import_policy(path: str) -> None:
@@ -37,7 +37,7 @@ class NumberField(serializers.FloatField):
 
 
 def bounded(name: str, **kwargs: Any) -> serializers.Field:
-    """A number field with the policy's bounds for `name` (scheduler/policy_bounds.py)."""
+    """A number field with the policy's bounds for `name` (scheduler/core/bounds.py)."""
     low, high, kind = SCALARS.get(name) or MAPS[name]
     if kind is int:
         return serializers.IntegerField(min_value=int(low), max_value=int(high), **kwargs)
@@ -67,7 +67,7 @@ class PolicyInput(StrictSerializer):
     flow_rounds = serializers.ChoiceField(choices=QueuePolicy.FlowRounds.choices, required=False)
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
-        """The shared bounds (scheduler/policy_bounds.py) have the last word, so the API, the admin
+        """The shared bounds (scheduler/core/bounds.py) have the last word, so the API, the admin
         and the claim agree on what a valid policy is."""
         problems = {
             name: [f"This value {problem}."]

@@ -7,7 +7,7 @@ from executors.tokens import embedding_inputs
 from scheduler.models import Job, JobEvent
 from scheduler.services.rounds import DEFAULT_MAX_ROUNDS, MAX_ROUNDS
 from scheduler.services.submit import MAX_BULK
-from telemachus.serializers import StrictSerializer
+from telemachus.http.serializers import StrictSerializer
 
 MESSAGE_ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -84,7 +84,7 @@ TYPE_INPUTS: dict[str, type[serializers.Serializer]] = {
     Job.Type.TOOL: ToolJobInput,
     Job.Type.TRANSLATE: TranslateInput,
 }
-# A governed slot is taken in Python (scheduler/governed.py), never submitted through the API.
+# A governed slot is taken in Python (scheduler/flows/governed.py), never submitted through the API.
 SUBMITTABLE_TYPES = [(value, label) for value, label in Job.Type.choices if value != Job.Type.GOVERNED]
 
 

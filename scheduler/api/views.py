@@ -17,15 +17,15 @@ from scheduler.api.serializers import (
     JobOutput,
     JobSubmitInput,
 )
+from scheduler.live.snapshot import queue_snapshot
 from scheduler.models import Job, JobEvent
 from scheduler.rbac import require_cancel, visible_jobs
 from scheduler.services.cancel import job_cancel
 from scheduler.services.requeue import job_requeue
 from scheduler.services.submit import JobSpec, job_submit, jobs_submit
-from scheduler.snapshot import queue_snapshot
 from telemachus.errors import NotFound, ValidationFailed
-from telemachus.pagination import OldestFirstCursorPagination
-from telemachus.throttles import SubmitRateThrottle
+from telemachus.http.pagination import OldestFirstCursorPagination
+from telemachus.http.throttles import SubmitRateThrottle
 
 
 def visible_job(request: Request, job_id: int) -> Job:

@@ -10,7 +10,7 @@ from django.contrib.auth import get_user
 from rest_framework.authentication import TokenAuthentication
 from rest_framework.exceptions import AuthenticationFailed
 
-from telemachus import rbac
+from telemachus.teams import rbac
 
 KEYWORDS = ("bearer", "token")
 

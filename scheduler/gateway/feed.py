@@ -10,7 +10,7 @@ The feed runs one listener per process (per event loop), never one per request:
   connection commits; reading it touches no table), checked every few milliseconds while
   anything is watched, followed by one query for the state of every watched job.
   If the PostgreSQL listener is down, the same query runs once a second until it is back.
-* output deltas of streamed jobs (scheduler/broadcast.py): from the channel layer (one channel for
+* output deltas of streamed jobs (scheduler/notify/broadcast.py): from the channel layer (one channel for
   the process, added to the group of each job watched for output) or, on PostgreSQL without Redis,
   from the same LISTEN connection.
 
@@ -31,9 +31,10 @@ from channels.layers import get_channel_layer
 from django.db import connection
 from django.db.models import Max
 
-from scheduler import broadcast, signals
 from scheduler.gateway.database import db
 from scheduler.models import Job, JobEvent
+from scheduler.notify import broadcast
+from scheduler.notify import channels as signals
 
 log = logging.getLogger("telemachus.feed")
 SQLITE_WATCH_SECONDS = 0.005

@@ -28,7 +28,7 @@ from scheduler.gateway.database import db
 from scheduler.gateway.feed import Delta, JobFeed, Relay
 from scheduler.models import Job, JobEvent
 from scheduler.rbac import visible_jobs
-from telemachus import rbac
+from telemachus.teams import rbac
 
 DEFAULT_TIMEOUT, MAX_TIMEOUT = 30.0, 300.0
 KEEPALIVE_SECONDS = 15.0

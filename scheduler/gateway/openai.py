@@ -23,7 +23,7 @@ from django.conf import settings
 
 from executors.contract import EMBEDDINGS_API
 from executors.selectors import models_usable_by
-from scheduler.configuration import configuration
+from scheduler.core.configuration import configuration
 from scheduler.gateway import shapes
 from scheduler.gateway.asgi import Reply, Request
 from scheduler.gateway.auth import token_key, user_for_token
@@ -32,10 +32,11 @@ from scheduler.gateway.feed import Delta, JobFeed, Relay, Watch
 from scheduler.models import Job, JobEvent
 from scheduler.services.cancel import job_cancel
 from scheduler.services.submit import job_submit
-from telemachus import errors, rbac
-from telemachus.config import config_current, config_snapshot
-from telemachus.features import OPENAI, feature_require
+from telemachus import errors
+from telemachus.control.config import config_current, config_snapshot
+from telemachus.control.features import OPENAI, feature_require
 from telemachus.models import Team
+from telemachus.teams import rbac
 
 log = logging.getLogger("telemachus.gateway")
 TEAM_HEADER, PRIORITY_HEADER, JOB_HEADER = "x-telemachus-team", "x-telemachus-priority", "x-telemachus-job"

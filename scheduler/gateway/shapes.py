@@ -15,7 +15,7 @@ from executors.drivers.openai import EMBEDDING_OPTIONS, PASSTHROUGH_OPTIONS, str
 from executors.tokens import count_prompt_tokens, embedding_inputs
 from scheduler.models import Job
 from telemachus import errors
-from telemachus.parsers import MAX_DEPTH, json_problem
+from telemachus.http.parsers import MAX_DEPTH, json_problem
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # Bounds that keep a request's numbers storable and its budget estimate meaningful.
@@ -111,7 +111,7 @@ def _flat(messages: Any) -> list[Any]:
 
 def parse_body(raw: bytes) -> Any:
     """The body as JSON that the database can store, refused as the REST API's parser refuses it
-    (telemachus/parsers.py): no NaN or Infinity (Python's json accepts them), nothing nested deeper
+    (telemachus/http/parsers.py): no NaN or Infinity (Python's json accepts them), nothing nested deeper
     than MAX_DEPTH, no NUL character or unpaired surrogate in any key or string."""
     try:
         data = strict_json(raw)

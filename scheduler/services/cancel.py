@@ -4,15 +4,15 @@ from django.db import transaction
 
 from executors.tokens import count_prompt_tokens
 from quotas.budget import Bill, quota_settle
-from scheduler import signals
-from scheduler.configuration import policy_record
-from scheduler.locks import lock_job
+from scheduler.core.configuration import policy_record
+from scheduler.core.locks import lock_job
 from scheduler.models import Job, JobEvent, Slot
+from scheduler.notify import channels as signals
 from scheduler.services.events import event_record
 from scheduler.services.finish import attempt_began, attempt_cost
 from scheduler.services.shares import team_shares_charge
-from telemachus.audit import Actor, audit_record
-from telemachus.config import config_snapshot
+from telemachus.control.audit import Actor, audit_record
+from telemachus.control.config import config_snapshot
 from telemachus.errors import Conflict, NotFound
 
 

@@ -11,14 +11,14 @@ from django.db.models import Field, JSONField
 from executors.health import breaker_trial_started
 from executors.models import Executor
 from quotas.budget import Account
-from scheduler.locks import lock_claim
+from scheduler.core.locks import lock_claim
+from scheduler.core.policy import policy_for
+from scheduler.core.state import ClaimState, ExecutorView
 from scheduler.models import Job, JobEvent, Slot
-from scheduler.policy import policy_for
 from scheduler.services.events import events_record, job_event
 from scheduler.services.shares import team_shares_charge
 from scheduler.services.tooljobs import tool_jobs_start
-from scheduler.state import ClaimState, ExecutorView
-from telemachus.changes import changes_notify
+from telemachus.control.changes import changes_notify
 
 MAX_ORDER_ROUNDS = 3
 

@@ -14,8 +14,8 @@ from django.utils import timezone
 
 from executors.health import ExecutorEvent
 from executors.models import Executor
-from scheduler import signals
 from scheduler.models import Job, JobEvent
+from scheduler.notify import channels as signals
 
 
 def job_event(

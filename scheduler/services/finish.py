@@ -12,16 +12,16 @@ from django.db.models import OuterRef, Subquery
 from django.db.models.functions import Now
 
 from quotas.budget import Bill, quota_settle
-from scheduler import signals
-from scheduler.bulk import update_rows
-from scheduler.configuration import configuration, policy_record
+from scheduler.core.bulk import update_rows
+from scheduler.core.configuration import configuration, policy_record
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
+from scheduler.notify import channels as signals
 from scheduler.services.events import events_record, job_event
 from scheduler.services.shares import team_shares_charge
-from telemachus.config import config_at, version_annotation
+from telemachus.control.config import config_at, version_annotation
 
 if TYPE_CHECKING:
-    from scheduler.locks import ClockedJob
+    from scheduler.core.locks import ClockedJob
 
 
 @dataclass(frozen=True)

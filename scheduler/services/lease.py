@@ -8,8 +8,8 @@ from django.db.models import Q
 from django.db.models.functions import Now
 
 from quotas.budget import quota_settle
-from scheduler import signals
 from scheduler.models import Job, JobEvent, Slot
+from scheduler.notify import channels as signals
 from scheduler.services.claim import lease_length
 from scheduler.services.events import events_record, job_event
 

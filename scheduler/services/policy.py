@@ -2,9 +2,9 @@ from typing import Any
 
 from django.db import transaction
 
-from scheduler.locks import lock_claim
+from scheduler.core.locks import lock_claim
 from scheduler.models import QueuePolicy
-from telemachus.audit import Actor, audit_record
+from telemachus.control.audit import Actor, audit_record
 
 EDITABLE = (
     "team_weights",

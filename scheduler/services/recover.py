@@ -5,9 +5,9 @@ from django.db import transaction
 from django.db.models.functions import Now
 
 from quotas.budget import quota_settle
-from scheduler import signals
+from scheduler.core.selectors import queue_policy
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
-from scheduler.selectors import queue_policy
+from scheduler.notify import channels as signals
 from scheduler.services.events import events_record, job_event
 
 

@@ -1,12 +1,12 @@
 from django.db import transaction
 
-from scheduler import signals
-from scheduler.locks import lock_job
+from scheduler.core.locks import lock_job
 from scheduler.models import Job, JobEvent
+from scheduler.notify import channels as signals
 from scheduler.services.events import event_record
-from telemachus import rbac
-from telemachus.audit import audit_record
+from telemachus.control.audit import audit_record
 from telemachus.errors import Conflict, NotFound
+from telemachus.teams import rbac
 
 REQUEUEABLE = (Job.Status.FAILED, Job.Status.CANCELED)
 

@@ -1,5 +1,5 @@
 """Rounds: a flow holds a slot only while one model call runs, and so does app code that runs its
-own model call in a governed slot (scheduler/governed.py).
+own model call in a governed slot (scheduler/flows/governed.py).
 
 A round is a claim like any job's (job_claim: priority, fair share, the four caps, budgets,
 placement), then:
@@ -32,17 +32,17 @@ from django.db import transaction
 
 from executors.tools import ToolOutcome
 from quotas.budget import Bill, quota_settle
-from scheduler import signals
-from scheduler.locks import lock_job
+from scheduler.core.locks import lock_job
+from scheduler.core.selectors import queue_policy
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
-from scheduler.selectors import queue_policy
+from scheduler.notify import channels as signals
 from scheduler.services.events import events_record, job_event
 from scheduler.services.finish import attempt_began, attempt_cost
 from scheduler.services.shares import team_shares_charge
 from telemachus.errors import Conflict
 
 if TYPE_CHECKING:
-    from scheduler.locks import ClockedJob
+    from scheduler.core.locks import ClockedJob
 
 DEFAULT_MAX_ROUNDS, MAX_ROUNDS = 20, 200
 

@@ -1,7 +1,7 @@
 """Admission: from a request to a queued job (or a refusal), at the speed of the API.
 
 The checks read only configuration (teams, memberships, permissions, executors, quota rules, the
-queue policy), kept per configuration version (scheduler/configuration.py). The version is
+queue policy), kept per configuration version (scheduler/core/configuration.py). The version is
 confirmed by the statement that locks the team rows, so an unchanged configuration costs no
 round trip; if it moved since the process last read it, the submit reads it again and checks
 again. What must be live is read live: the budget ledger (only when a budget applies) and the
@@ -20,15 +20,14 @@ from django.utils import timezone
 
 from executors.contract import EMBEDDINGS_API
 from quotas.budget import Budgets, admission_budgets, quota_check
-from scheduler import signals
-from scheduler.configuration import Configuration, configuration, grants, policy_record
-from scheduler.jobtypes import MODEL_CALL_TYPES, job_input_check
+from scheduler.core.configuration import Configuration, configuration, grants, policy_record
+from scheduler.core.jobtypes import MODEL_CALL_TYPES, job_input_check
+from scheduler.core.policy import Admission, AdmissionState, policy_for
 from scheduler.models import Job, JobEvent, QueuePolicy
-from scheduler.policy import Admission, AdmissionState, policy_for
+from scheduler.notify import channels as signals
 from scheduler.rbac import JOB_TYPE_PERMISSION
 from scheduler.services.events import events_record, job_event
-from telemachus import rbac
-from telemachus.config import (
+from telemachus.control.config import (
     ConfigSnapshot,
     config_at,
     config_current,
@@ -36,9 +35,10 @@ from telemachus.config import (
     config_snapshot,
     version_annotation,
 )
+from telemachus.control.features import feature_require
 from telemachus.errors import DomainError, TryLater, UnknownModel, ValidationFailed
-from telemachus.features import feature_require
 from telemachus.models import Team
+from telemachus.teams import rbac
 
 # The most jobs one bulk submit may carry.
 MAX_BULK = 1000
@@ -77,7 +77,7 @@ def job_submit(
     `requirements` and `input` arrive shape-checked (JobSubmitInput); this checks, in order: the
     team (which the user must belong to), that the job's kind is switched on for it (403
     feature_disabled), the permission the job type needs (RBAC.require), the tools it names
-    (scheduler/jobtypes.py), an enabled executor usable by the team that offers the model (and
+    (scheduler/core/jobtypes.py), an enabled executor usable by the team that offers the model (and
     embeddings, when `requirements.api` asks for them; a tool job needs none), the budgets
     (Quota.check) for the
     estimate, the priority the principal may use (priority map: clamped, with an event, or

@@ -5,7 +5,7 @@ import time
 from django.conf import settings
 from django.db import migrations, models
 
-from telemachus.config import install_bump_function, watch_config
+from telemachus.control.config import install_bump_function, watch_config
 
 
 def create_version(apps, schema_editor):

@@ -18,7 +18,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from rest_framework.authtoken.models import Token
 
-from telemachus.services import team_create, team_member_set
+from telemachus.teams.services import team_create, team_member_set
 from tests.processes import ROOT, answers, free_port, wait_until
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -5,7 +5,7 @@ from collections import Counter
 
 from django.db import connection
 
-from scheduler.selectors import slot_counts
+from scheduler.core.selectors import slot_counts
 
 
 class SlotSampler(threading.Thread):

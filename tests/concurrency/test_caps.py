@@ -12,7 +12,7 @@ from quotas.models import QuotaPolicy
 from scheduler.models import Job, JobEvent, Slot
 from scheduler.services.claim import job_claim
 from scheduler.services.submit import job_submit
-from telemachus.services import team_member_set
+from telemachus.teams.services import team_member_set
 from tests.concurrency.slots import SlotSampler
 from tests.processes import http_json, wait_until
 

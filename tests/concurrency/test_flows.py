@@ -15,7 +15,7 @@ from django.db import connection
 
 from executors.models import Executor
 from quotas.models import QuotaPolicy, Usage
-from scheduler.governed import governed_slot
+from scheduler.flows.governed import governed_slot
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
 from scheduler.services.cancel import job_cancel
 from scheduler.services.submit import job_submit

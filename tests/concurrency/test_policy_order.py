@@ -10,7 +10,7 @@ from executors.models import Executor
 from quotas.models import QuotaPolicy
 from scheduler.models import Job, JobEvent, QueuePolicy
 from scheduler.services.submit import job_submit
-from telemachus.services import team_member_set
+from telemachus.teams.services import team_member_set
 from tests.conftest import backdate
 from tests.processes import wait_until
 

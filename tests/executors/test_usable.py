@@ -6,9 +6,9 @@ from django.utils import timezone
 from guardian.shortcuts import assign_perm
 
 from executors.selectors import executors_usable_by, models_usable_by
-from scheduler.configuration import configuration
-from scheduler.snapshot import Cluster
-from telemachus.config import config_snapshot
+from scheduler.core.configuration import configuration
+from scheduler.live.snapshot import Cluster
+from telemachus.control.config import config_snapshot
 
 
 def test_every_reader_agrees_on_usable_executors(make_team, make_executor):

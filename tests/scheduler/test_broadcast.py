@@ -2,7 +2,8 @@
 
 import json
 
-from scheduler import broadcast, signals
+from scheduler.notify import broadcast
+from scheduler.notify import channels as signals
 
 
 def test_job_changes_split_into_payloads_under_the_limit():

@@ -13,11 +13,11 @@ from django.test import Client
 
 from executors.models import Executor
 from executors.tools import ToolOutcome
+from scheduler.live.snapshot import dashboard_state
 from scheduler.models import Job, QueuePolicy
 from scheduler.services.claim import job_claim
 from scheduler.services.rounds import round_begin, round_finish, round_requeue
 from scheduler.services.submit import job_submit
-from scheduler.snapshot import dashboard_state
 from telemachus.asgi import application
 from telemachus.models import AuditEvent, FeatureSwitch, Team
 
@@ -279,7 +279,7 @@ class TestPushes:
         assert stamps == sorted(stamps) and len(set(stamps)) == 3
 
     def test_the_job_list_says_how_many_of_how_many_and_links(self, member_setup, operator):
-        from scheduler.snapshot import RECENT_JOBS, dashboard_state
+        from scheduler.live.snapshot import RECENT_JOBS, dashboard_state
 
         alice = member_setup[0]
         for _ in range(RECENT_JOBS + 3):

@@ -18,8 +18,8 @@ from scheduler.metrics import CLAIM_SECONDS, DISPATCH_SECONDS
 from scheduler.models import Job
 from scheduler.services.cancel import job_cancel
 from scheduler.services.submit import job_submit
-from scheduler.worker import Worker
-from telemachus import health
+from scheduler.worker.runner import Worker
+from telemachus.http import health
 from tests.processes import free_port, wait_until
 
 

@@ -7,8 +7,8 @@ import pytest
 from django.utils import timezone
 
 from quotas.models import QuotaPolicy
+from scheduler.core.policy import FairSharePolicy, policy_for
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot, TeamShare
-from scheduler.policy import FairSharePolicy, policy_for
 from scheduler.services.claim import job_claim
 from scheduler.services.finish import job_finish
 from scheduler.services.submit import job_submit

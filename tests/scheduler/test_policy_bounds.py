@@ -7,14 +7,14 @@ import logging
 import pytest
 from django.db.models import F
 
-from scheduler import policy_bounds
+from scheduler.core import bounds as policy_bounds
+from scheduler.core.bounds import MAPS, SCALARS, policy_in_force
+from scheduler.live.snapshot import dashboard_state
 from scheduler.models import Job, QueuePolicy
-from scheduler.policy_bounds import MAPS, SCALARS, policy_in_force
 from scheduler.services.claim import job_claim
 from scheduler.services.finish import job_finish
 from scheduler.services.recover import jobs_recover
 from scheduler.services.submit import job_submit
-from scheduler.snapshot import dashboard_state
 from telemachus.models import AuditEvent
 from tests.processes import wait_until
 

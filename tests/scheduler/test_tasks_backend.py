@@ -25,7 +25,6 @@ from scheduler.services.submit import job_submit
 from scheduler.tasks_backend import JobCanceled, JobFailed, TelemachusBackend, enqueue_as
 from telemachus.errors import UnknownModel
 from telemachus.models import Team
-from telemachus.services import team_member_set
 from telemachus.tasks_api import (
     InvalidTask,
     TaskResult,
@@ -35,6 +34,7 @@ from telemachus.tasks_api import (
     task,
     task_backends,
 )
+from telemachus.teams.services import team_member_set
 from tests.executors.test_cpu_node import alive, max_overlap
 from tests.processes import wait_until
 from tests.scheduler import declared_tasks

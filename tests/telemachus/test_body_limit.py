@@ -9,7 +9,7 @@ import pytest
 from django.test import override_settings
 
 from scheduler.models import Job
-from telemachus.body_limit import BodyLimit
+from telemachus.http.body_limit import BodyLimit
 from tests.conftest import chat_body
 from tests.processes import answers, free_port, wait_until
 

@@ -13,9 +13,9 @@ from guardian.shortcuts import assign_perm, remove_perm
 from executors.models import Executor
 from quotas.models import QuotaPolicy
 from scheduler.models import QueuePolicy
-from telemachus.config import CHANNEL, CONFIG_CHANGED, config_version
+from telemachus.control.config import CHANNEL, CONFIG_CHANGED, config_version
 from telemachus.models import ConfigVersion, Membership
-from telemachus.services import team_member_set
+from telemachus.teams.services import team_member_set
 
 pytestmark = pytest.mark.django_db
 

@@ -5,8 +5,8 @@ import pytest
 
 from scheduler.models import Job
 from scheduler.services.submit import job_submit
+from telemachus.control.features import feature_enabled, feature_require
 from telemachus.errors import FeatureDisabled
-from telemachus.features import feature_enabled, feature_require
 from tests.conftest import chat_body
 
 pytestmark = pytest.mark.django_db

@@ -101,7 +101,7 @@ class TestRoles:
     def jobs(self, chat_only, make_user):
         team, carol, mia = chat_only
         dave = make_user("dave")
-        from telemachus.services import team_member_set
+        from telemachus.teams.services import team_member_set
 
         team_member_set(team=team, username="dave", role="member")
         mine = job_submit(user=carol, team="lab", type="chat", requirements={"model": "m"}, input={"messages": []})

@@ -7,7 +7,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from channels.testing import WebsocketCommunicator
 from django.test import override_settings
 
-from telemachus.websocket import SameOriginValidator
+from telemachus.http.websocket import SameOriginValidator
 
 
 class Accepting(AsyncWebsocketConsumer):

@@ -4,7 +4,7 @@ import socket
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from scheduler.worker import DEFAULT_CONCURRENCY, DEFAULT_IDLE_POLL, Worker
+from scheduler.worker.runner import DEFAULT_CONCURRENCY, DEFAULT_IDLE_POLL, Worker
 
 
 class Command(BaseCommand):

@@ -5,9 +5,9 @@ from django.core.management.base import BaseCommand
 from django.db import transaction
 
 from executors.models import Executor
-from telemachus import rbac
 from telemachus.models import Team
-from telemachus.services import team_create, team_member_set
+from telemachus.teams import rbac
+from telemachus.teams.services import team_create, team_member_set
 
 
 class Command(BaseCommand):

@@ -5,10 +5,10 @@ from django.utils import timezone
 
 from executors.models import Executor
 from quotas.models import QuotaPolicy
+from scheduler.live.snapshot import dashboard_state
 from scheduler.models import Job, QueuePolicy
 from scheduler.services.claim import job_claim
 from scheduler.services.submit import job_submit
-from scheduler.snapshot import dashboard_state
 
 pytestmark = pytest.mark.django_db
 

@@ -15,7 +15,7 @@ from django.db import connection
 from rest_framework.authtoken.models import Token
 
 from executors.models import Executor
-from telemachus import rbac
+from telemachus.teams import rbac
 from tests.processes import Processes, http_json
 
 _prefixes = itertools.count(1)

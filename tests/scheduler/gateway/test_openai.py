@@ -17,7 +17,7 @@ from quotas.models import Usage
 from quotas.services import quota_policy_create
 from scheduler.models import Job, JobEvent, Slot
 from scheduler.services.policy import queue_policy_update
-from telemachus.features import feature_set
+from telemachus.control.features import feature_set
 from telemachus.models import Team
 from tests.processes import wait_until
 from tests.scheduler.gateway.conftest import WORKER_ENV, live_deltas, may_chat, token

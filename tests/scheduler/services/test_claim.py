@@ -109,7 +109,7 @@ class TestCaps:
     def test_user_at_cap_does_not_block_teammates(self, member_setup, submit, cap, make_user):
         alice, _, a, _, _ = member_setup
         carol = make_user("carol")
-        from telemachus.services import team_member_set
+        from telemachus.teams.services import team_member_set
 
         team_member_set(team=a, username="carol", role="member")
         cap("user", "alice", 2)

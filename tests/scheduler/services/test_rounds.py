@@ -8,6 +8,7 @@ from django.utils import timezone
 
 from executors.tools import ToolOutcome
 from quotas.models import QuotaPolicy, Usage
+from scheduler.live.snapshot import dashboard_state
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot, TeamShare
 from scheduler.services.claim import job_claim
 from scheduler.services.finish import Outcome, jobs_finish
@@ -15,7 +16,6 @@ from scheduler.services.recover import jobs_recover
 from scheduler.services.requeue import job_requeue
 from scheduler.services.rounds import LeaseLost, round_begin, round_finish, round_requeue
 from scheduler.services.submit import job_submit
-from scheduler.snapshot import dashboard_state
 
 pytestmark = pytest.mark.django_db
 

@@ -8,11 +8,11 @@ from guardian.shortcuts import remove_perm
 
 from executors.models import Executor
 from quotas.models import QuotaPolicy
-from scheduler import signals
 from scheduler.models import Job, JobEvent, QueuePolicy
+from scheduler.notify import channels as signals
 from scheduler.services.submit import MAX_BULK, JobSpec, job_submit, jobs_submit
 from telemachus.errors import Forbidden, QuotaExceeded, TryLater, UnknownModel, ValidationFailed
-from telemachus.services import team_member_remove
+from telemachus.teams.services import team_member_remove
 
 pytestmark = pytest.mark.django_db
 

@@ -1,0 +1,99 @@
+"""The configuration that every claim, finish and submit reads, read once per configuration version
+(telemachus/control/config.py) and shared by every call in the process until the version moves.
+
+The claim and the finish learn the version from a statement they run anyway (the claim lock's
+clock read, the finish's job lock); the submit from its team lock. So while nobody changes
+configuration they read none of it, on any number of processes and hosts; the first call after a
+change reads it again. Live state (slots, the ledger, fair-share usage, the queue) is never here.
+Values are shared: treat them as read-only."""
+
+from dataclasses import dataclass, field
+
+from executors.models import Executor
+from executors.selectors import executor_teams, usable_executors
+from quotas.concurrency import ConcurrencyCaps, concurrency_caps
+from quotas.models import QuotaPolicy
+from quotas.rules import Rule, quota_rules
+from scheduler.core.selectors import queue_policy
+from scheduler.models import QueuePolicy
+from telemachus.control.config import ConfigSnapshot
+from telemachus.control.features import feature_switches
+from telemachus.models import Team
+from telemachus.teams import rbac
+
+# Per-user entries (grants) kept per version, at most; beyond it they are dropped and re-read.
+MAX_USERS = 10_000
+
+
+@dataclass(frozen=True)
+class Configuration:
+    version: int
+    executors: tuple[Executor, ...]
+    teams: dict[int, Team]  # by id
+    team_ids: dict[str, int] = field(repr=False)  # by slug
+    rules: tuple[Rule, ...]
+    caps: ConcurrencyCaps
+    # Teams each team-owned executor serves (its owner and teams granted use_executor).
+    executor_teams: dict[int, set[int]]
+    # Feature switches: (feature, team id or None) -> enabled.
+    features: dict[tuple[str, int | None], bool]
+
+    def team(self, slug: str) -> Team | None:
+        team_id = self.team_ids.get(slug)
+        return self.teams[team_id] if team_id is not None else None
+
+    def executors_usable_by(
+        self, *, team_id: int, model: str, embeddings: bool = False, chat: bool = False
+    ) -> list[Executor]:
+        """As executors.selectors.executors_usable_by, from the cached configuration (with `chat`,
+        only executors that answer model calls)."""
+        return usable_executors(
+            self.executors, team_id=team_id, teams=self.executor_teams, model=model, embeddings=embeddings, chat=chat
+        )
+
+
+def configuration(snapshot: ConfigSnapshot) -> Configuration:
+    """The configuration as of the snapshot's version (read on first use)."""
+    return snapshot.get("configuration", lambda: _load(snapshot.version))
+
+
+def policy_record(snapshot: ConfigSnapshot) -> QueuePolicy:
+    """The queue policy record, for readers that do not hold the claim lock (submit, finish)."""
+    return snapshot.get("policy", queue_policy)
+
+
+def grants(snapshot: ConfigSnapshot, user) -> rbac.Grants:
+    """What the user may do in which team, as of the snapshot's version."""
+    users: dict[int, rbac.Grants] = snapshot.get("grants", dict)
+    found = users.get(user.pk)
+    if found is None:
+        if len(users) >= MAX_USERS:
+            users.clear()
+        found = users.setdefault(user.pk, rbac.grants_load(user))
+    return found
+
+
+def _load(version: int) -> Configuration:
+    """Executors, teams, quota rules (subjects resolved), executor grants and feature switches: a
+    few plain queries."""
+    executors = tuple(Executor.objects.all())
+    teams = {team.pk: team for team in Team.objects.all()}
+    team_ids = {team.slug: pk for pk, team in teams.items()}
+    rules = tuple(
+        quota_rules(
+            known={
+                QuotaPolicy.Scope.TEAM: team_ids,
+                QuotaPolicy.Scope.EXECUTOR: {e.name: e.pk for e in executors},
+            }
+        )
+    )
+    return Configuration(
+        version=version,
+        executors=executors,
+        teams=teams,
+        team_ids=team_ids,
+        rules=rules,
+        caps=concurrency_caps(list(rules)),
+        executor_teams=executor_teams(executors=executors),
+        features=feature_switches(),
+    )

@@ -1,0 +1,114 @@
+"""Every row lock in the scheduler is taken here, in one global order:
+
+    1. the claim lock: the QueuePolicy singleton row. Every transaction that creates slots
+       (claim, acquire) takes it first, so slot creation is serialized cluster-wide and the
+       in-use counts a claim reads cannot change under it except downwards (finish, cancel and
+       recovery only delete slots, and never take this lock).
+    2. executor rows, in ascending id (breaker and probe updates; the claim's move of a breaker
+       to half open).
+    3. job rows, in ascending id.
+    4. usage ledger rows (quotas.Usage), in key order (quotas/budget.py).
+    5. team share rows (scheduler.TeamShare), in ascending team id (services/shares.py).
+
+Finish, cancel, release and recovery lock job rows only; breaker updates from their outcomes run
+in a transaction of their own afterwards (executors/health.py), never inside one holding jobs.
+
+Configuration writes (executors, teams, memberships, permissions, quota rules, the policy) also
+update the configuration version row (telemachus.ConfigVersion), by trigger, and hold it to commit,
+so configuration writes serialize on it. The claim's move of a breaker to half open is one: it
+takes the row after the claim lock and an executor row, and nothing else is locked after it that
+another configuration writer could hold.
+
+A transaction may skip a level but never take them out of order: two code paths that disagree on
+order are how deadlocks happen. On SQLite, `select_for_update` is a no-op and every transaction
+starts with BEGIN IMMEDIATE (see settings), which serializes writers for the whole database.
+"""
+
+import copy
+from datetime import datetime
+from typing import TYPE_CHECKING, TypedDict
+
+from django.db import connection
+from django.db.models.functions import Now
+
+from scheduler.core.configuration import policy_record
+from scheduler.models import Job, QueuePolicy
+from telemachus.control.config import config_at
+from telemachus.models import ConfigVersion
+
+
+class Clocked(TypedDict):
+    """What `lock_job` annotates a job with: the database clock, read with the lock."""
+
+    db_now: datetime
+
+
+if TYPE_CHECKING:
+    from django_stubs_ext import WithAnnotations
+
+    ClockedJob = WithAnnotations[Job, Clocked]
+
+
+def lock_claim(*, as_stored: bool = False) -> tuple[QueuePolicy, datetime]:
+    """Lock the claim lock, then read the database clock, with what costs nothing more in the same
+    statement: the configuration version (`policy.config_version`, scheduler/core/configuration.py) and
+    when the next retry's backoff ends (`policy.next_retry`, job_retry_idx) and whether any tool job
+    is queued (`policy.tools_queued`, job_tool_queue_idx: the claim skips looking for them when
+    none is, a lookup that cost about a sixth of a claim). The policy returned
+    is a copy of the record as of that version (the configuration cache), so it is the row as it
+    stands: any change to it moves the version, and a change cannot commit while the lock is held.
+    It comes back as the scheduler may use it (scheduler/core/bounds.py: an out-of-bounds stored
+    value is replaced, never trusted); `as_stored` reads the row as it is, for its editor.
+
+    Must run inside a transaction. The time is the database's, so leases do not depend on the
+    worker hosts' clocks agreeing, and it is read once the lock is held: a statement's timestamp is
+    taken when it starts, so one read with the locking SELECT would be early by the time spent
+    waiting for the lock (stamping starts, leases and events before the job could start). Plain
+    SQL: this runs first in every claim, under the lock every claim waits for."""
+    qn = connection.ops.quote_name
+    table = qn(QueuePolicy._meta.db_table)
+    lock = f"SELECT 1 FROM {table} WHERE {qn('id')} = %s" + (
+        " FOR UPDATE" if connection.features.has_select_for_update else ""
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(lock, [QueuePolicy.SINGLETON_ID])
+        if cursor.fetchone() is None:
+            # The data migration creates the row; a flushed test database or a manual delete may
+            # not have it. Creating it concurrently is harmless: one insert wins, the other is ignored.
+            QueuePolicy.objects.bulk_create([QueuePolicy(pk=QueuePolicy.SINGLETON_ID)], ignore_conflicts=True)
+            cursor.execute(lock, [QueuePolicy.SINGLETON_ID])
+        cursor.execute(_CLOCK_SQL[connection.vendor == "postgresql"])
+        now, version, next_retry, tools_queued = cursor.fetchone()
+    if connection.vendor != "postgresql":
+        # SQLite's operations convert its text timestamps; the base class has no such method.
+        now, next_retry = (
+            connection.ops.convert_datetimefield_value(v, None, connection)  # type: ignore[attr-defined]
+            for v in (now, next_retry)
+        )
+    if as_stored:
+        policy = QueuePolicy.objects.get(pk=QueuePolicy.SINGLETON_ID)
+    else:
+        policy = copy.copy(policy_record(config_at(version)))  # queue_policy(): bounds applied
+    policy.config_version, policy.next_retry, policy.tools_queued = version, next_retry, bool(tools_queued)
+    return policy, now
+
+
+def _clock_sql(now: str) -> str:
+    qn = connection.ops.quote_name
+    job, version = qn(Job._meta.db_table), qn(ConfigVersion._meta.db_table)
+    return (
+        f"SELECT {now}, (SELECT {qn('version')} FROM {version} WHERE {qn('id')} = {ConfigVersion.SINGLETON_ID}), "
+        f"(SELECT MIN({qn('run_after')}) FROM {job} WHERE {qn('status')} = '{Job.Status.QUEUED.value}' "
+        f"AND {qn('run_after')} > {now}), "
+        f"EXISTS (SELECT 1 FROM {job} WHERE {qn('status')} = '{Job.Status.QUEUED.value}' "
+        f"AND {qn('type')} = '{Job.Type.TOOL.value}')"
+    )
+
+
+# By vendor (PostgreSQL or not): the clock, the configuration version and the next retry.
+_CLOCK_SQL = {True: _clock_sql("STATEMENT_TIMESTAMP()"), False: _clock_sql("STRFTIME('%Y-%m-%d %H:%M:%f', 'NOW')")}
+
+
+def lock_job(job_id: int) -> "ClockedJob | None":
+    """Lock one job row (level 3); None when it does not exist. Must run inside a transaction."""
+    return Job.objects.select_for_update().annotate(db_now=Now()).filter(pk=job_id).first()

@@ -1,0 +1,255 @@
+"""Queue policies: whether a job is admitted, which job goes next, and where it runs.
+
+A policy is a class with `admit(job, state)`, `order(state)` and `place(job, candidates)`. The
+claim and the submit call them and never special-case the default: a deployment swaps it by
+naming a class in the TELEMACHUS_QUEUE_POLICY setting or in the QueuePolicy record.
+See docs/policy.md.
+
+The default, `FairSharePolicy`:
+  order   priority first (a queued job's priority ages upward after a wait, bounded, so low
+          priority is delayed but never starved); within a priority, the team with the lowest
+          (running cost + next job's cost + decayed past usage) / weight goes next, first ready
+          first within the team (a flow's next round is ready when its last one ended). Weight 0
+          takes only capacity no team with a positive weight wants.
+  admit   a per-team queue depth cap: beyond it, try later (with a Retry-After from the team's
+          recent drain rate).
+  place   least-loaded (default), pack or weighted, among executors that fit the job.
+"""
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from functools import cache
+
+from django.conf import settings
+from django.utils.module_loading import import_string
+
+from scheduler.core.selectors import queued_heads
+from scheduler.core.state import ClaimState, ExecutorView
+from scheduler.models import Job, QueuePolicy, TeamShare
+from telemachus.models import Team
+
+DEFAULT_POLICY = "scheduler.core.policy.FairSharePolicy"
+# Drain-rate look-back for the Retry-After of a full queue, and its bounds.
+DRAIN_WINDOW = timedelta(minutes=5)
+RETRY_AFTER_BOUNDS = (1, 3600)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """`admit`'s answer: now | enqueue | reject (with a reason and, for a full queue, when to retry)."""
+
+    decision: str
+    reason: str = ""
+    retry_after: int | None = None
+
+    NOW, ENQUEUE, REJECT = "now", "enqueue", "reject"
+
+
+class AdmissionState:
+    """What admission may ask about the queue, computed only when asked (each is one query, once
+    per state: a bulk submit asks again for each of a team's jobs)."""
+
+    def __init__(self, *, team: Team, now: datetime) -> None:
+        self.team = team
+        self.now = now
+        # Jobs of the team ahead of this one in the same submission, not yet written.
+        self.pending = 0
+        self._counted: dict[int, int] = {}
+
+    def queued(self, *, at_most: int) -> int:
+        """The team's queue depth (with the submission's own jobs ahead of this one), counted no
+        further than `at_most` (cheap on a deep queue)."""
+        if at_most not in self._counted:
+            self._counted[at_most] = (
+                Job.objects.filter(team=self.team, status=Job.Status.QUEUED).order_by()[:at_most].count()
+            )
+        return min(self._counted[at_most] + self.pending, at_most)
+
+    def drain_rate(self) -> float:
+        """Jobs of the team that ended per second, over the last few minutes."""
+        ended = Job.objects.filter(team=self.team, finished_at__gte=self.now - DRAIN_WINDOW).count()
+        return ended / DRAIN_WINDOW.total_seconds()
+
+
+class BaseQueuePolicy:
+    """The contract, with behaviour a custom policy may keep or override."""
+
+    def __init__(self, record: QueuePolicy) -> None:
+        self.record = record
+
+    def admit(self, job: Job, state: AdmissionState) -> Admission:
+        """At submit, before the job is written: a team whose queue is at its depth cap is told to
+        try later, with an estimate of when its queue will have drained enough."""
+        limit = self.record.queue_depth_limit(state.team.slug)
+        depth = state.queued(at_most=limit + 1)
+        if depth < limit:
+            return Admission(Admission.ENQUEUE)
+        rate = state.drain_rate()
+        wait = (depth - limit + 1) / rate if rate > 0 else 60
+        low, high = RETRY_AFTER_BOUNDS
+        return Admission(
+            Admission.REJECT,
+            f"team {state.team.slug!r} has {limit} jobs queued, its limit",
+            retry_after=int(min(max(math.ceil(wait), low), high)),
+        )
+
+    def order(self, state: ClaimState, *, limit: int) -> Iterator[Job]:
+        """Yield queued jobs in the order they should be tried, lazily: the claim takes slots
+        between yields (updating `state`), and stops asking once it has `limit` jobs."""
+        raise NotImplementedError
+
+    def place(self, job: Job, candidates: list[ExecutorView]) -> ExecutorView | None:
+        """Choose among executors that fit the job and have a free slot (the record's rule). A retry
+        goes elsewhere than the executor that just failed it, when there is anywhere else."""
+        if not candidates:
+            return None
+        elsewhere = [v for v in candidates if v.pk != job.avoid_executor_id]
+        candidates = elsewhere or candidates
+        rule = self.record.placement
+        if rule == QueuePolicy.Placement.PACK:
+            return min(candidates, key=lambda v: (v.free, v.executor.name))
+        if rule == QueuePolicy.Placement.WEIGHTED:
+            return min(candidates, key=lambda v: (v.in_use / (v.executor.weight or 0.001), v.executor.name))
+        return min(candidates, key=lambda v: (v.executor.health != "ok", v.load, -v.executor.weight, v.executor.name))
+
+    # Helpers for subclasses.
+
+    def effective_priority(self, job: Job, now: datetime) -> int:
+        """The starvation guard: after `aging_after_seconds` in the queue a job gains a level per
+        `aging_step_seconds`, at most `aging_max_boost` (never past the top priority). The wait
+        counts from when the job last entered the queue (`queued_at`): a flow's round has waited
+        only since its previous round ended, whatever place in line it keeps."""
+        record = self.record
+        waited = (now - job.queued_at).total_seconds() - record.aging_after_seconds
+        if waited < 0 or record.aging_step_seconds <= 0:
+            return job.priority
+        boost = min(record.aging_max_boost, 1 + int(waited // record.aging_step_seconds))
+        return min(job.priority + boost, Job.PRIORITY_MAX)
+
+    def eligible_heads(self, state: ClaimState, *, limit: int) -> dict[int, list[Job]]:
+        """Each team's next jobs that could run now, best first by effective priority: teams and
+        users at their cap or out of budget are excluded in the query, as are models no usable
+        executor has room for. Also looks at each team's oldest jobs, which aging may have
+        lifted above newer, higher-priority ones."""
+        blocked = state.blocked_teams()
+        wanted = {
+            team_id: (state.placeable_models(team_id), int(min(limit, state.team_free(team_id))))
+            for team_id in state.team_slugs
+            if team_id not in blocked
+        }
+        record = self.record
+        aged_before = (
+            state.now - timedelta(seconds=record.aging_after_seconds)
+            if record.aging_max_boost > 0 and record.aging_step_seconds > 0
+            else None
+        )
+        heads = queued_heads(wanted=wanted, exclude_users=state.blocked_users(), now=state.now, aged_before=aged_before)
+        for jobs in heads.values():
+            jobs.sort(key=lambda job: (-self.effective_priority(job, state.now), *ready_order(job)))
+        return heads
+
+
+class PriorityFifoPolicy(BaseQueuePolicy):
+    """Priority, then the order jobs became ready across all teams (the merge of the teams' heads)."""
+
+    def order(self, state: ClaimState, *, limit: int) -> Iterator[Job]:
+        heads = self.eligible_heads(state, limit=limit)
+        cursor = dict.fromkeys(heads, 0)
+        while cursor:
+            team_id = min(
+                cursor,
+                key=lambda t: (
+                    -self.effective_priority(heads[t][cursor[t]], state.now),
+                    *ready_order(heads[t][cursor[t]]),
+                ),
+            )
+            yield heads[team_id][cursor[team_id]]
+            cursor[team_id] += 1
+            if cursor[team_id] == len(heads[team_id]):
+                del cursor[team_id]
+
+
+class FairSharePolicy(BaseQueuePolicy):
+    """Priority, then weighted fair share across teams with eligible work, first ready first
+    within a team.
+
+    Past usage lets a team that has had less than its share catch up, but only up to its share of
+    the slots (plus one) while other teams wait: a team that has been idle and then submits a
+    burst takes the freed slots until it holds its share, not all of them."""
+
+    def order(self, state: ClaimState, *, limit: int) -> Iterator[Job]:
+        heads = self.eligible_heads(state, limit=limit)
+        usage = team_usage(team_ids=list(heads), now=state.now, half_life=self.record.half_life_seconds)
+        tokens = self.record.cost == QueuePolicy.Cost.TOKENS
+        running = state.running_tokens() if tokens else state.team_in_use
+        cursor = dict.fromkeys(heads, 0)
+        weights = {team_id: self.record.weight(slug) for team_id, slug in state.team_slugs.items()}
+        active = {t for t in (*heads, *(t for t, n in state.team_in_use.items() if n)) if weights.get(t, 0) > 0}
+        total_weight = sum(weights[t] for t in active)
+        capacity = state.capacity()
+
+        def share_cap(team_id: int) -> float:
+            if not total_weight or capacity == math.inf:
+                return math.inf
+            return math.floor(weights[team_id] / total_weight * capacity) + 1
+
+        def key(team_id: int) -> tuple:
+            job = heads[team_id][cursor[team_id]]
+            weight = weights[team_id]
+            return (
+                weight <= 0,
+                -self.effective_priority(job, state.now),
+                weight > 0 and state.team_in_use[team_id] >= share_cap(team_id),
+                self.share_key(
+                    running=running[team_id],
+                    next_cost=job.cost_estimate if tokens else 1,
+                    usage=usage.get(team_id, 0.0),
+                    weight=weight,
+                ),
+                *ready_order(job),
+            )
+
+        while cursor:
+            team_id = min(cursor, key=key)
+            job = heads[team_id][cursor[team_id]]
+            yield job
+            cursor[team_id] += 1
+            if cursor[team_id] == len(heads[team_id]):
+                del cursor[team_id]
+
+    def share_key(self, *, running: float, next_cost: float, usage: float, weight: float) -> float:
+        """(running cost + next job's cost + decayed usage) / weight, in one unit: slots for the
+        slot-seconds cost (past usage in slot-seconds / half-life = slots held on average over the
+        recent past), tokens for the tokens cost."""
+        if weight <= 0:
+            return math.inf
+        if self.record.cost == QueuePolicy.Cost.SLOT_SECONDS:
+            usage = usage / self.record.half_life_seconds if self.record.half_life_seconds > 0 else 0.0
+        return (running + next_cost + usage) / weight
+
+
+def ready_order(job: Job) -> tuple[datetime, int]:
+    """The tie-break within a priority: when the job became ready, then its id (the queue
+    indexes' order)."""
+    return job.ready_at, job.pk
+
+
+def team_usage(*, team_ids: list[int], now: datetime, half_life: float) -> dict[int, float]:
+    """Each team's past usage, decayed to `now` (one query)."""
+    return {share.team_id: share.decayed(now, half_life) for share in TeamShare.objects.filter(team_id__in=team_ids)}
+
+
+@cache
+def _policy_class(path: str) -> type[BaseQueuePolicy]:
+    cls = import_string(path)
+    if not (isinstance(cls, type) and issubclass(cls, BaseQueuePolicy)):
+        raise TypeError(f"{path} is not a BaseQueuePolicy subclass")
+    return cls
+
+
+def policy_for(record: QueuePolicy) -> BaseQueuePolicy:
+    """The policy in force: the setting wins, then the record's dotted path, then the default."""
+    path = settings.TELEMACHUS_QUEUE_POLICY or record.policy_class or DEFAULT_POLICY
+    return _policy_class(path)(record)

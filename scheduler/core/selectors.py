@@ -1,0 +1,136 @@
+"""Reads that the claim and the services share. Writes live in scheduler/services/."""
+
+from datetime import datetime
+from typing import Any
+
+from django.db import connection
+
+from executors.models import Executor
+from quotas.concurrency import SlotCounts
+from scheduler.core.bounds import policy_in_force
+from scheduler.models import Job, QueuePolicy, Slot
+from telemachus.models import Membership
+from telemachus.teams import rbac
+
+# SQLite allows at most 500 terms in a compound SELECT.
+LOOKUPS_PER_STATEMENT = 200
+# The payload columns: the claim reads many more heads than it takes, so these are left out of
+# the lookups (deferred: a policy that reads them still gets them, one query per job) and the
+# claim reads them only for the jobs it takes. A prompt can be far bigger than the rest of a row.
+PAYLOAD_FIELDS = ("input", "result", "error", "conversation")
+
+
+def queue_policy() -> QueuePolicy:
+    """The policy record as it is now, without locking it (the claim reads it under its lock), as
+    the scheduler may use it: out-of-bounds stored values replaced (scheduler/core/bounds.py)."""
+    return policy_in_force(QueuePolicy.objects.filter(pk=QueuePolicy.SINGLETON_ID).first() or QueuePolicy())
+
+
+def policy_seen_by(user: rbac.Principal, data: dict[str, Any]) -> dict[str, Any]:
+    """What a user may see of the policy: operators all of it; others only the entries about their
+    own teams, themselves and the roles, so no other team's slug or weight and no other user's
+    name leaks (the rule everywhere else)."""
+    if rbac.is_operator(user):
+        return data
+    slugs = set(rbac.visible_teams(user).values_list("slug", flat=True))
+    mine = {*Membership.Role.values, *(f"team:{slug}" for slug in slugs), f"user:{user.get_username()}"}
+    return {
+        **data,
+        "team_weights": {k: v for k, v in data["team_weights"].items() if k in slugs},
+        "max_queue_depth": {k: v for k, v in data["max_queue_depth"].items() if k == "default" or k in slugs},
+        "priority_map": {k: v for k, v in data["priority_map"].items() if k in mine},
+    }
+
+
+def queued_heads(
+    *,
+    wanted: dict[int, tuple[set[str], int]],
+    exclude_users: set[int],
+    now: datetime,
+    aged_before: datetime | None = None,
+) -> dict[int, list[Job]]:
+    """The head of each team's line: for each team id in `wanted`, up to n of its queued jobs for
+    the given models, highest priority then first ready (`ready_at`, then id), skipping users at
+    their cap and retries still waiting out their backoff; with `aged_before`, also those of its n
+    longest waiting that entered the queue by then (`queued_at`: aging may have lifted them, and a
+    job not yet aged can never outrank the head by priority).
+    Each team's jobs come back unsorted, without their payload (PAYLOAD_FIELDS).
+
+    Indexed lookups per team (job_team_ready_idx, job_team_wait_idx), so rows examined grow with
+    the number of teams and the batch size, not with the depth of any queue; all of them travel
+    as one UNION ALL. Written as SQL rather than with the ORM: this runs in every claim, under
+    the claim lock, and compiling two querysets per team cost more than the database's work. The
+    status is a literal, so both backends can use the partial indexes, and each lookup asks for at
+    least two rows: at LIMIT 1 PostgreSQL may walk the primary key instead of the team's index."""
+    qn = connection.ops.quote_name
+    columns = ", ".join(qn(f.column) for f in Job._meta.concrete_fields if f.name not in PAYLOAD_FIELDS)  # type: ignore[arg-type]
+    lookups: list[tuple[str, list]] = []
+    for team_id, (models, n) in wanted.items():
+        if not models or n <= 0:
+            continue
+        where = [
+            f"{qn('team_id')} = %s",
+            f"{qn('status')} = '{Job.Status.QUEUED.value}'",
+            f"{qn('model')} IN ({', '.join(['%s'] * len(models))})",
+            f"({qn('run_after')} IS NULL OR {qn('run_after')} <= %s)",
+        ]
+        params = [team_id, *sorted(models), connection.ops.adapt_datetimefield_value(now)]
+        if exclude_users:
+            where.append(f"{qn('user_id')} NOT IN ({', '.join(['%s'] * len(exclude_users))})")
+            params += sorted(exclude_users)
+        table = qn(Job._meta.db_table)
+        lookups.append(
+            (
+                f"SELECT {columns} FROM {table} WHERE {' AND '.join(where)} "
+                f"ORDER BY {qn('priority')} DESC, {qn('ready_at')}, {qn('id')} LIMIT %s",
+                [*params, max(n, 2)],
+            )
+        )
+        if aged_before is not None:
+            # The n longest waiting, then those of them that have aged: filtering inside the lookup
+            # would walk a whole deep queue whenever nothing has aged yet.
+            lookups.append(
+                (
+                    f"SELECT * FROM (SELECT {columns} FROM {table} WHERE {' AND '.join(where)} "
+                    f"ORDER BY {qn('queued_at')}, {qn('id')} LIMIT %s) AS oldest "
+                    f"WHERE {qn('queued_at')} <= %s",
+                    [*params, max(n, 2), connection.ops.adapt_datetimefield_value(aged_before)],
+                )
+            )
+    heads: dict[int, list[Job]] = {}
+    seen: set[int] = set()
+    for start in range(0, len(lookups), LOOKUPS_PER_STATEMENT):
+        chunk = lookups[start : start + LOOKUPS_PER_STATEMENT]
+        sql = " UNION ALL ".join(f"SELECT * FROM ({part}) AS head{i}" for i, (part, _) in enumerate(chunk))
+        for job in Job.objects.raw(sql, [param for _, params in chunk for param in params]):
+            if job.pk not in seen:
+                seen.add(job.pk)
+                heads.setdefault(job.team_id, []).append(job)
+    return heads
+
+
+def slot_counts() -> SlotCounts:
+    """Slots held right now, per scope, from one grouped query over the Slot table (plain SQL: it
+    runs in every claim, under the claim lock)."""
+    counts = SlotCounts()
+    qn = connection.ops.quote_name
+    columns = ", ".join(qn(c) for c in ("executor_id", "team_id", "user_id"))
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {columns}, COUNT(*) FROM {qn(Slot._meta.db_table)} GROUP BY {columns}")
+        grouped = cursor.fetchall()
+    total = 0
+    for executor_id, team_id, user_id, n in grouped:
+        counts.executor[executor_id] += n
+        counts.team[team_id] += n
+        counts.user[user_id] += n
+        total += n
+    return SlotCounts(total=total, executor=counts.executor, team=counts.team, user=counts.user)
+
+
+def executor_load(executor: Executor) -> tuple[int, int]:
+    """Slots held on the executor and jobs queued for its models: the executors app's load counter
+    (executors/selectors.py), for drivers' `capacity()`."""
+    return (
+        Slot.objects.filter(executor=executor).count(),
+        Job.objects.filter(status=Job.Status.QUEUED, model__in=executor.offered_models).count(),
+    )

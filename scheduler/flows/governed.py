@@ -1,0 +1,239 @@
+"""`governed_slot`: one governed model call for app code that runs its own agent loop in Django.
+
+    from scheduler.flows.governed import governed_slot
+
+    with governed_slot(user=request.user, team="research", model="llama3", est_tokens=800) as slot:
+        reply = httpx.post(f"{slot.endpoint}/chat/completions", json={"model": slot.model, "messages": msgs},
+                           headers=slot.headers()).json()
+        slot.report(prompt_tokens=reply["usage"]["prompt_tokens"],
+                    completion_tokens=reply["usage"]["completion_tokens"])
+
+    async with governed_slot(user=user, team="research", model="llama3") as slot:   # the async twin
+        ...
+
+Entering submits a job of type `governed` (the principal needs `flows:run`, budgets are checked as
+at any submit) and waits in the queue like a flow's round: the claim of a running worker takes it
+in its turn (priority, fair share, the four caps, budgets, placement) and leaves it to the app,
+which then holds the slot, and its lease, and heartbeats it from a thread of its own. The slot
+says which executor was chosen: its `endpoint`, `model`, `executor` name and `kind`. Leaving the
+block ends the round (scheduler/services/rounds.py: `round_finish`): the slot is freed and the
+tokens the caller reported are billed to the usage ledger and fair share; an exception inside the
+block fails the job with it (tokens still billed) and propagates.
+
+If the app dies holding the slot, its lease runs out and recovery fails the job (no worker could
+run it). If the job is canceled (an operator, the dashboard) the slot's `lost` is set; leaving the
+block then raises LeaseLost, unless the block raised already. `timeout` bounds the wait in the
+queue: past it, the job is canceled and TimeoutError raised. A running worker is needed, as for
+any queued work.
+"""
+
+import asyncio
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.db import DatabaseError, connection
+
+from executors.models import Executor
+from scheduler.models import Job
+from scheduler.services.cancel import job_cancel
+from scheduler.services.lease import leases_renew
+from scheduler.services.rounds import LeaseLost, round_begin, round_finish
+from scheduler.services.submit import job_submit
+from telemachus.errors import Conflict
+
+POLL_FIRST, POLL_MAX = 0.02, 0.5
+
+
+@dataclass
+class GovernedSlot:
+    """A slot granted to app code: where to send its model call, and what it used."""
+
+    job_id: int
+    lease: uuid.UUID
+    executor: str
+    kind: str
+    endpoint: str | None
+    model: str
+    transport: dict[str, Any] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    lost: threading.Event = field(default_factory=threading.Event)
+
+    def report(self, *, tokens: int = 0, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        """Add tokens used inside the block (call it once per model call, or once at the end);
+        `tokens` counts as completion tokens when the split is not known."""
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens + tokens
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def headers(self) -> dict[str, str]:
+        """Authorization for a `remote-model` executor, from the environment variable its
+        transport names (the key is never stored); empty for others."""
+        name = self.transport.get("api_key_env")
+        key = os.environ.get(name) if name else None
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+class governed_slot:
+    """Wait in the queue for a slot on an executor offering `model`, hold it for the block, and
+    bill what the caller reports; a context manager for `with` and `async with` alike (named like
+    a function, as it is used). See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        user: User,
+        team: str,
+        model: str,
+        est_tokens: int = 0,
+        priority: int = 0,
+        timeout: float | None = None,
+        requirements: dict[str, Any] | None = None,
+    ) -> None:
+        self.user, self.team, self.priority, self.timeout = user, team, priority, timeout
+        self.requirements = {**(requirements or {}), "model": model, "est_tokens": est_tokens}
+        self.job_id: int | None = None
+        self.slot: GovernedSlot | None = None
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    # --- sync ---------------------------------------------------------------------------------
+
+    def __enter__(self) -> GovernedSlot:
+        self.job_id = self._submit()
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        delay = POLL_FIRST
+        try:
+            while (slot := self._granted()) is None:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"no slot for job {self.job_id} within {self.timeout}s")
+                time.sleep(delay)
+                delay = min(delay * 1.5, POLL_MAX)
+        except BaseException:
+            self._withdraw()
+            raise
+        return self._hold(slot)
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self._release(exc)
+
+    # --- async --------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> GovernedSlot:
+        self.job_id = await sync_to_async(self._submit)()
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        delay = POLL_FIRST
+        try:
+            while (slot := await sync_to_async(self._granted)()) is None:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"no slot for job {self.job_id} within {self.timeout}s")
+                await asyncio.sleep(delay)
+                delay = min(delay * 1.5, POLL_MAX)
+        except BaseException:
+            await sync_to_async(self._withdraw)()
+            raise
+        return await sync_to_async(self._hold)(slot)
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await sync_to_async(self._release)(exc)
+
+    # --- steps --------------------------------------------------------------------------------
+
+    def _submit(self) -> int:
+        job = job_submit(
+            user=self.user,
+            team=self.team,
+            type=Job.Type.GOVERNED,
+            requirements=self.requirements,
+            input={},
+            priority=self.priority,
+        )
+        return job.pk
+
+    def _granted(self) -> GovernedSlot | None:
+        """The slot, once a claim has taken the job; None while it waits. Raises Conflict when the
+        job ended before it was granted (canceled, failed)."""
+        row = Job.objects.filter(pk=self.job_id).values("status", "lease", "model", "executor_id").first()  # type: ignore[misc]
+        if row is None or row["status"] in Job.TERMINAL:
+            raise Conflict(f"Job {self.job_id} ended ({row and row['status']}) before a slot was granted.")
+        if row["status"] != Job.Status.RUNNING:
+            return None
+        executor = Executor.objects.get(pk=row["executor_id"])
+        return GovernedSlot(
+            job_id=self.job_id,
+            lease=row["lease"],
+            executor=executor.name,
+            kind=executor.kind,  # type: ignore[arg-type]
+            endpoint=executor.endpoint,
+            model=row["model"],
+            transport=dict(executor.transport or {}),
+        )
+
+    def _hold(self, slot: GovernedSlot) -> GovernedSlot:
+        """Take the lease over from the claim: start heartbeating it, and record the round."""
+        self.slot = slot
+        self._heartbeat = threading.Thread(target=self._beat, name=f"governed-slot-{slot.job_id}", daemon=True)
+        self._heartbeat.start()
+        try:
+            round_begin(job_id=slot.job_id, lease=slot.lease)
+        except LeaseLost:
+            slot.lost.set()
+        return slot
+
+    def _beat(self) -> None:
+        """Renew the lease every third of its length until the block ends or it is lost."""
+        assert self.slot is not None
+        interval = settings.TELEMACHUS_LEASE_SECONDS / 3
+        try:
+            while not self._stop.wait(interval):
+                try:
+                    if self.slot.job_id not in leases_renew(held={self.slot.job_id: self.slot.lease}):
+                        self.slot.lost.set()
+                        return
+                except DatabaseError:
+                    continue  # the lease outlives a short outage; a long one loses it
+        finally:
+            connection.close()
+
+    def _release(self, exc: BaseException | None) -> None:
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+        slot = self.slot
+        assert slot is not None
+        error = f"{type(exc).__name__}: {exc}"[:2000] if exc is not None else ""
+        try:
+            round_finish(
+                job_id=slot.job_id,
+                lease=slot.lease,
+                round=1,
+                prompt_tokens=slot.prompt_tokens,
+                completion_tokens=slot.completion_tokens,
+                error=error,
+            )
+        except LeaseLost:
+            slot.lost.set()
+            if exc is None:
+                raise
+
+    def _withdraw(self) -> None:
+        """Leave the queue (a timeout, or the caller interrupted): cancel the job unless it ended."""
+        if self.job_id is None:  # interrupted before its job was submitted
+            return
+        try:
+            job_cancel(job_id=self.job_id, reason="withdrawn before its slot was used", bill=False)
+        except Conflict:
+            pass

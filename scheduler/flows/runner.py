@@ -1,0 +1,152 @@
+"""A flow's round and a tool job, as a worker runs them (the worker's `_dispatch` hands them here).
+
+One claim of a flow is one round:
+
+    round_begin ──> model call (the slot held) ──> round_finish: slot freed, round billed
+                ──> the tool calls, in the worker's tool threads (no slot held, no transaction
+                    open, the lease still heartbeated) ──> round_requeue: results recorded, the
+                    flow back in the queue for its next round, as new work
+
+so a flow waiting for its next round holds no slot and no worker capacity, and other jobs take the
+slot between rounds. A failed model call ends like any job's (jobs_finish: retried with backoff, or
+failed); a cancel aborts the model call upstream or abandons the tools, and the fenced writes that
+follow are refused. The services (scheduler/services/rounds.py) say what a crash at each point
+leaves behind.
+"""
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any, Protocol, TypeVar
+
+from django.core.exceptions import ImproperlyConfigured
+from django.db import DatabaseError
+
+from executors.contract import DispatchError, DispatchResult
+from executors.health import DispatchReport, breaker_record
+from executors.tools import ToolOutcome, UnknownTool, tool_invoke
+from scheduler.core.jobtypes import job_request
+from scheduler.metrics import dispatch_observe
+from scheduler.services.finish import Outcome
+from scheduler.services.rounds import LeaseLost, RoundEnd, round_begin, round_finish, round_requeue
+
+log = logging.getLogger("telemachus.worker")
+T = TypeVar("T")
+
+
+class RoundHost(Protocol):
+    """What a round needs from the worker that claimed it."""
+
+    tool_threads: Executor
+
+    async def db_retrying(self, fn: Callable[..., T], /, **kwargs: Any) -> T: ...
+
+    def flight_ended(self, job_id: int) -> None: ...
+
+
+async def flow_round_run(host: RoundHost, flight: Any) -> None:
+    """Run the claimed round of a flow to its end (the flow done or failed, or queued for its next
+    round). Raises what the model call raises (DispatchError, CancelledError), for the worker to
+    end the job as any other; handles everything after the call itself, and ends the flight."""
+    try:
+        await _round(host, flight)
+    except LeaseLost as exc:
+        log.warning("job %d: %s; dropped", flight.claim.job.pk, exc.detail)
+    host.flight_ended(flight.claim.job.pk)
+
+
+async def _round(host: RoundHost, flight: Any) -> None:
+    claim = flight.claim
+    job = claim.job
+    start = await host.db_retrying(round_begin, job_id=job.pk, lease=claim.lease)
+    if start.pending:
+        log.info("job %d: running the tool calls of round %d (their worker stopped)", job.pk, start.round)
+        calls = start.pending
+    else:
+        try:
+            request = job_request(job, messages=start.messages)
+        except (UnknownTool, ImproperlyConfigured) as exc:
+            raise DispatchError(f"flow tools unavailable: {exc}", retryable=False, executor_fault=False) from exc
+        began = time.monotonic()
+        result = await flight.driver.execute(request)
+        dispatch_observe(executor=claim.executor, outcome="ok", seconds=time.monotonic() - began)
+        end = await host.db_retrying(
+            _round_finish_then_record,
+            job_id=job.pk,
+            lease=claim.lease,
+            round=start.round,
+            result=result,
+            executor_id=claim.executor.pk,
+            seconds=round(time.monotonic() - began, 4),
+        )
+        if not end.tools_to_run:
+            log.info("job %d round %d: flow %s (%d tokens)", job.pk, start.round, end.status, result.tokens_used)
+            return
+        calls = end.tool_calls
+    allowed = set(job.input.get("tools") or ())
+    results = await asyncio.gather(
+        *(
+            tool_invoke(
+                name=str((call.get("function") or {}).get("name", "")),
+                arguments=(call.get("function") or {}).get("arguments", "{}"),
+                call_id=str(call.get("id", "")),
+                threads=host.tool_threads,
+                allowed=allowed,
+            )
+            for call in calls
+        )
+    )
+    status = await host.db_retrying(
+        round_requeue, job_id=job.pk, lease=claim.lease, round=start.round, results=list(results)
+    )
+    log.info("job %d round %d: %d tool call(s), flow %s", job.pk, start.round, len(results), status)
+
+
+def _round_finish_then_record(
+    *, job_id: int, lease: Any, round: int, result: DispatchResult, executor_id: int, seconds: float
+) -> RoundEnd:
+    """End the round, then tell the breaker the executor answered (two transactions, as the
+    worker's finish does: job rows and executor rows are never locked together)."""
+    message = result.output.get("message") or {"role": "assistant", "content": ""}
+    end = round_finish(
+        job_id=job_id,
+        lease=lease,
+        round=round,
+        message=message,
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=result.completion_tokens,
+        meta={"seconds": seconds},
+    )
+    try:
+        breaker_record(reports=[DispatchReport(executor_id=executor_id, ok=True, executor_fault=False)])
+    except DatabaseError as exc:
+        log.warning("could not record a dispatch outcome for the breaker (%s)", exc)
+    return end
+
+
+async def tool_job_outcome(host: RoundHost, claim: Any) -> Outcome:
+    """Run a tool job's tool; its result is `{"value", "tool", "elapsed_s"}` (the value is what the
+    tool returned), as a task job's is; its failure is the tool's error."""
+    job = claim.job
+    outcome: ToolOutcome = await tool_invoke(
+        name=job.input.get("tool", ""), arguments=job.input.get("arguments", {}), threads=host.tool_threads
+    )
+    if not outcome.ok:
+        return Outcome(
+            job_id=job.pk,
+            lease=claim.lease,
+            ok=False,
+            error=outcome.content,
+            meta={"seconds": round(outcome.seconds, 4)},
+        )
+    return Outcome(
+        job_id=job.pk,
+        lease=claim.lease,
+        ok=True,
+        tokens_used=0,
+        meta={"seconds": round(outcome.seconds, 4)},
+        result={"value": json.loads(outcome.content), "tool": outcome.name, "elapsed_s": round(outcome.seconds, 4)},
+    )

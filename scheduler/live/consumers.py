@@ -1,0 +1,163 @@
+"""The live dashboard's WebSocket (/ws/dashboard/): pushes the dashboard state (the queue snapshot
+as GET /api/queue/ returns it, the latest jobs, the policy and the feature switches) each time the
+database changes, and carries operators' actions (scheduler/live/actions.py).
+
+Re-reads are driven by change notifications (scheduler/notify/watcher.py), coalesced over a short window, not
+by a timer per socket. A heartbeat every few seconds tells the page that the picture it shows is
+still current (the "updated" stamp); when notifications cannot be heard, or a reason in the picture
+has a deadline (a breaker cooldown, a budget reset), the heartbeat re-reads instead."""
+
+import asyncio
+import json
+import logging
+import time
+from datetime import datetime
+from importlib import import_module
+from typing import Any
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
+from django.contrib.auth import SESSION_KEY, get_user_model
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import DatabaseError
+from django.utils import timezone
+
+from scheduler.live.actions import dashboard_action
+from scheduler.live.snapshot import dashboard_state
+from scheduler.notify import broadcast
+from scheduler.notify.watcher import ChangeFeed
+
+log = logging.getLogger("telemachus.dashboard")
+NOT_AUTHENTICATED = 4401
+# A burst of commits (a claim of 64 jobs, a bulk submit) becomes one re-read.
+COALESCE_SECONDS = 0.1
+# Re-read at least this often even when notifications say nothing changed.
+REREAD_SECONDS = 60.0
+
+
+class DashboardConsumer(AsyncJsonWebsocketConsumer):
+    pusher: asyncio.Task | None = None
+    wake: asyncio.Event | None = None
+    feed: ChangeFeed | None = None
+
+    async def connect(self) -> None:
+        user = self.scope.get("user")
+        if user is None or not user.is_authenticated:
+            await self.close(code=NOT_AUTHENTICATED)
+            return
+        await self.accept()
+        self.feed = ChangeFeed.current()
+        self.wake = self.feed.subscribe()
+        await self.channel_layer.group_add(broadcast.DASHBOARD_GROUP, self.channel_name)
+        self.pusher = asyncio.create_task(self._push(user, self.scope["session"].session_key))
+
+    async def disconnect(self, code: int) -> None:
+        if self.pusher is not None:
+            self.pusher.cancel()
+        if self.feed is not None and self.wake is not None:
+            self.feed.unsubscribe(self.wake)
+            await self.channel_layer.group_discard(broadcast.DASHBOARD_GROUP, self.channel_name)
+
+    async def dashboard_changed(self, message: dict[str, Any]) -> None:
+        if self.wake is not None:
+            self.wake.set()
+
+    async def receive_json(self, content: Any, **kwargs: Any) -> None:
+        """An action: `{"id": <anything>, "action": "...", ...}`; the reply echoes `id`. Members
+        (and anyone signed out since) are refused with 403 forbidden, as by the API."""
+        user = await database_sync_to_async(_user_for)(
+            user_id=self.scope["user"].pk, session_key=self.scope["session"].session_key
+        )
+        if user is None:
+            reply = {"ok": False, "error": {"error": "not_authenticated", "detail": "Sign in again."}}
+        else:
+            reply = await database_sync_to_async(dashboard_action)(user=user, message=content)
+        await self.send_json({"reply": content.get("id") if isinstance(content, dict) else None, **reply})
+        if reply["ok"]:
+            await broadcast.dashboard_changed_send()
+
+    async def _push(self, user: Any, session_key: str | None) -> None:
+        state = database_sync_to_async(_state_for)
+        heartbeat = settings.TELEMACHUS_DASHBOARD_HEARTBEAT_SECONDS
+        last, read_at, deadline = None, 0.0, None
+        reread = True
+        while True:
+            if reread:
+                try:
+                    current = await state(user_id=user.pk, session_key=session_key)
+                except Exception as exc:
+                    # The page keeps its last picture and says when it was taken; try again shortly. A
+                    # database outage is expected now and then; anything else is a bug worth a traceback.
+                    log.warning("dashboard snapshot failed (%s)", exc, exc_info=not isinstance(exc, DatabaseError))
+                    await asyncio.sleep(heartbeat)
+                    continue
+                if current is None:  # signed out, deactivated or deleted since the page opened
+                    await self.close(code=NOT_AUTHENTICATED)
+                    return
+                read_at, deadline = time.monotonic(), _next_deadline(current)
+                encoded = await self.encode_json(current)
+                stamp = timezone.now().isoformat()
+                if encoded != last:
+                    last = encoded
+                    await self.send(text_data=f'{{"at": "{stamp}", "state": {encoded}}}')
+                else:
+                    await self.send(text_data=json.dumps({"at": stamp}))
+            else:
+                await self.send(text_data=json.dumps({"at": timezone.now().isoformat()}))
+            timeout = heartbeat if deadline is None else max(min(heartbeat, deadline - time.time()), 0.05)
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout)  # type: ignore[union-attr]
+                await asyncio.sleep(COALESCE_SECONDS)
+                reread = True
+            except TimeoutError:
+                reread = (
+                    not self.feed.live
+                    or time.monotonic() - read_at >= REREAD_SECONDS  # type: ignore[union-attr]
+                    or (deadline is not None and time.time() >= deadline)
+                )
+            self.wake.clear()  # type: ignore[union-attr]
+
+    @classmethod
+    async def decode_json(cls, text_data: str) -> Any:
+        """Malformed JSON is an invalid action (answered), not a reason to drop the connection."""
+        try:
+            return json.loads(text_data)
+        except ValueError:
+            return None
+
+    @classmethod
+    async def encode_json(cls, content: Any) -> str:
+        return json.dumps(content, cls=DjangoJSONEncoder, sort_keys=True)
+
+
+def _next_deadline(state: dict[str, Any]) -> float | None:
+    """The earliest future moment (epoch seconds) at which a reason in the picture expires by
+    itself (a breaker cooldown, a budget window, a retry backoff): re-read then."""
+    now, soonest = time.time(), None
+    found: list[Any] = []
+    for team in state["queue"]["teams"]:
+        found += [w.get("reset_at") or w.get("until") for w in team["waits"]]
+    found += [e["breaker_until"] for e in state["queue"]["executors"]]
+    for value in found:
+        if value is None:
+            continue
+        moment = (value if isinstance(value, datetime) else datetime.fromisoformat(value)).timestamp()
+        if moment > now and (soonest is None or moment < soonest):
+            soonest = moment
+    return soonest
+
+
+def _user_for(*, user_id: int, session_key: str | None) -> Any:
+    """The session and the user are read again each time, so signing out (anywhere) or a
+    deactivated account stops the updates and the actions at once, and changes to teams and roles
+    show at the next one."""
+    session = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
+    if session_key is None or session.get(SESSION_KEY) != str(user_id):
+        return None
+    return get_user_model().objects.filter(pk=user_id, is_active=True).first()
+
+
+def _state_for(*, user_id: int, session_key: str | None) -> dict[str, Any] | None:
+    user = _user_for(user_id=user_id, session_key=session_key)
+    return dashboard_state(user=user) if user is not None else None

@@ -1,0 +1,182 @@
+"""Streamed output, from the worker that runs a job to the API processes that relay it (the
+OpenAI-compatible endpoint's `stream: true`, `GET /api/jobs/{id}/stream/`). Group names and
+payloads are defined here and nowhere else. Sends are best effort: a lost delta never changes a
+job, and the receivers fill any gap from the job's final result (scheduler/gateway/).
+
+Where deltas travel (`delta_transport()`, the same answer in every process of a deployment):
+
+* `REDIS_URL` set: the channel layer (channels-redis), to the group `job-<id>`.
+* PostgreSQL without Redis: NOTIFY on `signals.JOBS_CHANNEL`, from one connection per worker
+  process, outside any transaction.
+* otherwise (SQLite without Redis): the in-memory channel layer, which reaches only the process
+  it is in; API processes then see a streamed job's text when the job ends.
+
+A delta is `{"job", "attempt", "offset", "text"}`: `offset` is where `text` starts in the
+attempt's output, so a receiver can tell a missed delta from the next one and a retry (a new
+attempt starts again at 0) from more output. Deltas are coalesced per job while a send is in
+flight, so a fast model does not cost one message per token."""
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from channels.layers import get_channel_layer
+from django.conf import settings
+from django.db import connection
+
+from scheduler.notify import channels as signals
+
+log = logging.getLogger("telemachus.broadcast")
+LAYER, POSTGRES = "layer", "postgres"
+
+
+def job_group(job_id: int) -> str:
+    return f"job-{job_id}"
+
+
+def delta_transport() -> str:
+    if settings.REDIS_URL or connection.vendor != "postgresql":
+        return LAYER
+    return POSTGRES
+
+
+def delta_message(*, job_id: int, attempt: int, offset: int, text: str) -> dict[str, Any]:
+    return {"type": "job.delta", "job": job_id, "attempt": attempt, "offset": offset, "text": text}
+
+
+@dataclass
+class _Pending:
+    offset: int
+    parts: list[str] = field(default_factory=list)
+
+
+class DeltaPublisher:
+    """One per worker process (its event loop). `publish()` never waits: it queues the text and a
+    single sender task ships what has accumulated, one round of messages at a time, so a job's
+    deltas leave in order and a slow channel slows nobody's model stream."""
+
+    _instances: dict[asyncio.AbstractEventLoop, "DeltaPublisher"] = {}
+
+    def __init__(self) -> None:
+        self.transport = delta_transport()
+        self._pending: dict[tuple[int, int], _Pending] = {}
+        self._sending: set[int] = set()
+        self._ready = asyncio.Event()
+        self._round_over = asyncio.Event()
+        self._sender: asyncio.Task | None = None
+        self._conn: psycopg.AsyncConnection | None = None
+
+    @classmethod
+    def current(cls) -> "DeltaPublisher":
+        loop = asyncio.get_running_loop()
+        publisher = cls._instances.get(loop)
+        if publisher is None:
+            cls._instances = {lp: p for lp, p in cls._instances.items() if not lp.is_closed()}
+            publisher = cls._instances[loop] = cls()
+        return publisher
+
+    def publish(self, *, job_id: int, attempt: int, offset: int, text: str) -> None:
+        pending = self._pending.get((job_id, attempt))
+        if pending is None:
+            pending = self._pending[(job_id, attempt)] = _Pending(offset=offset)
+        pending.parts.append(text)
+        self._ready.set()
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.create_task(self._send_forever(), name="delta-publisher")
+
+    async def flush(self, job_id: int, *, timeout: float = 1.0) -> None:
+        """Wait (briefly) until the job's deltas have left, so they go out before its end does."""
+        try:
+            async with asyncio.timeout(timeout):
+                while job_id in self._sending or any(key[0] == job_id for key in self._pending):
+                    self._round_over.clear()
+                    await self._round_over.wait()
+        except TimeoutError:
+            log.warning("job %d: output deltas still unsent after %.1fs", job_id, timeout)
+
+    async def _send_forever(self) -> None:
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            batch, self._pending = self._pending, {}
+            self._sending = {job_id for job_id, _ in batch}
+            messages = [
+                delta_message(job_id=job_id, attempt=attempt, offset=p.offset, text="".join(p.parts))
+                for (job_id, attempt), p in batch.items()
+            ]
+            try:
+                if self.transport == POSTGRES:
+                    await self._notify(messages)
+                else:
+                    layer = get_channel_layer()
+                    await asyncio.gather(*(layer.group_send(job_group(m["job"]), m) for m in messages))
+            except Exception as exc:  # a live relay must never fail a model call
+                log.warning("could not send %d output delta(s): %s", len(messages), exc)
+                await self._close()
+            self._sending = set()
+            self._round_over.set()
+
+    async def _notify(self, messages: list[dict[str, Any]]) -> None:
+        payloads = [p for m in messages for p in _delta_payloads(m)]
+        if self._conn is None or self._conn.closed:
+            self._conn = await psycopg.AsyncConnection.connect(**signals.listen_connection_params(), autocommit=True)
+        for start in range(0, len(payloads), 50):
+            chunk = payloads[start : start + 50]
+            await self._conn.execute(
+                "SELECT " + ", ".join(["pg_notify(%s, %s)"] * len(chunk)),
+                [value for payload in chunk for value in (signals.JOBS_CHANNEL, payload)],
+            )
+
+    async def _close(self) -> None:
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            try:
+                await conn.close()
+            except Exception:
+                pass
+
+
+def _delta_payloads(message: dict[str, Any]) -> list[str]:
+    """A delta as NOTIFY payloads under PostgreSQL's size limit: long text is split in pieces
+    that each carry their own offset."""
+    text, offset, payloads = message["text"], message["offset"], []
+    step = signals.MAX_PAYLOAD_BYTES // 13  # JSON may spend 12 bytes on one character; room for the rest
+    for start in range(0, max(len(text), 1), step):
+        piece = {**message, "offset": offset + start, "text": text[start : start + step]}
+        del piece["type"]
+        payloads.append(signals.DELTA + json.dumps(piece, separators=(",", ":")))
+    return payloads
+
+
+class DeltaStream:
+    """What the worker hands a streaming dispatch (a `DeltaSink`): each delta of the attempt's
+    output goes out, numbered by where it starts. `flush()` before reporting the attempt's end."""
+
+    def __init__(self, job_id: int, *, attempt: int) -> None:
+        self.job_id, self.attempt, self.sent = job_id, attempt, 0
+        self.publisher = DeltaPublisher.current()
+
+    async def __call__(self, text: str) -> None:
+        self.publisher.publish(job_id=self.job_id, attempt=self.attempt, offset=self.sent, text=text)
+        self.sent += len(text)
+
+    async def flush(self) -> None:
+        await self.publisher.flush(self.job_id)
+
+
+DASHBOARD_GROUP = "dashboard"
+
+
+async def dashboard_changed_send() -> None:
+    """Tell every open dashboard (in every process, with a Redis layer) to re-read now: sent after
+    a dashboard action commits."""
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    try:
+        await layer.group_send(DASHBOARD_GROUP, {"type": "dashboard.changed"})
+    except Exception:
+        log.warning("could not tell dashboards of a change", exc_info=True)

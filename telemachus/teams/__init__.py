@@ -1,0 +1,1 @@
+"""Teams, members and who may do what: RBAC, team and user writes, their API, sign-in limits."""

@@ -1,0 +1,54 @@
+"""Creating users without the admin, so an operator can set up a team over the API alone."""
+
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Permission, User
+from django.contrib.auth.password_validation import validate_password
+from django.core.exceptions import ValidationError
+from django.db import transaction
+from rest_framework.authtoken.models import Token
+
+from telemachus.control.audit import Actor, audit_record
+from telemachus.errors import ValidationFailed
+
+
+def user_create(
+    *,
+    username: str,
+    email: str = "",
+    password: str | None = None,
+    operator: bool = False,
+    token: bool = False,
+    by: Actor,
+) -> tuple[User, str | None]:
+    """A new user, and their API token when `token` (shown once, to the caller). Without a password
+    the user is invited: no password sign-in until one is set (`changepassword`, or the admin), but
+    a token works at once. `operator` grants scheduler.manage. Audited (`user.create`); the
+    password never is."""
+    User = get_user_model()
+    if User.objects.filter(username=username).exists():
+        raise ValidationFailed({"username": [f"A user {username!r} already exists."]})
+    if password is not None:
+        try:
+            validate_password(password, User(username=username, email=email))
+        except ValidationError as exc:
+            raise ValidationFailed({"password": list(exc.messages)}) from None
+    with transaction.atomic():
+        user = User.objects.create_user(username=username, email=email, password=password)
+        if operator:
+            user.user_permissions.add(Permission.objects.get(content_type__app_label="scheduler", codename="manage"))
+        key = Token.objects.create(user=user).key if token else None
+        audit_record(
+            by=by,
+            action="user.create",
+            object_type="user",
+            object_id=username,
+            object_repr=username,
+            after={
+                "username": username,
+                "email": email,
+                "operator": operator,
+                "invited": password is None,
+                "token": bool(token),
+            },
+        )
+    return user, key
