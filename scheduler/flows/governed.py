@@ -166,10 +166,11 @@ class governed_slot:
     def _granted(self) -> GovernedSlot | None:
         """The slot, once a claim has taken the job; None while it waits. Raises Conflict when the
         job ended before it was granted (canceled, failed)."""
-        row = Job.objects.filter(pk=self.job_id).values("status", "lease", "model", "executor_id").first()  # type: ignore[misc]
+        assert self.job_id is not None, "granted before submitted"
+        row = Job.objects.filter(pk=self.job_id).values("status", "lease", "model", "executor_id").first()
         if row is None or row["status"] in Job.TERMINAL:
             raise Conflict(f"Job {self.job_id} ended ({row and row['status']}) before a slot was granted.")
-        if row["status"] != Job.Status.RUNNING:
+        if row["status"] != Job.Status.RUNNING or row["lease"] is None:
             return None
         executor = Executor.objects.get(pk=row["executor_id"])
         return GovernedSlot(

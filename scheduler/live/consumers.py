@@ -112,8 +112,8 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
                 reread = True
             except TimeoutError:
                 reread = (
-                    not self.feed.live
-                    or time.monotonic() - read_at >= REREAD_SECONDS  # type: ignore[union-attr]
+                    not self.feed.live  # type: ignore[union-attr]
+                    or time.monotonic() - read_at >= REREAD_SECONDS
                     or (deadline is not None and time.time() >= deadline)
                 )
             self.wake.clear()  # type: ignore[union-attr]
