@@ -1,4 +1,5 @@
 from datetime import datetime
+from typing import Any
 
 from django.conf import settings
 from django.db import models
@@ -149,6 +150,28 @@ class Job(models.Model):
         if self.is_terminal:
             return f"{self.rounds} round{'' if self.rounds == 1 else 's'}"
         return f"round {self.current_round}" + (" next" if self.status == self.Status.QUEUED and self.rounds else "")
+
+    # Fields `end` changes, for the callers' saves and bulk updates.
+    END_FIELDS = ("status", "result", "error", "finished_at", "tokens_used", "lease", "lease_expires_at", "reservation")
+
+    def end(
+        self, *, status: str, at: datetime, result: dict[str, Any] | None = None, error: str = "", tokens: int = 0
+    ) -> None:
+        """running or queued → done, failed or canceled (not saved: callers batch writes). The one
+        place a job's end is written, whichever service ends it (finish, a flow's round, cancel,
+        recovery): its status and time, its result or error, the tokens of the attempt that ends
+        it added to `tokens_used`; the lease and the budget reservation go (the caller settles the
+        reservation in the ledger: scheduler/services/attempts.py)."""
+        assert status in self.TERMINAL, f"{status} is not an end"
+        assert not self.is_terminal, f"job {self.pk} already ended {self.status}"
+        self.status = status
+        self.finished_at = at
+        self.result = result
+        self.error = error
+        self.tokens_used = (self.tokens_used or 0) + tokens
+        self.lease = None
+        self.lease_expires_at = None
+        self.reservation = None
 
     # Fields `return_to_queue` changes, for bulk_update by its callers.
     REQUEUE_FIELDS = ("status", "executor", "lease", "lease_expires_at", "attempts", "reservation")

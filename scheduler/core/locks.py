@@ -25,15 +25,17 @@ starts with BEGIN IMMEDIATE (see settings), which serializes writers for the who
 """
 
 import copy
+from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, TypedDict
 
 from django.db import connection
+from django.db.models import Q
 from django.db.models.functions import Now
 
 from scheduler.core.configuration import policy_record
 from scheduler.models import Job, QueuePolicy
-from telemachus.control.config import config_at
+from telemachus.control.config import config_at, version_annotation
 from telemachus.models import ConfigVersion
 
 
@@ -43,10 +45,17 @@ class Clocked(TypedDict):
     db_now: datetime
 
 
+class Versioned(Clocked):
+    """What `lock_jobs_to_finish` adds: the configuration version, read with the lock."""
+
+    config_version: int
+
+
 if TYPE_CHECKING:
     from django_stubs_ext import WithAnnotations
 
     ClockedJob = WithAnnotations[Job, Clocked]
+    VersionedJob = WithAnnotations[Job, Versioned]
 
 
 def lock_claim(*, as_stored: bool = False) -> tuple[QueuePolicy, datetime]:
@@ -112,3 +121,59 @@ _CLOCK_SQL = {True: _clock_sql("STATEMENT_TIMESTAMP()"), False: _clock_sql("STRF
 def lock_job(job_id: int) -> "ClockedJob | None":
     """Lock one job row (level 3); None when it does not exist. Must run inside a transaction."""
     return Job.objects.select_for_update().annotate(db_now=Now()).filter(pk=job_id).first()
+
+
+def lock_jobs_to_finish(job_ids: Sequence[int]) -> "list[VersionedJob]":
+    """Lock job rows (level 3) in ascending id, for the finish of a batch: with the database clock
+    and the configuration version read in the same statement, and only the columns a finish reads
+    (the batch's hot path). Must run inside a transaction."""
+    return list(
+        Job.objects.select_for_update(of=("self",))
+        .filter(pk__in=sorted(job_ids))
+        .annotate(db_now=Now(), config_version=version_annotation())
+        .order_by("pk")
+        .only(*FINISH_READS)
+    )
+
+
+FINISH_READS = (
+    "pk",
+    "status",
+    "lease",
+    "lease_expires_at",
+    "executor_id",
+    "tokens_used",
+    "worker",
+    "attempts",
+    "team_id",
+    "user_id",
+    "reservation",
+    "started_at",
+    "cost_estimate",
+)
+
+
+def lock_jobs_held(held: Q, *, exclude: Sequence[str] = ("input", "conversation")) -> "list[ClockedJob]":
+    """Lock the running jobs that `held` matches (their holder's (id, lease) pairs), level 3, in
+    ascending id, with the database clock: a worker giving its jobs back. Must run inside a
+    transaction."""
+    return list(
+        Job.objects.select_for_update()
+        .filter(held, status=Job.Status.RUNNING)
+        .annotate(db_now=Now())
+        .order_by("pk")
+        .defer(*exclude)
+    )
+
+
+def lock_jobs_expired(*, limit: int) -> "list[ClockedJob]":
+    """Lock up to `limit` running jobs whose lease has expired by the database's clock (level 3),
+    in ascending id, skipping rows another recoverer holds (SKIP LOCKED): recovery is safe to run
+    from every worker at once. Must run inside a transaction."""
+    return list(
+        Job.objects.select_for_update(skip_locked=True)
+        .filter(status=Job.Status.RUNNING, lease_expires_at__lte=Now())
+        .annotate(db_now=Now())
+        .order_by("pk")
+        .defer("input", "conversation")[:limit]
+    )

@@ -3,14 +3,12 @@ from typing import Any
 from django.db import transaction
 
 from executors.tokens import count_prompt_tokens
-from quotas.budget import Bill, quota_settle
 from scheduler.core.configuration import policy_record
 from scheduler.core.locks import lock_job
-from scheduler.models import Job, JobEvent, Slot
+from scheduler.models import Job, JobEvent
 from scheduler.notify import channels as signals
+from scheduler.services.attempts import AttemptEnd, attempts_end
 from scheduler.services.events import event_record
-from scheduler.services.finish import attempt_began, attempt_cost
-from scheduler.services.shares import team_shares_charge
 from telemachus.control.audit import Actor, audit_record
 from telemachus.control.config import config_snapshot
 from telemachus.errors import Conflict, NotFound
@@ -38,22 +36,18 @@ def job_cancel(*, job_id: int, by: Actor = None, reason: str = "", bill: bool = 
             raise NotFound(f"Job {job_id} not found.")
         if job.is_terminal:
             raise Conflict(f"Job {job_id} is already {job.status}.", status=job.status)
-        was, now, reservation = job.status, job.db_now, job.reservation
+        was, now = job.status, job.db_now
         billed = bill and was == Job.Status.RUNNING and job.executor_id is not None
         tokens = _attempt_estimate(job) if billed else 0
         who = by.get_username() if by is not None else None
-        began = attempt_began(job) if billed else None
-        Slot.objects.filter(job=job).delete()
-        job.status = Job.Status.CANCELED
-        job.finished_at = now
-        job.lease = None
-        job.lease_expires_at = None
-        job.reservation = None
-        job.error = reason or (f"canceled by {who}" if who else "canceled")
-        job.tokens_used = (job.tokens_used or 0) + tokens
-        job.save(
-            update_fields=["status", "finished_at", "lease", "lease_expires_at", "reservation", "error", "tokens_used"]
+        end = AttemptEnd.of(job, tokens=tokens if billed else None, charge=billed)
+        job.end(
+            status=Job.Status.CANCELED,
+            at=now,
+            error=reason or (f"canceled by {who}" if who else "canceled"),
+            tokens=tokens,
         )
+        job.save(update_fields=Job.END_FIELDS)
         billing: dict[str, Any] = {"tokens": tokens, "billed": "estimate"} if billed else {}
         event_record(job=job, event=JobEvent.Type.CANCELED, at=now, was=was, by=who, reason=job.error, **billing)
         if by is not None:
@@ -68,17 +62,8 @@ def job_cancel(*, job_id: int, by: Actor = None, reason: str = "", bill: bool = 
             )
         if was == Job.Status.RUNNING:
             signals.notify_workers(f"{signals.CANCELED}:{job.pk}")
-            signals.notify_workers(signals.FREED)
-        bills = (
-            [Bill(team_id=job.team_id, user_id=job.user_id, executor_id=job.executor_id, tokens=tokens)]
-            if billed
-            else []
-        )
-        quota_settle(reservations=[reservation], bills=bills, now=now)
-        if began is not None:
-            record = policy_record(config_snapshot())
-            cost = attempt_cost(record, started_at=began, now=now, tokens=tokens, estimate=job.cost_estimate)
-            team_shares_charge(charges={job.team_id: cost}, now=now, half_life=record.half_life_seconds)
+        # Slots, then ledger rows (lock level 4) and team shares (level 5), last.
+        attempts_end(ends=[end], now=now, record=policy_record(config_snapshot()), wake=was == Job.Status.RUNNING)
     return job
 
 

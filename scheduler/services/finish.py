@@ -1,24 +1,20 @@
 import random
 import uuid
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import OuterRef, Subquery
-from django.db.models.functions import Now
 
-from quotas.budget import Bill, quota_settle
 from scheduler.core.bulk import update_rows
 from scheduler.core.configuration import configuration, policy_record
-from scheduler.models import Job, JobEvent, QueuePolicy, Slot
-from scheduler.notify import channels as signals
+from scheduler.core.locks import lock_jobs_to_finish
+from scheduler.models import Job, JobEvent
+from scheduler.services.attempts import AttemptEnd, attempts_end
 from scheduler.services.events import events_record, job_event
-from scheduler.services.shares import team_shares_charge
-from telemachus.control.config import config_at, version_annotation
+from telemachus.control.config import config_at
 
 if TYPE_CHECKING:
     from scheduler.core.locks import ClockedJob
@@ -77,37 +73,15 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
         return FinishReport(accepted=[], refused=[])
     by_job = {outcome.job_id: outcome for outcome in outcomes}
     with transaction.atomic(durable=True):
-        held = {
-            row.pk: row
-            for row in Job.objects.select_for_update(of=("self",))
-            .filter(pk__in=sorted(by_job))
-            .annotate(db_now=Now(), config_version=version_annotation(), attempt_started_at=attempt_start())
-            .order_by("pk")
-            .only(
-                "pk",
-                "status",
-                "lease",
-                "lease_expires_at",
-                "executor_id",
-                "tokens_used",
-                "worker",
-                "attempts",
-                "team_id",
-                "user_id",
-                "reservation",
-                "started_at",
-                "cost_estimate",
-            )
-        }
+        held = {job.pk: job for job in lock_jobs_to_finish(sorted(by_job))}
         if not held:
             return FinishReport(accepted=[], refused=sorted(by_job))
         first = next(iter(held.values()))
         now, snapshot = first.db_now, config_at(first.config_version)
         record = policy_record(snapshot)
-        max_attempts = record.max_attempts
-        finished: list[dict[str, Any]] = []
+        finished: list[Job] = []
         retrying: list[dict[str, Any]] = []
-        events, refused, bills, charges = [], [], [], defaultdict[int, float](float)
+        events, refused, ends = [], [], []
         for job_id, outcome in by_job.items():
             job = held.get(job_id)
             reason = _refusal(job, outcome)
@@ -124,25 +98,9 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
                         )
                     )
                 continue
-            tokens = (job.tokens_used or 0) + (outcome.tokens_used or 0)
             meta = {"tokens": outcome.tokens_used, **outcome.meta}
-            bills.append(
-                Bill(
-                    team_id=job.team_id,
-                    user_id=job.user_id,
-                    executor_id=job.executor_id,
-                    tokens=outcome.tokens_used or 0,
-                )
-            )
-            if job.executor_id is not None:  # a tool job held no executor slot: nothing to charge
-                charges[job.team_id] += attempt_cost(
-                    record,
-                    started_at=job.attempt_started_at or now,
-                    now=now,
-                    tokens=outcome.tokens_used or 0,
-                    estimate=job.cost_estimate,
-                )
-            if not outcome.ok and outcome.retryable and job.attempts < max_attempts:
+            ends.append(AttemptEnd.of(job, tokens=outcome.tokens_used or 0))
+            if not outcome.ok and outcome.retryable and job.attempts < record.max_attempts:
                 delay = retry_delay(attempt=job.attempts, retry_after=outcome.retry_after)
                 retrying.append(
                     {
@@ -152,7 +110,7 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
                         "lease": None,
                         "lease_expires_at": None,
                         "error": outcome.error,
-                        "tokens_used": tokens,
+                        "tokens_used": (job.tokens_used or 0) + (outcome.tokens_used or 0),
                         "run_after": job.db_now + timedelta(seconds=delay),
                         "avoid_executor": job.executor_id,
                         "reservation": None,
@@ -174,66 +132,26 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
             error = outcome.error
             if not outcome.ok and outcome.retryable:
                 error = f"{error} (gave up after {job.attempts} attempts)"
-            finished.append(
-                {
-                    "id": job_id,
-                    "status": Job.Status.DONE if outcome.ok else Job.Status.FAILED,
-                    "result": outcome.result,
-                    "error": error,
-                    "tokens_used": tokens,
-                    "finished_at": job.db_now,
-                    "lease": None,
-                    "lease_expires_at": None,
-                    "reservation": None,
-                }
+            job.end(
+                status=Job.Status.DONE if outcome.ok else Job.Status.FAILED,
+                at=job.db_now,
+                result=outcome.result,
+                error=error,
+                tokens=outcome.tokens_used or 0,
             )
+            finished.append(job)
             if not outcome.ok:
                 meta["error"] = error
             event = JobEvent.Type.FINISHED if outcome.ok else JobEvent.Type.FAILED
             events.append(job_event(job=job, event=event, at=job.db_now, executor=job.executor_id, **meta))
-        ended = [row["id"] for row in finished + retrying]
-        if ended:
-            Slot.objects.filter(job_id__in=ended).delete()
-            update_rows(Job, finished)
-            update_rows(Job, retrying)
-            if wake_others:
-                signals.notify_workers(signals.FREED)
+        update_rows(Job, [{"id": job.pk, **{name: getattr(job, name) for name in Job.END_FIELDS}} for job in finished])
+        update_rows(Job, retrying)
         events_record(events)
-        # Ledger rows last (lock level 4).
-        quota_settle(
-            reservations=[held[row["id"]].reservation for row in finished + retrying],
-            bills=bills,
-            now=now,
-            rules=configuration(snapshot).rules,
-        )
-        # What the attempts cost, for fair share (lock level 5, the last).
-        team_shares_charge(charges=charges, now=now, half_life=record.half_life_seconds)
+        # Slots, then ledger rows (lock level 4) and team shares (level 5), last.
+        attempts_end(ends=ends, now=now, record=record, wake=wake_others, rules=configuration(snapshot).rules)
     return FinishReport(
-        accepted=[row["id"] for row in finished], refused=refused, retrying=[row["id"] for row in retrying]
+        accepted=[job.pk for job in finished], refused=refused, retrying=[row["id"] for row in retrying]
     )
-
-
-def attempt_start() -> Subquery:
-    """The start of a running job's attempt (or round): its slot's `acquired_at`. `Job.started_at`
-    is when the job first started, which for a retry or a flow's later round is long before."""
-    return Subquery(Slot.objects.filter(job=OuterRef("pk")).order_by("id").values("acquired_at")[:1])
-
-
-def attempt_began(job: Job) -> datetime | None:
-    """`attempt_start` for one job already locked, read before its slot is deleted; None when it
-    holds no slot (a tool job)."""
-    return Slot.objects.filter(job=job).order_by("id").values_list("acquired_at", flat=True).first()
-
-
-def attempt_cost(
-    record: QueuePolicy, *, started_at: datetime | None, now: datetime, tokens: int, estimate: int
-) -> float:
-    """What an attempt adds to its team's fair-share usage when it ends: its real cost (slot-seconds
-    or tokens) less the entry penalty charged when it started. The penalty only holds a burst back
-    until the real cost is known; history keeps the real cost alone."""
-    if record.cost == QueuePolicy.Cost.TOKENS:
-        return tokens - estimate
-    return max((now - (started_at or now)).total_seconds(), 0.0) - float(record.entry_penalty)
 
 
 def _refusal(job: "ClockedJob | None", outcome: Outcome) -> str | None:

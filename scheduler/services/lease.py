@@ -7,9 +7,11 @@ from django.db import transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 
-from quotas.budget import quota_settle
-from scheduler.models import Job, JobEvent, Slot
+from scheduler.core.locks import lock_jobs_held
+from scheduler.core.selectors import queue_policy
+from scheduler.models import Job, JobEvent
 from scheduler.notify import channels as signals
+from scheduler.services.attempts import AttemptEnd, attempts_end
 from scheduler.services.claim import lease_length
 from scheduler.services.events import events_record, job_event
 
@@ -46,17 +48,11 @@ def jobs_release(*, held: Mapping[int, uuid.UUID], reason: str) -> list[int]:
     if not held:
         return []
     with transaction.atomic(durable=True):
-        jobs = list(
-            Job.objects.select_for_update()
-            .filter(held_by(held), status=Job.Status.RUNNING)
-            .annotate(db_now=Now())
-            .order_by("pk")
-            .defer("input", "conversation")
-        )
+        jobs = lock_jobs_held(held_by(held))
         if not jobs:
             return []
-        Slot.objects.filter(job__in=jobs).delete()
-        events, reservations = [], [job.reservation for job in jobs]
+        ends = [AttemptEnd.of(job, tokens=None, charge=False) for job in jobs]
+        events = []
         for job in jobs:
             events.append(
                 job_event(job=job, event=JobEvent.Type.REQUEUED, at=job.db_now, reason=reason, worker=job.worker)
@@ -65,7 +61,6 @@ def jobs_release(*, held: Mapping[int, uuid.UUID], reason: str) -> list[int]:
             job.attempts = max(job.attempts - 1, 0)
         Job.objects.bulk_update(jobs, Job.REQUEUE_FIELDS)
         events_record(events)
-        quota_settle(reservations=reservations, bills=[], now=jobs[0].db_now)
         signals.notify_workers(signals.QUEUED)
-        signals.notify_workers(signals.FREED)
+        attempts_end(ends=ends, now=jobs[0].db_now, record=queue_policy(), wake=True)
     return [job.pk for job in jobs]

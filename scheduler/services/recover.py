@@ -2,12 +2,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import transaction
-from django.db.models.functions import Now
 
-from quotas.budget import quota_settle
+from scheduler.core.locks import lock_jobs_expired
 from scheduler.core.selectors import queue_policy
-from scheduler.models import Job, JobEvent, QueuePolicy, Slot
+from scheduler.models import Job, JobEvent, QueuePolicy
 from scheduler.notify import channels as signals
+from scheduler.services.attempts import AttemptEnd, attempts_end
 from scheduler.services.events import events_record, job_event
 
 
@@ -28,19 +28,12 @@ def jobs_recover(*, limit: int = 500) -> RecoveryReport:
     still runs a recovered job is fenced: its lease is gone, so its finish is refused."""
     record = queue_policy()
     with transaction.atomic(durable=True):
-        jobs = list(
-            Job.objects.select_for_update(skip_locked=True)
-            .filter(status=Job.Status.RUNNING, lease_expires_at__lte=Now())
-            .annotate(db_now=Now())
-            .order_by("pk")
-            .defer("input", "conversation")[:limit]
-        )
+        jobs = lock_jobs_expired(limit=limit)
         if not jobs:
             return RecoveryReport(requeued=[], failed=[])
-        Slot.objects.filter(job__in=jobs).delete()
-        # The outcome of an attempt whose worker vanished is unknown: its reservation is released
-        # and nothing is billed.
-        reservations = [job.reservation for job in jobs]
+        # The outcome of an attempt whose worker vanished is unknown: its reservation is released,
+        # nothing is billed and fair share is not charged.
+        ends = [AttemptEnd.of(job, tokens=None, charge=False) for job in jobs]
         requeued, failed, events = [], [], []
         for job in jobs:
             context: dict[str, Any] = {"worker": job.worker, "attempt": job.attempts, "reason": "lease expired"}
@@ -50,25 +43,18 @@ def jobs_recover(*, limit: int = 500) -> RecoveryReport:
                 job.return_to_queue()
                 requeued.append(job)
             else:
-                job.status = Job.Status.FAILED
-                job.error = (
+                error = (
                     f"lease expired on worker {job.worker!r} after attempt {job.attempts} "
                     f"(recovery={record.recovery}, max_attempts={record.max_attempts})"
                 )
-                job.finished_at = job.db_now
-                job.lease = None
-                job.lease_expires_at = None
-                job.reservation = None
-                events.append(job_event(job=job, event=JobEvent.Type.FAILED, at=job.db_now, error=job.error, **context))
+                job.end(status=Job.Status.FAILED, at=job.db_now, error=error)
+                events.append(job_event(job=job, event=JobEvent.Type.FAILED, at=job.db_now, error=error, **context))
                 failed.append(job)
         if requeued:
             Job.objects.bulk_update(requeued, Job.REQUEUE_FIELDS)
             signals.notify_workers(signals.QUEUED)
         if failed:
-            Job.objects.bulk_update(
-                failed, ["status", "error", "finished_at", "lease", "lease_expires_at", "reservation"]
-            )
+            Job.objects.bulk_update(failed, Job.END_FIELDS)
         events_record(events)
-        quota_settle(reservations=reservations, bills=[], now=jobs[0].db_now)
-        signals.notify_workers(signals.FREED)
+        attempts_end(ends=ends, now=jobs[0].db_now, record=record, wake=True)
     return RecoveryReport(requeued=[job.pk for job in requeued], failed=[job.pk for job in failed])

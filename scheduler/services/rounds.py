@@ -31,14 +31,12 @@ from typing import TYPE_CHECKING, Any
 from django.db import transaction
 
 from executors.tools import ToolOutcome
-from quotas.budget import Bill, quota_settle
 from scheduler.core.locks import lock_job
 from scheduler.core.selectors import queue_policy
-from scheduler.models import Job, JobEvent, QueuePolicy, Slot
+from scheduler.models import Job, JobEvent, QueuePolicy
 from scheduler.notify import channels as signals
+from scheduler.services.attempts import AttemptEnd, attempts_end
 from scheduler.services.events import events_record, job_event
-from scheduler.services.finish import attempt_began, attempt_cost
-from scheduler.services.shares import team_shares_charge
 from telemachus.errors import Conflict
 
 if TYPE_CHECKING:
@@ -104,28 +102,6 @@ def _expired(job: "ClockedJob") -> bool:
     return job.lease_expires_at is None or job.lease_expires_at <= job.db_now
 
 
-def _attempt_end(job: Job, *, now: datetime, record: QueuePolicy, tokens: int | None, wake: bool = True) -> None:
-    """Free the round's slot and settle its attempt: release the budget reservation, bill the
-    tokens (None: nothing to bill, no model call was made) and charge fair share what the
-    attempt cost. Runs last in its transaction: ledger rows (level 4), then team shares (5).
-    `wake`: tell the workers a slot is free (not for a flow under `continue` going on to its
-    tools: its next round keeps its place, and the requeue wakes them)."""
-    acquired = attempt_began(job)
-    Slot.objects.filter(job=job).delete()
-    if wake:
-        signals.notify_workers(signals.FREED)
-    bills = (
-        []
-        if tokens is None
-        else [Bill(team_id=job.team_id, user_id=job.user_id, executor_id=job.executor_id, tokens=tokens)]
-    )
-    quota_settle(reservations=[job.reservation], bills=bills, now=now)
-    job.reservation = None
-    if acquired is not None:
-        cost = attempt_cost(record, started_at=acquired, now=now, tokens=tokens or 0, estimate=job.cost_estimate)
-        team_shares_charge(charges={job.team_id: cost}, now=now, half_life=record.half_life_seconds)
-
-
 def round_begin(*, job_id: int, lease: uuid.UUID) -> RoundStart:
     """Start the claimed round of a flow or governed slot: the conversation so far (the input's
     messages, then what earlier rounds added) and event `round_started`.
@@ -150,7 +126,7 @@ def round_begin(*, job_id: int, lease: uuid.UUID) -> RoundStart:
                 tools=tool_names(pending),
             )
             events_record([event])
-            _attempt_end(job, now=now, record=record, tokens=None)
+            attempts_end(ends=[AttemptEnd.of(job, tokens=None)], now=now, record=record, wake=True)
             job.save(update_fields=["reservation"])
             return RoundStart(round=job.rounds, messages=messages, pending=pending)
         events_record(
@@ -196,7 +172,8 @@ def round_finish(
     with transaction.atomic(durable=True):
         job = _held(job_id, lease, rounds=round - 1)
         now = job.db_now
-        job.tokens_used = (job.tokens_used or 0) + tokens
+        attempt = AttemptEnd.of(job, tokens=tokens)
+        total = (job.tokens_used or 0) + tokens
         job.rounds = round
         calls = list((message or {}).get("tool_calls") or []) if job.type == Job.Type.FLOW else []
         events = [
@@ -219,20 +196,17 @@ def round_finish(
             fields.append("conversation")
             max_rounds = int(job.input.get("max_rounds") or DEFAULT_MAX_ROUNDS)
             if not calls:
-                result = {"message": message, "rounds": round, "tokens": job.tokens_used}
-                events.append(
-                    _end(job, status=Job.Status.DONE, now=now, result=result, rounds=round, tokens=job.tokens_used)
-                )
+                result = {"message": message, "rounds": round, "tokens": total}
+                events.append(_end(job, status=Job.Status.DONE, now=now, result=result, tokens=tokens, rounds=round))
             elif round >= max_rounds:
-                error = "max_rounds"
                 events.append(
                     _end(
                         job,
                         status=Job.Status.FAILED,
                         now=now,
-                        error=error,
+                        error="max_rounds",
+                        tokens=tokens,
                         rounds=round,
-                        tokens=job.tokens_used,
                         max_rounds=max_rounds,
                     )
                 )
@@ -241,27 +215,42 @@ def round_finish(
         else:
             result = {"tokens": tokens, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
             events.append(_end(job, status=Job.Status.DONE, now=now, result=result, tokens=tokens))
-        if job.status != Job.Status.RUNNING:
-            fields += ["status", "result", "error", "finished_at", "lease", "lease_expires_at"]
+        if job.status == Job.Status.RUNNING:
+            job.tokens_used = total
+        else:
+            fields += Job.END_FIELDS
         # Under `continue` the flow keeps its place while its tools run: a slot freed now is not
         # advertised, so the flow's next round (queued when the tools are done) normally takes it
         # rather than newer work of its team; a claim woken by something else may still use it.
         goes_on = job.status == Job.Status.RUNNING and record.flow_rounds == QueuePolicy.FlowRounds.CONTINUE
-        _attempt_end(job, now=now, record=record, tokens=tokens, wake=not goes_on)
-        job.save(update_fields=fields)
+        attempts_end(ends=[attempt], now=now, record=record, wake=not goes_on)
+        job.save(update_fields=list(dict.fromkeys(fields)))
         events_record(events)
     return RoundEnd(status=job.status, tool_calls=calls if job.status == Job.Status.RUNNING else [])
 
 
 def _end(
-    job: Job, *, status: str, now: datetime, result: dict[str, Any] | None = None, error: str = "", **meta: Any
+    job: Job,
+    *,
+    status: str,
+    now: datetime,
+    result: dict[str, Any] | None = None,
+    error: str = "",
+    tokens: int = 0,
+    **meta: Any,
 ) -> JobEvent:
-    """Mark the job ended (not saved) and return its `finished` or `failed` event."""
-    job.status, job.result, job.error, job.finished_at = status, result, error, now
-    job.lease = job.lease_expires_at = None
+    """End the job (`Job.end`, not saved), its last attempt having used `tokens`, and return its
+    `finished` or `failed` event, which names the job's tokens in all."""
+    job.end(status=status, at=now, result=result, error=error, tokens=tokens)
     event = JobEvent.Type.FINISHED if status == Job.Status.DONE else JobEvent.Type.FAILED
     return job_event(
-        job=job, event=event, at=now, executor=job.executor_id, **({"error": error} if error else {}), **meta
+        job=job,
+        event=event,
+        at=now,
+        executor=job.executor_id,
+        **({"error": error} if error else {}),
+        **({"tokens": job.tokens_used} if job.type == Job.Type.FLOW else {"tokens": tokens}),
+        **meta,
     )
 
 
@@ -297,18 +286,8 @@ def round_requeue(*, job_id: int, lease: uuid.UUID, round: int, results: list[To
         tools = [r.describe() for r in results]
         failure = next((r for r in results if not r.ok), None)
         if failure is not None and not job.input.get("return_tool_errors"):
-            event = _end(
-                job,
-                status=Job.Status.FAILED,
-                now=now,
-                error=failure.content,
-                rounds=round,
-                tokens=job.tokens_used,
-                tools=tools,
-            )
-            job.save(
-                update_fields=["conversation", "status", "result", "error", "finished_at", "lease", "lease_expires_at"]
-            )
+            event = _end(job, status=Job.Status.FAILED, now=now, error=failure.content, rounds=round, tools=tools)
+            job.save(update_fields=["conversation", *Job.END_FIELDS])
             events_record([event])
             return str(job.status)
         job.return_to_queue()

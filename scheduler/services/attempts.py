@@ -1,0 +1,121 @@
+"""An attempt's end: the one place where the capacity an attempt held is given back and what it
+used is settled, whichever way it ends (a finish, a flow's round, a cancel, a recovery, a worker
+giving its jobs back).
+
+An attempt (a job's run on an executor, or one round of a flow or governed slot) holds a slot, a
+budget reservation made at its claim, and an entry penalty charged to its team's fair share at
+its claim. When it ends, in the transaction that writes its job's new state:
+
+  slot          deleted, which frees the capacity at every scope (in-use counts are counted from
+                slots); the workers are told when the caller asks (`wake`).
+  budgets       the reservation released, and, when the model's work is known (`tokens` not
+                None), the tokens and one request billed to every budget that counts them.
+  fair share    the team charged what the attempt really cost (slot-seconds or tokens, per the
+                queue policy) less the entry penalty already charged; not when the outcome is
+                unknown (`charge` False: a worker vanished, or gave the job back unstarted).
+"""
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from django.db import connection
+
+from quotas.budget import Bill, quota_settle
+from quotas.rules import Rule
+from scheduler.models import Job, QueuePolicy, Slot
+from scheduler.notify import channels as signals
+from scheduler.services.shares import team_shares_charge
+
+
+@dataclass(frozen=True)
+class AttemptEnd:
+    """One attempt that ends: its job (locked by the caller, level 3), the budget reservation
+    its claim made (read before the job's end clears it), the tokens it used (None: no model call
+    is known to have been made, so nothing is billed), and whether fair share is charged what it
+    cost."""
+
+    job: Job
+    reservation: dict[str, Any] | None
+    tokens: int | None
+    charge: bool = True
+
+    @classmethod
+    def of(cls, job: Job, *, tokens: int | None, charge: bool = True) -> "AttemptEnd":
+        return cls(job=job, reservation=job.reservation, tokens=tokens, charge=charge)
+
+
+def attempts_end(
+    *,
+    ends: Sequence[AttemptEnd],
+    now: datetime,
+    record: QueuePolicy,
+    wake: bool,
+    rules: Iterable[Rule] | None = None,
+) -> None:
+    """Free the attempts' slots, settle their budgets and charge fair share, in the caller's
+    transaction, which holds their job rows (level 3): ledger rows next (level 4), then team
+    shares (level 5), so call it last. Clears each job's `reservation` (not saved: the caller
+    writes its rows, with `Job.end` or `Job.return_to_queue`, which clear it too).
+
+    `wake`: tell the workers that slots were freed (not when the caller will claim with them
+    itself, or keeps them for the flow's next round). `rules`: the quota rules as cached, to
+    spare reading them."""
+    if not ends:
+        return
+    started = slots_free(job_ids=[end.job.pk for end in ends])
+    if wake and started:
+        signals.notify_workers(signals.FREED)
+    bills = [
+        Bill(team_id=end.job.team_id, user_id=end.job.user_id, executor_id=end.job.executor_id, tokens=end.tokens)
+        for end in ends
+        if end.tokens is not None
+    ]
+    quota_settle(reservations=[end.reservation for end in ends], bills=bills, now=now, rules=rules)
+    charges: defaultdict[int, float] = defaultdict(float)
+    for end in ends:
+        end.job.reservation = None
+        began = started.get(end.job.pk)
+        if end.charge and began is not None:
+            charges[end.job.team_id] += attempt_cost(
+                record, started_at=began, now=now, tokens=end.tokens or 0, estimate=end.job.cost_estimate
+            )
+    team_shares_charge(charges=charges, now=now, half_life=record.half_life_seconds)
+
+
+def slots_free(*, job_ids: Sequence[int]) -> dict[int, datetime]:
+    """Delete the jobs' slots and return when each job's attempt began (its first slot's
+    `acquired_at`), in one statement (DELETE ... RETURNING, PostgreSQL and SQLite 3.35+). A job
+    that held no slot (a tool job) is absent from the answer."""
+    if not job_ids:
+        return {}
+    qn = connection.ops.quote_name
+    sql = (
+        f"DELETE FROM {qn(Slot._meta.db_table)} WHERE {qn('job_id')} IN ({', '.join(['%s'] * len(job_ids))}) "
+        f"RETURNING {qn('job_id')}, {qn('acquired_at')}, {qn('id')}"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, list(job_ids))
+        rows = sorted(cursor.fetchall(), key=lambda row: row[2], reverse=True)
+    return {job_id: _as_datetime(acquired) for job_id, acquired, _ in rows}
+
+
+def _as_datetime(value: Any) -> datetime:
+    """PostgreSQL returns an aware datetime; SQLite's operations convert what it stored, as the
+    ORM would (scheduler/core/locks.py reads its clock the same way)."""
+    if connection.vendor == "postgresql":
+        return value  # type: ignore[no-any-return]
+    return connection.ops.convert_datetimefield_value(value, None, connection)  # type: ignore[attr-defined,no-any-return]
+
+
+def attempt_cost(
+    record: QueuePolicy, *, started_at: datetime | None, now: datetime, tokens: int, estimate: int
+) -> float:
+    """What an attempt adds to its team's fair-share usage when it ends: its real cost (slot-seconds
+    or tokens) less the entry penalty charged when it started. The penalty only holds a burst back
+    until the real cost is known; history keeps the real cost alone."""
+    if record.cost == QueuePolicy.Cost.TOKENS:
+        return tokens - estimate
+    return max((now - (started_at or now)).total_seconds(), 0.0) - float(record.entry_penalty)
