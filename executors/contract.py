@@ -1,7 +1,10 @@
 """The Executor contract: the only thing the scheduler knows about where work runs.
 
-A driver wraps one `Executor` row. The scheduler reads `capabilities()` and `health()` for placement
-and `capacity()` for display; the worker calls `execute()` (which runs the driver's `dispatch()`, or
+A driver wraps one `Executor` row. What the design's contract calls `capabilities()`, `health()` and
+`capacity()` are that row's fields (`capabilities`, `health`, `max_concurrency`), which the scheduler
+reads straight from the table for placement, kept current by `list_models()` (capability sync) and
+`probe()`; the slots in use are the scheduler's own rows, counted by the claim at every scope. The
+worker calls `execute()` (which runs the driver's `dispatch()`, or
 `stream()` for a streamed job) outside any database transaction, `cancel()` when the job is canceled
 or its lease is lost, and `probe()` periodically to keep `health` current. Adding a kind of executor
 means writing a driver and registering it (executors/registry.py); the scheduler never changes.
@@ -14,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from executors.models import Executor
-from executors.selectors import Capacity, executor_capacity
 
 # The model APIs a step may call (`requirements.api`); an executor that serves embeddings says so
 # with `capabilities.embeddings: true`.
@@ -126,16 +128,6 @@ class ExecutorDriver(ABC):
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
         self._inflight: dict[int, asyncio.Task[Any]] = {}
-
-    def capabilities(self) -> dict[str, Any]:
-        return dict(self.executor.capabilities)
-
-    def capacity(self) -> Capacity:
-        return executor_capacity(executor=self.executor)
-
-    def health(self) -> str:
-        """The health last recorded for the executor (set by `probe()` through the worker)."""
-        return self.executor.health
 
     @abstractmethod
     async def dispatch(self, request: DispatchRequest) -> DispatchResult:

@@ -51,8 +51,14 @@ def events_recorder_install(recorder: EventsRecorder) -> None:
 
 
 def events_record(events: Sequence[ExecutorEvent]) -> None:
-    if events and _recorder is not None:
-        _recorder(events)
+    """Store the events through the installed recorder. Without one (the scheduler app is not
+    installed or not ready) nothing can store them: that is a deployment error, raised, never an
+    event dropped unseen."""
+    if not events:
+        return
+    if _recorder is None:
+        raise RuntimeError(f"executor events with no recorder installed (scheduler app not ready): {events!r}")
+    _recorder(events)
 
 
 @dataclass(frozen=True)

@@ -2,32 +2,12 @@
 stated once, in `executor_serves`: every reader (the API, the submit's configuration cache, the
 queue snapshot, the OpenAI-compatible model list) decides through it."""
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 from guardian.models import GroupObjectPermission
 
 from executors.models import Executor
-from quotas.concurrency import concurrency_caps, executor_limit
 from telemachus.models import Team
-
-
-@dataclass(frozen=True)
-class Capacity:
-    limit: int
-    in_use: int
-    queued: int
-
-
-# Slots held on an executor and jobs queued for its models. The scheduler, which owns slots and
-# jobs, installs it (scheduler/apps.py); without it an executor reads as idle.
-LoadCounter = Callable[[Executor], tuple[int, int]]
-_load_counter: LoadCounter | None = None
-
-
-def load_counter_install(counter: LoadCounter) -> None:
-    global _load_counter
-    _load_counter = counter
 
 
 def executor_teams(*, executors: Iterable[Executor] | None = None) -> dict[int, set[int]]:
@@ -111,12 +91,3 @@ def models_usable_by(team_ids: Iterable[int], *, chat: bool = False) -> dict[int
         for executor in usable_executors(executors, team_id=team_id, teams=teams, chat=chat):
             models.update(executor.offered_models)
     return usable
-
-
-def executor_capacity(*, executor: Executor) -> Capacity:
-    in_use, queued = _load_counter(executor) if _load_counter is not None else (0, 0)
-    return Capacity(
-        limit=executor_limit(name=executor.name, max_concurrency=executor.max_concurrency, caps=concurrency_caps()),
-        in_use=in_use,
-        queued=queued,
-    )

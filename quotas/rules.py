@@ -8,23 +8,20 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.db.models import QuerySet
 
+from executors.models import Executor
 from quotas.models import QuotaPolicy
 from telemachus.models import Team
 
 Scope, Dimension = QuotaPolicy.Scope, QuotaPolicy.Dimension
 SUBJECT_HINTS: dict[str, str] = {Scope.EXECUTOR: "executor name", Scope.TEAM: "team slug", Scope.USER: "username"}
 
-# For each scope with subjects: its rows, and the field that names one. The executor scope's rows
-# belong to a layer above this one, which registers them (executors/apps.py).
+# For each scope with subjects: its rows, and the field that names one.
 SubjectSource = tuple[Callable[[], QuerySet[Any]], str]
 _subjects: dict[str, SubjectSource] = {
+    Scope.EXECUTOR: (Executor.objects.all, "name"),
     Scope.TEAM: (Team.objects.all, "slug"),
     Scope.USER: (lambda: get_user_model().objects.all(), "username"),
 }
-
-
-def subject_source_register(scope: str, rows: Callable[[], QuerySet[Any]], field: str) -> None:
-    _subjects[scope] = (rows, field)
 
 
 def subject_exists(scope: str, subject: str) -> bool:

@@ -6,9 +6,7 @@ class SchedulerConfig(AppConfig):
 
     def ready(self) -> None:
         """Install what the lower layers report through: they never import the scheduler."""
-        from executors import health, selectors
-        from scheduler.core.selectors import executor_load
+        from executors import health
         from scheduler.services.events import executor_events_record
 
         health.events_recorder_install(executor_events_record)
-        selectors.load_counter_install(executor_load)

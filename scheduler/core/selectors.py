@@ -5,7 +5,6 @@ from typing import Any
 
 from django.db import connection
 
-from executors.models import Executor
 from quotas.concurrency import SlotCounts
 from scheduler.core.bounds import policy_in_force
 from scheduler.models import Job, QueuePolicy, Slot
@@ -125,12 +124,3 @@ def slot_counts() -> SlotCounts:
         counts.user[user_id] += n
         total += n
     return SlotCounts(total=total, executor=counts.executor, team=counts.team, user=counts.user)
-
-
-def executor_load(executor: Executor) -> tuple[int, int]:
-    """Slots held on the executor and jobs queued for its models: the executors app's load counter
-    (executors/selectors.py), for drivers' `capacity()`."""
-    return (
-        Slot.objects.filter(executor=executor).count(),
-        Job.objects.filter(status=Job.Status.QUEUED, model__in=executor.offered_models).count(),
-    )
