@@ -24,6 +24,7 @@ from django.db.models.functions import Now
 from executors.contract import Probe
 from executors.models import Executor
 from telemachus.control.changes import changes_notify
+from telemachus.locks import Level, rows_lock
 
 BREAKER_OPENED, BREAKER_HALF_OPEN, BREAKER_CLOSED = "breaker_opened", "breaker_half_open", "breaker_closed"
 HEALTH_CHANGED = "health_changed"
@@ -89,7 +90,7 @@ def breaker_record(*, reports: Sequence[DispatchReport]) -> list[ExecutorEvent]:
     with transaction.atomic(durable=True):
         executors = {
             e.pk: e
-            for e in Executor.objects.select_for_update()
+            for e in rows_lock(Executor.objects, level=Level.EXECUTOR)
             .filter(pk__in=sorted({r.executor_id for r in reports}))
             .annotate(db_now=Now())
             .order_by("pk")
@@ -165,7 +166,7 @@ def probe_record(*, results: Sequence[tuple[int, Probe]]) -> list[ExecutorEvent]
     events = []
     with transaction.atomic(durable=True):
         for executor in (
-            Executor.objects.select_for_update()
+            rows_lock(Executor.objects, level=Level.EXECUTOR)
             .filter(pk__in=sorted(pk for pk, _ in results))
             .annotate(db_now=Now())
             .order_by("pk")

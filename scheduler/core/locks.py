@@ -1,28 +1,5 @@
-"""Every row lock in the scheduler is taken here, in one global order:
-
-    1. the claim lock: the QueuePolicy singleton row. Every transaction that creates slots
-       (claim, acquire) takes it first, so slot creation is serialized cluster-wide and the
-       in-use counts a claim reads cannot change under it except downwards (finish, cancel and
-       recovery only delete slots, and never take this lock).
-    2. executor rows, in ascending id (breaker and probe updates; the claim's move of a breaker
-       to half open).
-    3. job rows, in ascending id.
-    4. usage ledger rows (quotas.Usage), in key order (quotas/budget.py).
-    5. team share rows (scheduler.TeamShare), in ascending team id (services/shares.py).
-
-Finish, cancel, release and recovery lock job rows only; breaker updates from their outcomes run
-in a transaction of their own afterwards (executors/health.py), never inside one holding jobs.
-
-Configuration writes (executors, teams, memberships, permissions, quota rules, the policy) also
-update the configuration version row (telemachus.ConfigVersion), by trigger, and hold it to commit,
-so configuration writes serialize on it. The claim's move of a breaker to half open is one: it
-takes the row after the claim lock and an executor row, and nothing else is locked after it that
-another configuration writer could hold.
-
-A transaction may skip a level but never take them out of order: two code paths that disagree on
-order are how deadlocks happen. On SQLite, `select_for_update` is a no-op and every transaction
-starts with BEGIN IMMEDIATE (see settings), which serializes writers for the whole database.
-"""
+"""The scheduler's row locks: the claim lock and job rows, taken in the project's one global lock
+order (telemachus/locks.py, which says why and what comes before and after each level)."""
 
 import copy
 from collections.abc import Sequence
@@ -36,6 +13,7 @@ from django.db.models.functions import Now
 from scheduler.core.configuration import policy_record
 from scheduler.models import Job, QueuePolicy
 from telemachus.control.config import config_at, version_annotation
+from telemachus.locks import Level, lock_sql, rows_lock
 from telemachus.models import ConfigVersion
 
 
@@ -76,9 +54,7 @@ def lock_claim(*, as_stored: bool = False) -> tuple[QueuePolicy, datetime]:
     SQL: this runs first in every claim, under the lock every claim waits for."""
     qn = connection.ops.quote_name
     table = qn(QueuePolicy._meta.db_table)
-    lock = f"SELECT 1 FROM {table} WHERE {qn('id')} = %s" + (
-        " FOR UPDATE" if connection.features.has_select_for_update else ""
-    )
+    lock = f"SELECT 1 FROM {table} WHERE {qn('id')} = %s" + lock_sql(level=Level.CLAIM)
     with connection.cursor() as cursor:
         cursor.execute(lock, [QueuePolicy.SINGLETON_ID])
         if cursor.fetchone() is None:
@@ -120,7 +96,7 @@ _CLOCK_SQL = {True: _clock_sql("STATEMENT_TIMESTAMP()"), False: _clock_sql("STRF
 
 def lock_job(job_id: int) -> "ClockedJob | None":
     """Lock one job row (level 3); None when it does not exist. Must run inside a transaction."""
-    return Job.objects.select_for_update().annotate(db_now=Now()).filter(pk=job_id).first()
+    return rows_lock(Job.objects.annotate(db_now=Now()).filter(pk=job_id), level=Level.JOB).first()
 
 
 def lock_jobs_to_finish(job_ids: Sequence[int]) -> "list[VersionedJob]":
@@ -128,7 +104,7 @@ def lock_jobs_to_finish(job_ids: Sequence[int]) -> "list[VersionedJob]":
     and the configuration version read in the same statement, and only the columns a finish reads
     (the batch's hot path). Must run inside a transaction."""
     return list(
-        Job.objects.select_for_update(of=("self",))
+        rows_lock(Job.objects, level=Level.JOB, of=("self",))
         .filter(pk__in=sorted(job_ids))
         .annotate(db_now=Now(), config_version=version_annotation())
         .order_by("pk")
@@ -158,7 +134,7 @@ def lock_jobs_held(held: Q, *, exclude: Sequence[str] = ("input", "conversation"
     ascending id, with the database clock: a worker giving its jobs back. Must run inside a
     transaction."""
     return list(
-        Job.objects.select_for_update()
+        rows_lock(Job.objects, level=Level.JOB)
         .filter(held, status=Job.Status.RUNNING)
         .annotate(db_now=Now())
         .order_by("pk")
@@ -171,9 +147,20 @@ def lock_jobs_expired(*, limit: int) -> "list[ClockedJob]":
     in ascending id, skipping rows another recoverer holds (SKIP LOCKED): recovery is safe to run
     from every worker at once. Must run inside a transaction."""
     return list(
-        Job.objects.select_for_update(skip_locked=True)
+        rows_lock(Job.objects, level=Level.JOB, skip_locked=True)
         .filter(status=Job.Status.RUNNING, lease_expires_at__lte=Now())
         .annotate(db_now=Now())
         .order_by("pk")
         .defer("input", "conversation")[:limit]
+    )
+
+
+def lock_tool_jobs_queued(*, now: datetime, limit: int) -> list[Job]:
+    """Lock up to `limit` queued tool jobs whose backoff is over (level 3), highest priority then
+    first ready, skipping rows another transaction holds (a job being canceled, another claim's)
+    so the claim never waits on a row. Must run inside the claim's transaction."""
+    return list(
+        rows_lock(Job.objects, level=Level.JOB, skip_locked=True)
+        .filter(Q(run_after__isnull=True) | Q(run_after__lte=now), status=Job.Status.QUEUED, type=Job.Type.TOOL)
+        .order_by("-priority", "ready_at", "id")[:limit]
     )

@@ -19,6 +19,7 @@ from scheduler.services.events import events_record, job_event
 from scheduler.services.shares import team_shares_charge
 from scheduler.services.tooljobs import tool_jobs_start
 from telemachus.control.changes import changes_notify
+from telemachus.locks import Level, for_update_sql
 
 MAX_ORDER_ROUNDS = 3
 
@@ -239,9 +240,10 @@ def _mark_running(
     params.append(field("started_at").get_db_prep_save(now, connection))
     queued = f"{qn('status')} = '{Job.Status.QUEUED.value}'"
     if postgres:
+        lock = for_update_sql(level=Level.JOB, of="j", skip_locked=True)
         still_queued = (
             f"{table}.{qn('id')} IN (SELECT j.{qn('id')} FROM {table} j JOIN v ON j.{qn('id')} = v.job "
-            f"WHERE j.{queued} FOR UPDATE OF j SKIP LOCKED)"
+            f"WHERE j.{queued}{lock})"
         )
     else:
         still_queued = f"{table}.{queued}"

@@ -37,6 +37,7 @@ from telemachus.control.config import (
 )
 from telemachus.control.features import feature_require
 from telemachus.errors import DomainError, TryLater, UnknownModel, ValidationFailed
+from telemachus.locks import Level, rows_lock
 from telemachus.models import Team
 from telemachus.teams import rbac
 
@@ -158,7 +159,7 @@ def _admit(*, user: rbac.Principal, specs: Sequence[JobSpec], snapshot: ConfigSn
     # configuration version, read the budgets' ledger rows, and wake the workers on commit.
     budget_columns = budgets.columns()
     locked = list(
-        Team.objects.select_for_update(of=("self",))
+        rows_lock(Team.objects, level=Level.CONFIGURATION, of=("self",))
         .filter(pk__in=teams)
         .order_by("pk")
         .annotate(config_version=version_annotation(), wake=signals.notify_column(signals.QUEUED), **budget_columns)

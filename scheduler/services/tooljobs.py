@@ -10,9 +10,10 @@ the finish are a job's like any other."""
 import uuid
 from datetime import datetime
 
-from django.db.models import F, Q, Value
+from django.db.models import F, Value
 from django.db.models.functions import Coalesce
 
+from scheduler.core.locks import lock_tool_jobs_queued
 from scheduler.models import Job, JobEvent
 from scheduler.services.events import events_record, job_event
 
@@ -24,11 +25,7 @@ def tool_jobs_start(*, worker: str, limit: int, now: datetime, expires: datetime
     canceled is skipped, and a second batch of job rows after the claim's cannot deadlock."""
     if limit <= 0:
         return []
-    jobs = list(
-        Job.objects.select_for_update(skip_locked=True)
-        .filter(Q(run_after__isnull=True) | Q(run_after__lte=now), status=Job.Status.QUEUED, type=Job.Type.TOOL)
-        .order_by("-priority", "ready_at", "id")[:limit]
-    )
+    jobs = lock_tool_jobs_queued(now=now, limit=limit)
     if not jobs:
         return []
     lease = uuid.uuid4()

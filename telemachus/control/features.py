@@ -12,6 +12,7 @@ from django.db.models import Q
 
 from telemachus.control.audit import Actor, audit_record
 from telemachus.errors import FeatureDisabled, ValidationFailed
+from telemachus.locks import Level, rows_lock
 from telemachus.models import FeatureSwitch, Team
 
 FEATURES: tuple[str, ...] = tuple(FeatureSwitch.Feature.values)
@@ -86,7 +87,8 @@ def feature_set(*, feature: str, team: Team | None, enabled: bool | None, by: Ac
     if team is None and enabled is None:
         raise ValidationFailed({"enabled": ["The global switch is on or off (true or false)."]})
     with transaction.atomic():
-        row = FeatureSwitch.objects.select_for_update().filter(feature=feature, team=team).order_by("pk").first()
+        switches = FeatureSwitch.objects.filter(feature=feature, team=team).order_by("pk")
+        row = rows_lock(switches, level=Level.CONFIGURATION).first()
         was = row.enabled if row is not None else None
         if was == enabled:
             return

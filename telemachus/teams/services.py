@@ -10,6 +10,7 @@ from guardian.shortcuts import assign_perm, get_perms, get_users_with_perms, rem
 
 from telemachus.control.audit import Actor, audit_record
 from telemachus.errors import Conflict, NotFound, ValidationFailed
+from telemachus.locks import Level, rows_lock
 from telemachus.models import Membership, Team
 from telemachus.teams import rbac
 
@@ -147,7 +148,7 @@ def team_lock(*, team: Team) -> Team:
     concurrent request since the caller read it). Team deletes and membership writes take this
     lock first, so a team deleted while its members are edited is one clear outcome, not a
     foreign-key error."""
-    locked = Team.objects.select_for_update().filter(pk=team.pk).first()
+    locked = rows_lock(Team.objects.filter(pk=team.pk), level=Level.CONFIGURATION).first()
     if locked is None:
         raise NotFound(f"Team {team.slug!r} not found.")
     return locked
