@@ -177,7 +177,7 @@ class governed_slot:
             job_id=self.job_id,
             lease=row["lease"],
             executor=executor.name,
-            kind=executor.kind,  # type: ignore[arg-type]
+            kind=executor.kind,
             endpoint=executor.endpoint,
             model=row["model"],
             transport=dict(executor.transport or {}),

@@ -8,10 +8,11 @@ One claim of a flow is one round:
                     flow back in the queue for its next round, as new work
 
 so a flow waiting for its next round holds no slot and no worker capacity, and other jobs take the
-slot between rounds. A failed model call ends like any job's (jobs_finish: retried with backoff, or
-failed); a cancel aborts the model call upstream or abandons the tools, and the fenced writes that
-follow are refused. The services (scheduler/services/rounds.py) say what a crash at each point
-leaves behind.
+slot between rounds. A failed model call ends like any job's attempt (the worker's finisher:
+jobs_finish, retried with backoff, or failed); either way the dispatch reaches the executor's
+breaker through the worker's one path (`dispatches_report`, or the finisher's). A cancel aborts
+the model call upstream or abandons the tools, and the fenced writes that follow are refused. The
+services (scheduler/services/rounds.py) say what a crash at each point leaves behind.
 """
 
 import asyncio
@@ -23,15 +24,16 @@ from concurrent.futures import Executor
 from typing import Any, Protocol, TypeVar
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DatabaseError
 
-from executors.contract import DispatchError, DispatchResult
-from executors.health import DispatchReport, breaker_record
+from executors.contract import DispatchError
+from executors.health import DispatchReport
 from executors.tools import ToolOutcome, UnknownTool, tool_invoke
 from scheduler.core.jobtypes import job_request
 from scheduler.metrics import dispatch_observe
+from scheduler.services.claim import Claim
 from scheduler.services.finish import Outcome
-from scheduler.services.rounds import LeaseLost, RoundEnd, round_begin, round_finish, round_requeue
+from scheduler.services.rounds import LeaseLost, round_begin, round_finish, round_requeue
+from scheduler.worker.flight import InFlight
 
 log = logging.getLogger("telemachus.worker")
 T = TypeVar("T")
@@ -44,10 +46,12 @@ class RoundHost(Protocol):
 
     async def db_retrying(self, fn: Callable[..., T], /, **kwargs: Any) -> T: ...
 
+    async def dispatches_report(self, dispatches: list[DispatchReport]) -> None: ...
+
     def flight_ended(self, job_id: int) -> None: ...
 
 
-async def flow_round_run(host: RoundHost, flight: Any) -> None:
+async def flow_round_run(host: RoundHost, flight: InFlight) -> None:
     """Run the claimed round of a flow to its end (the flow done or failed, or queued for its next
     round). Raises what the model call raises (DispatchError, CancelledError), for the worker to
     end the job as any other; handles everything after the call itself, and ends the flight."""
@@ -58,9 +62,10 @@ async def flow_round_run(host: RoundHost, flight: Any) -> None:
     host.flight_ended(flight.claim.job.pk)
 
 
-async def _round(host: RoundHost, flight: Any) -> None:
+async def _round(host: RoundHost, flight: InFlight) -> None:
     claim = flight.claim
     job = claim.job
+    assert claim.executor is not None and flight.driver is not None, "a flow's round runs on an executor"
     start = await host.db_retrying(round_begin, job_id=job.pk, lease=claim.lease)
     if start.pending:
         log.info("job %d: running the tool calls of round %d (their worker stopped)", job.pk, start.round)
@@ -74,14 +79,17 @@ async def _round(host: RoundHost, flight: Any) -> None:
         result = await flight.driver.execute(request)
         dispatch_observe(executor=claim.executor, outcome="ok", seconds=time.monotonic() - began)
         end = await host.db_retrying(
-            _round_finish_then_record,
+            round_finish,
             job_id=job.pk,
             lease=claim.lease,
             round=start.round,
-            result=result,
-            executor_id=claim.executor.pk,
-            seconds=round(time.monotonic() - began, 4),
+            message=result.output.get("message") or {"role": "assistant", "content": ""},
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.completion_tokens,
+            meta={"seconds": round(time.monotonic() - began, 4)},
         )
+        # After the round's own transaction: job rows and executor rows are never locked together.
+        await host.dispatches_report([DispatchReport(executor_id=claim.executor.pk, ok=True, executor_fault=False)])
         if not end.tools_to_run:
             log.info("job %d round %d: flow %s (%d tokens)", job.pk, start.round, end.status, result.tokens_used)
             return
@@ -105,29 +113,7 @@ async def _round(host: RoundHost, flight: Any) -> None:
     log.info("job %d round %d: %d tool call(s), flow %s", job.pk, start.round, len(results), status)
 
 
-def _round_finish_then_record(
-    *, job_id: int, lease: Any, round: int, result: DispatchResult, executor_id: int, seconds: float
-) -> RoundEnd:
-    """End the round, then tell the breaker the executor answered (two transactions, as the
-    worker's finish does: job rows and executor rows are never locked together)."""
-    message = result.output.get("message") or {"role": "assistant", "content": ""}
-    end = round_finish(
-        job_id=job_id,
-        lease=lease,
-        round=round,
-        message=message,
-        prompt_tokens=result.prompt_tokens,
-        completion_tokens=result.completion_tokens,
-        meta={"seconds": seconds},
-    )
-    try:
-        breaker_record(reports=[DispatchReport(executor_id=executor_id, ok=True, executor_fault=False)])
-    except DatabaseError as exc:
-        log.warning("could not record a dispatch outcome for the breaker (%s)", exc)
-    return end
-
-
-async def tool_job_outcome(host: RoundHost, claim: Any) -> Outcome:
+async def tool_job_outcome(host: RoundHost, claim: Claim) -> Outcome:
     """Run a tool job's tool; its result is `{"value", "tool", "elapsed_s"}` (the value is what the
     tool returned), as a task job's is; its failure is the tool's error."""
     job = claim.job

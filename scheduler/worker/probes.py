@@ -8,6 +8,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from django.conf import settings
 
@@ -16,7 +17,7 @@ from telemachus.http.health import readiness_checks
 
 log = logging.getLogger("telemachus.worker")
 
-DbCall = Callable[..., Awaitable]
+DbCall = Callable[..., Awaitable[Any]]
 
 
 def heartbeat_check(*, beat_at: float, interval: float) -> str:

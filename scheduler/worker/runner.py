@@ -36,7 +36,6 @@ import uuid
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -58,6 +57,7 @@ from scheduler.services.claim import Claim, job_claim
 from scheduler.services.finish import FinishReport, Outcome, jobs_finish
 from scheduler.services.lease import jobs_release, leases_renew
 from scheduler.services.recover import jobs_recover
+from scheduler.worker.flight import InFlight
 from scheduler.worker.probes import heartbeat_check, probe_serve
 
 log = logging.getLogger("telemachus.worker")
@@ -65,17 +65,6 @@ SQLITE_WATCH_SECONDS = 0.01
 # Wake this much after a time-bound moment the claim named, so the database's clock has passed it.
 TIME_WAKE_MARGIN = 0.005
 T = TypeVar("T")
-
-
-@dataclass
-class InFlight:
-    claim: Claim
-    driver: ExecutorDriver | None
-    task: asyncio.Task[None] | None = None
-    renewed_at: float = 0.0
-    started: float = 0.0
-    abort_reason: str | None = None  # "canceled" | "lease lost" | "shutdown"
-    executor_fault: bool = False
 
 
 # Dispatches in flight per worker. Model calls wait on the network, so a worker holds many cheaply
@@ -461,6 +450,12 @@ class Worker:
                 error=f"the result could not be stored: {exc}"[:2000],
             )
             return await self._retrying(jobs_finish, outcomes=[stored], wake_others=self.stopping)
+
+    async def dispatches_report(self, dispatches: list[DispatchReport]) -> None:
+        """Tell the breakers how dispatches ended, outside the finisher (a flow's round, whose end
+        the round services write): the same one path to the breaker as a finished job's."""
+        for event in await self._breaker_record(dispatches):
+            log.warning("executor %s: %s %s", event.meta.get("executor_name"), event.event, event.meta)
 
     async def _breaker_record(self, dispatches: list[DispatchReport]) -> list[ExecutorEvent]:
         """Feed the breakers, in a transaction of its own after the finish's (job rows and executor
