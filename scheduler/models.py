@@ -189,8 +189,8 @@ class Job(models.Model):
 
 
 class JobEvent(models.Model):
-    """Append-only audit and observability log. Most events belong to a job; executor and policy
-    events (breaker transitions, policy edits) have no job. Written only by services
+    """Append-only audit and observability log. Most events belong to a job; executor events
+    (breaker transitions, health changes) have no job; policy edits are in the audit log. Written only by services
     (scheduler/services/events.py), in the transaction of the change they describe."""
 
     class Type(models.TextChoices):
@@ -215,7 +215,6 @@ class JobEvent(models.Model):
         BREAKER_HALF_OPEN = "breaker_half_open"
         BREAKER_CLOSED = "breaker_closed"
         HEALTH_CHANGED = "health_changed"
-        POLICY_CHANGED = "policy_changed"
 
     job = models.ForeignKey(Job, null=True, blank=True, on_delete=models.CASCADE, related_name="events")
     executor = models.ForeignKey(Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="events")

@@ -12,6 +12,7 @@ from scheduler.services.cancel import job_cancel
 from scheduler.services.claim import job_claim
 from scheduler.services.finish import job_finish
 from scheduler.services.submit import job_submit
+from telemachus.errors import QuotaExceeded
 from tests.conftest import chat_body
 
 pytestmark = pytest.mark.django_db
@@ -100,7 +101,10 @@ class TestAdmission:
 
     def test_other_teams_are_not_affected(self, member_setup):
         budget("team", "a", "ai.tokens", 10)
-        submit(member_setup[1], team="b", est=500)
+        with pytest.raises(QuotaExceeded):
+            submit(member_setup[0], team="a", est=500)  # the budget binds where it applies
+        job = submit(member_setup[1], team="b", est=500)
+        assert job.status == Job.Status.QUEUED and job.team.slug == "b"
 
 
 class TestClaimGate:

@@ -12,6 +12,7 @@ from scheduler.models import Job, JobEvent, QueuePolicy, Slot, TeamShare
 from scheduler.services.claim import job_claim
 from scheduler.services.finish import job_finish
 from scheduler.services.submit import job_submit
+from telemachus.errors import TryLater
 from telemachus.models import AuditEvent
 from tests.conftest import backdate, chat_body
 
@@ -188,8 +189,6 @@ class TestAdmission:
         assert Job.objects.count() == 2
 
     def test_retry_after_follows_the_drain_rate(self, member_setup):
-        from telemachus.errors import TryLater
-
         alice = member_setup[0]
         policy(max_queue_depth={"a": 1})
         for _ in range(30):
@@ -202,7 +201,10 @@ class TestAdmission:
 
     def test_other_teams_are_not_limited(self, member_setup):
         policy(max_queue_depth={"a": 0})
-        submit(member_setup[1], "b")
+        with pytest.raises(TryLater):
+            submit(member_setup[0], "a")  # the depth cap binds where it applies
+        job = submit(member_setup[1], "b")
+        assert job.status == Job.Status.QUEUED and job.team.slug == "b"
 
     def test_priority_is_clamped_with_the_reason_in_an_event(self, member_setup):
         alice = member_setup[0]

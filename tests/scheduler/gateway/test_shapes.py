@@ -45,7 +45,7 @@ class TestChatCall:
         assert shapes.chat_call({"model": "m", "messages": HELLO}).est_tokens == 6 + shapes.DEFAULT_COMPLETION_ESTIMATE
 
     def test_a_tool_conversation_is_accepted(self):
-        shapes.chat_call(
+        call = shapes.chat_call(
             {
                 "model": "m",
                 "messages": [
@@ -59,6 +59,9 @@ class TestChatCall:
                 ],
             }
         )
+        sent = call.input["messages"]
+        assert [m["role"] for m in sent] == ["user", "assistant", "tool"]
+        assert sent[1]["tool_calls"][0]["function"]["name"] == "f" and sent[2]["tool_call_id"] == "c1"
 
     @pytest.mark.parametrize(
         "body, param",
