@@ -351,3 +351,42 @@ class TeamShare(models.Model):
     def decayed(self, now: datetime, half_life: float) -> float:
         elapsed = max((now - self.updated_at).total_seconds(), 0.0)
         return self.usage * 0.5 ** (elapsed / half_life) if half_life > 0 else 0.0
+
+
+class QueueSample(models.Model):
+    """One bucket of the dashboard's history (its charts): per team, per executor, and once for the
+    whole queue (team and executor both empty). Written once per bucket by whichever worker gets
+    there first (scheduler/services/history.py), pruned past its retention, so the table stays at
+    buckets x (teams + executors + 1) rows at most.
+
+    `at` is the bucket's start; `values` holds what the bucket saw: gauges read as it closed
+    (queued, running, slots in use, caps) and what happened in it (jobs started and finished,
+    tokens, queue waits). A JSON column, so a new measure (spend) needs no migration."""
+
+    at = models.DateTimeField()
+    team = models.ForeignKey(Team, null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    executor = models.ForeignKey(Executor, null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    values = models.JSONField(default=dict)
+
+    class Meta:
+        ordering = ["at", "id"]
+        indexes = [models.Index("at", name="queuesample_at_idx")]
+        constraints = [
+            # One row per bucket and subject, whichever worker writes it (the others' inserts are ignored).
+            models.UniqueConstraint(
+                fields=["at"], name="queuesample_global_once", condition=Q(team=None, executor=None)
+            ),
+            models.UniqueConstraint(
+                fields=["at", "team"], name="queuesample_team_once", condition=Q(team__isnull=False)
+            ),
+            models.UniqueConstraint(
+                fields=["at", "executor"], name="queuesample_executor_once", condition=Q(executor__isnull=False)
+            ),
+            models.CheckConstraint(condition=Q(team=None) | Q(executor=None), name="queuesample_one_subject"),
+        ]
+
+    def __str__(self) -> str:
+        subject = (
+            f"team {self.team_id}" if self.team_id else f"executor {self.executor_id}" if self.executor_id else "all"
+        )
+        return f"{subject} at {self.at:%Y-%m-%d %H:%M:%S}"

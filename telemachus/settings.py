@@ -325,6 +325,10 @@ TELEMACHUS_LOGIN_WINDOW_SECONDS = env_int("TELEMACHUS_LOGIN_WINDOW_SECONDS", 900
 # The live dashboard re-reads when the database changes; between changes it sends a heartbeat this
 # often, so the page's "updated" stamp stays honest.
 TELEMACHUS_DASHBOARD_HEARTBEAT_SECONDS = env_float("TELEMACHUS_DASHBOARD_HEARTBEAT_SECONDS", 5)
+# The dashboard's charts: the workers record one row per bucket (seconds) per team, executor and
+# the whole queue, and delete rows older than the retention (scheduler/services/history.py).
+TELEMACHUS_HISTORY_BUCKET_SECONDS = max(env_int("TELEMACHUS_HISTORY_BUCKET_SECONDS", 60), 1)
+TELEMACHUS_HISTORY_RETENTION_HOURS = max(env_float("TELEMACHUS_HISTORY_RETENTION_HOURS", 24), 1)
 # Largest request body the API accepts (bytes); larger bodies get 413 payload_too_large.
 TELEMACHUS_MAX_BODY_BYTES = env_int("TELEMACHUS_MAX_BODY_BYTES", 1_048_576)
 # The OpenAI-compatible endpoint: a call that has no answer after this long gets 504 and its job

@@ -22,6 +22,8 @@ a second connection would only wait for the first: everything shares one thread.
                including when the database cannot be reached for longer than the lease.
   recovery     requeues or fails jobs whose lease expired (run at start and periodically).
   probes       checks executors' health (GET /models), each executor by one worker per interval.
+  history      as each bucket closes, records the dashboard's history (the first worker to get
+               there writes it, scheduler/services/history.py).
 
 First SIGTERM/SIGINT: stop claiming, let in-flight work finish, exit. A second signal (or the
 grace period running out): abort the dispatches and give their jobs back to the queue.
@@ -55,6 +57,7 @@ from scheduler.notify import broadcast
 from scheduler.notify import channels as signals
 from scheduler.services.claim import Claim, job_claim
 from scheduler.services.finish import FinishReport, Outcome, jobs_finish
+from scheduler.services.history import history_next_in, history_record
 from scheduler.services.lease import jobs_release, leases_renew
 from scheduler.services.recover import jobs_recover
 from scheduler.worker.flight import InFlight
@@ -151,6 +154,7 @@ class Worker:
             asyncio.create_task(self._heartbeat(), name="heartbeat"),
             asyncio.create_task(self._recovery(), name="recovery"),
             asyncio.create_task(self._probes(), name="probes"),
+            asyncio.create_task(self._history(), name="history"),
         ]
         probes = (
             await probe_serve(db=self.db, heartbeat=self._heartbeat_state) if settings.TELEMACHUS_METRICS_BIND else None
@@ -528,6 +532,14 @@ class Worker:
         while True:
             await asyncio.sleep(max(self.lease_seconds / 2, 1.0))
             await self._recover_once()
+
+    async def _history(self) -> None:
+        while True:
+            await asyncio.sleep(history_next_in())
+            try:
+                await self.db(history_record)
+            except DatabaseError as exc:
+                log.warning("recording the dashboard's history failed (%s)", exc)
 
     # --- health probes ------------------------------------------------------------------------
 
