@@ -8,6 +8,7 @@ from executors import api as executors_api
 from quotas import api as quotas_api
 from scheduler import views as pages
 from scheduler.api import views as scheduler_views
+from scheduler.api.history import QueueHistoryApi
 from scheduler.api.policy import PolicyApi
 from telemachus.control.audit_api import AuditListApi
 from telemachus.control.features_api import FeatureApi
@@ -19,6 +20,7 @@ from telemachus.teams.users_api import UserListCreateApi
 api = [
     path("", include("scheduler.api.urls")),
     path("queue/", scheduler_views.QueueApi.as_view(), name="queue"),
+    path("queue/history/", QueueHistoryApi.as_view(), name="queue-history"),
     path("policy/", PolicyApi.as_view(), name="policy"),
     path("teams/", teams_api.TeamListCreateApi.as_view(), name="team-list"),
     path("teams/<slug:slug>/", teams_api.TeamDetailApi.as_view(), name="team-detail"),
