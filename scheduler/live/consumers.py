@@ -1,6 +1,10 @@
 """The live dashboard's WebSocket (/ws/dashboard/): pushes the dashboard state (the queue snapshot
-as GET /api/queue/ returns it, the latest jobs, the policy and the feature switches) each time the
-database changes, and carries operators' actions (scheduler/live/actions.py).
+as GET /api/queue/ returns it, the page of jobs the page chose, the policy and the feature
+switches) each time the database changes, and carries operators' actions (scheduler/live/actions.py).
+
+The page chooses its page of jobs with `{"id": ..., "view": {tab, team, type, model, executor,
+after, size}}` (scheduler/live/jobs.py), anyone signed in, members too; the reply echoes `id` and
+the next push carries that page.
 
 Re-reads are driven by change notifications (scheduler/notify/watcher.py), coalesced over a short window, not
 by a timer per socket. A heartbeat every few seconds tells the page that the picture it shows is
@@ -24,9 +28,11 @@ from django.db import DatabaseError
 from django.utils import timezone
 
 from scheduler.live.actions import dashboard_action
+from scheduler.live.jobs import JobView, JobViewInput
 from scheduler.live.snapshot import dashboard_state
 from scheduler.notify import broadcast
 from scheduler.notify.watcher import ChangeFeed
+from telemachus.errors import ValidationFailed
 
 log = logging.getLogger("telemachus.dashboard")
 NOT_AUTHENTICATED = 4401
@@ -40,6 +46,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
     pusher: asyncio.Task | None = None
     wake: asyncio.Event | None = None
     feed: ChangeFeed | None = None
+    view: JobView = JobView()
 
     async def connect(self) -> None:
         user = self.scope.get("user")
@@ -65,7 +72,11 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         """An action: `{"id": <anything>, "action": "...", ...}`; the reply echoes `id`. Members
-        (and anyone signed out since) are refused with 403 forbidden, as by the API."""
+        (and anyone signed out since) are refused with 403 forbidden, as by the API. A view
+        (`{"id": ..., "view": {...}}`) changes what this socket's pushes list, nothing else."""
+        if isinstance(content, dict) and "view" in content:
+            await self._view_set(content)
+            return
         user = await database_sync_to_async(_user_for)(
             user_id=self.scope["user"].pk, session_key=self.scope["session"].session_key
         )
@@ -77,6 +88,18 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         if reply["ok"]:
             await broadcast.dashboard_changed_send()
 
+    async def _view_set(self, content: dict[str, Any]) -> None:
+        data = content["view"]
+        chosen = JobViewInput(data=data if isinstance(data, dict) else {})
+        if not isinstance(data, dict) or not chosen.is_valid():
+            refused = ValidationFailed(chosen.errors if isinstance(data, dict) else {"view": ["An object."]})
+            await self.send_json({"reply": content.get("id"), "ok": False, "error": refused.body()})
+            return
+        self.view = chosen.view()
+        await self.send_json({"reply": content.get("id"), "ok": True})
+        if self.wake is not None:
+            self.wake.set()
+
     async def _push(self, user: Any, session_key: str | None) -> None:
         state = database_sync_to_async(_state_for)
         heartbeat = settings.TELEMACHUS_DASHBOARD_HEARTBEAT_SECONDS
@@ -85,7 +108,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         while True:
             if reread:
                 try:
-                    current = await state(user_id=user.pk, session_key=session_key)
+                    current = await state(user_id=user.pk, session_key=session_key, view=self.view)
                 except Exception as exc:
                     # The page keeps its last picture and says when it was taken; try again shortly. A
                     # database outage is expected now and then; anything else is a bug worth a traceback.
@@ -158,6 +181,6 @@ def _user_for(*, user_id: int, session_key: str | None) -> Any:
     return get_user_model().objects.filter(pk=user_id, is_active=True).first()
 
 
-def _state_for(*, user_id: int, session_key: str | None) -> dict[str, Any] | None:
+def _state_for(*, user_id: int, session_key: str | None, view: JobView) -> dict[str, Any] | None:
     user = _user_for(user_id=user_id, session_key=session_key)
-    return dashboard_state(user=user) if user is not None else None
+    return dashboard_state(user=user, view=view) if user is not None else None

@@ -26,14 +26,14 @@ from quotas.concurrency import ConcurrencyCaps, SlotCounts, concurrency_caps, ex
 from quotas.models import QuotaPolicy
 from quotas.rules import quota_rules
 from scheduler.core.selectors import policy_seen_by, queue_policy, slot_counts
+from scheduler.live.jobs import PAGE_SIZE, JobView, jobs_page
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
-from scheduler.rbac import visible_jobs
 from scheduler.services.policy import EDITABLE
 from telemachus.control.features import feature_states
 from telemachus.models import Team
 from telemachus.teams import rbac
 
-RECENT_JOBS = 50
+RECENT_JOBS = PAGE_SIZE
 POLICY_CHOICES = {
     field.name: [value for value, _ in field.choices]  # type: ignore[union-attr]
     for field in QueuePolicy._meta.get_fields()
@@ -273,6 +273,8 @@ def _queue_snapshot(*, user: rbac.Principal, cluster: Cluster) -> dict[str, Any]
                 "target_share": round(weights.get(team.pk, 0) / total_weight, 4)
                 if team.pk in active and weights.get(team.pk, 0) > 0
                 else 0.0,
+                # An idle team's target share is 0; this is what it would get if it had work now.
+                "share_if_busy": _share_if_busy(record.weight(team.slug), team.pk in active, total_weight),
                 "actual_share": round(used[team.pk] / total_used, 4) if total_used else 0.0,
                 "not_served": [reason["text"] for reason in reasons],
                 "waits": reasons,
@@ -305,26 +307,31 @@ def _queue_snapshot(*, user: rbac.Principal, cluster: Cluster) -> dict[str, Any]
     }
 
 
-def dashboard_state(*, user: rbac.Principal) -> dict[str, Any]:
-    """What the live dashboard shows, all from one snapshot: the queue, the latest jobs the user may
-    see (how many of how many, each queued one with why it waits), and for the controls the queue
-    policy and the feature switches."""
+def _share_if_busy(weight: float, active: bool, total_weight: float) -> float:
+    if weight <= 0:
+        return 0.0
+    return round(weight / (total_weight if active else total_weight + weight), 4)
+
+
+def dashboard_state(*, user: rbac.Principal, view: JobView | None = None) -> dict[str, Any]:
+    """What the live dashboard shows, all from one snapshot: the queue, the page of jobs the page
+    asked for (scheduler/live/jobs.py; each queued one with why it waits), how many jobs each tab
+    holds, and for the controls the queue policy and the feature switches."""
+    view = view or JobView()
     with consistent_read():
         cluster = Cluster.load(now=timezone.now())
         queue = _queue_snapshot(user=user, cluster=cluster)
-        visible = visible_jobs(user)
-        jobs = list(
-            visible.select_related("team", "user", "executor")
-            .defer("input", "result", "conversation")
-            .order_by("-id")[:RECENT_JOBS]
-        )
-        total = visible.count() if len(jobs) == RECENT_JOBS else len(jobs)
+        page = jobs_page(user=user, view=view)
         operator = rbac.is_operator(user)
         return {
             "operator": operator,
             "queue": queue,
-            "jobs": [_job_row(job, cluster, staff=user.is_staff) for job in jobs],
-            "jobs_total": total,
+            "jobs": [_job_row(job, cluster, staff=user.is_staff) for job in page["jobs"]],
+            "jobs_total": page["total"],
+            "jobs_counts": page["counts"],
+            "jobs_count_limit": page["count_limit"],
+            "jobs_next": page["next"],
+            "jobs_view": view.as_dict(),
             "jobs_link": reverse("admin:scheduler_job_changelist") if user.is_staff else reverse("job-list"),
             "policy": policy_seen_by(user, {name: getattr(cluster.record, name) for name in EDITABLE}),
             "policy_choices": POLICY_CHOICES,
