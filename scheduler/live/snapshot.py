@@ -1,6 +1,6 @@
 """The live state of the queue (GET /api/queue/, the dashboard): depth per team with its fair share
 and why it is not being served, slots in use per scope against caps, executors; for the dashboard
-also the latest jobs (with why each queued one waits), the policy and the feature switches.
+also the page of jobs it asked for (with why each queued one waits), the policy and the feature switches.
 
 Each picture is read in one transaction (`consistent_read`), so running counts, slots and the job
 list always agree with each other."""

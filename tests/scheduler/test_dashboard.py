@@ -55,6 +55,19 @@ class TestPage:
         assert b"<script>" not in page.content and not re.search(rb"\son[a-z]+=", page.content)
         assert b"style=" not in page.content and b"<style" not in page.content
 
+    def test_scripts_and_the_chart_library_come_from_this_site(self, member_setup):
+        """The page's Content-Security-Policy allows scripts from this site only (neither inline
+        nor eval), and every script it loads, uPlot included, is one of its static files."""
+        browser = Client()
+        browser.force_login(member_setup[0])
+        page = browser.get("/dashboard/")
+        policy = page.headers["Content-Security-Policy"]
+        scripts = re.findall(rb'<script src="([^"]+)"', page.content)
+        script_src = next(d for d in policy.split("; ") if d.startswith("script-src "))
+        assert script_src.split()[1] == "'self'" and "unsafe" not in script_src and "connect-src 'self'" in policy
+        assert b"/static/scheduler/vendor/uplot-1.6.32/uPlot.iife.min.js" in scripts
+        assert all(src.startswith(b"/static/scheduler/") for src in scripts), scripts
+
 
 class TestSocket:
     def test_pushes_the_queue_and_its_changes(self, member_setup, settings):
