@@ -2,7 +2,7 @@
 the teams and executors they may see (scheduler/live/history.py)."""
 
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -16,7 +16,9 @@ DEFAULT_MINUTES = 60
 
 
 class HistoryQuery(serializers.Serializer):
-    minutes = serializers.IntegerField(min_value=1, default=DEFAULT_MINUTES)
+    minutes = serializers.IntegerField(
+        min_value=1, default=DEFAULT_MINUTES, help_text="How far back, up to the history kept (default 60)."
+    )
 
     def validate_minutes(self, value: int) -> int:
         if value > history_range_minutes():
@@ -29,10 +31,7 @@ class QueueHistoryApi(APIView):
     started and ended, tokens, queue wait p50/p95), per executor (slots in use, limit) and for the
     whole queue, as aligned columns: `times` (epoch seconds) and one list per measure."""
 
-    @extend_schema(
-        parameters=[OpenApiParameter("minutes", int, description="How far back (default 60).")],
-        responses=OpenApiTypes.OBJECT,
-    )
+    @extend_schema(parameters=[HistoryQuery], responses=OpenApiTypes.OBJECT)
     def get(self, request: Request) -> Response:
         query_params_check(request, ["minutes"])
         query = HistoryQuery(data=request.query_params)
