@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
     dependencies = [
         ("executors", "0005_config_version_triggers"),
-        ("scheduler", "0010_retry_index"),
+        ("scheduler", "0011_jobevent_no_policy_changed"),
         ("telemachus", "0004_config_version"),
     ]
 
