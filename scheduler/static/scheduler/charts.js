@@ -171,7 +171,7 @@
     let empty = fig.querySelector(".empty");
     if (!values.length) {
       if (!empty) plot.append(empty = node("div", { className: "empty" }));
-      empty.textContent = series.length ? `No history yet: the workers record a point every ${Tm.duration(history.bucket_seconds)}.`
+      empty.textContent = series.length ? `No history yet: the workers record a point every ${Tm.every(history.bucket_seconds)}.`
         : "Nothing to draw.";
     } else if (empty) empty.remove();
   }
@@ -193,7 +193,7 @@
     const cost = sumOf(g.cost || []);
     const label = RANGES.find(([m]) => m === minutes)[1];
     Tm.kpi("kpi-tokens", Tm.short(tokens), `last ${label}${g.cost ? ` · spend ${cost.toFixed(2)}` : ""}`);
-    $("charts-note").textContent = `last ${label} · one point per ${Tm.duration(history.step_seconds)}, live at the right edge`;
+    $("charts-note").textContent = `last ${label} · a point every ${Tm.every(history.step_seconds)}, live at the right edge`;
   }
 
   // --- data in ---------------------------------------------------------------------------------

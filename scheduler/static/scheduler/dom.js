@@ -44,6 +44,13 @@ Tm.duration = function duration(seconds) {
   return `${Math.floor(s / 86400)} d ${Math.floor((s % 86400) / 3600)} h`;
 };
 
+// A period in words: "3 s", "minute", "4 minutes", "hour" (for "a point every ...").
+Tm.every = function every(seconds) {
+  if (seconds % 3600 === 0) return seconds === 3600 ? "hour" : `${seconds / 3600} hours`;
+  if (seconds % 60 === 0) return seconds === 60 ? "minute" : `${seconds / 60} minutes`;
+  return `${seconds} s`;
+};
+
 // 12, 1.2k, 34k, 1.2M
 Tm.short = function short(n) {
   if (n === null || n === undefined) return "";
