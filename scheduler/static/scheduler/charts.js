@@ -11,6 +11,8 @@
   const PALETTE = ["#1f5fd6", "#e8590c", "#2b8a3e", "#ae3ec9", "#e0a800", "#0c8599", "#c92a2a", "#5c7cfa", "#74b816", "#868e96"];
   // Time axis ticks: whole seconds at least (the history has no finer grain).
   const TIME_STEPS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400];
+  // Counts are whole: no 2.5-job ticks.
+  const WHOLE_STEPS = [1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1e3, 2e3, 2.5e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6, 1e7, 1e8];
   const LIVE_EVERY_MS = 2000; // at most one live point this often
   const MAX_LIVE = 900;
 
@@ -127,7 +129,7 @@
         { stroke: "#66727f", grid: { stroke: "#eef1f4", width: 1 }, ticks: { stroke: "#dfe4eb", width: 1 }, font: "11px system-ui", size: 28,
           space: 70, incrs: TIME_STEPS, values: (u, ticks) => clock(ticks) },
         { stroke: "#66727f", grid: { stroke: "#eef1f4", width: 1 }, ticks: { show: false }, font: "11px system-ui", size: 44,
-          values: (u, values) => values.map((v) => format(v)) },
+          ...(chart.format ? {} : { incrs: WHOLE_STEPS }), values: (u, values) => values.map((v) => format(v)) },
       ],
       series: [{}, ...series.map((s) => ({
         label: s.label, stroke: s.colour, width: s.width || 1.6, dash: s.dash, points: { show: false },
