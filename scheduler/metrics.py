@@ -13,17 +13,22 @@ one consistent picture without a shared directory or a scrape of every process:
   answer a dispatch) is observed in that process with prometheus_client histograms. With
   PROMETHEUS_MULTIPROC_DIR set (bin/run sets it), every process on the host writes there and any
   scrape merges them (prometheus_client's multiprocess mode); a worker on another host exposes its
-  own on TELEMACHUS_METRICS_BIND (scheduler/worker/probes.py)."""
+  own on TELEMACHUS_METRICS_BIND (scheduler/worker/probes.py). So are each worker's heartbeat
+  (the time of its last beat, for "a worker stopped beating" alerts) and every HTTP response the
+  ASGI app sends, by status code (`ResponseCounter`, around the whole app: Django, the gateway).
+
+deploy/ holds a Grafana dashboard and Prometheus alert rules over these names; a test scrapes a
+live run and checks that every name they use is served (tests/test_deploy_metrics.py)."""
 
 import os
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from datetime import timedelta
 from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
 from django.utils import timezone
-from prometheus_client import REGISTRY, CollectorRegistry, Histogram, multiprocess
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
@@ -48,10 +53,73 @@ DISPATCH_SECONDS = Histogram(
 )
 
 
+# Per worker (label: its name, unique per process). In multiprocess mode the largest value of live
+# processes: a worker that stops cleanly takes its series with it (`worker_heartbeat_forget`), one
+# that dies keeps its last beat, which is what an alert on the beat's age wants to see.
+WORKER_HEARTBEAT = Gauge(
+    "telemachus_worker_heartbeat_timestamp_seconds",
+    "Unix time of the worker's last heartbeat (its lease-renewal loop ran).",
+    ["worker"],
+    multiprocess_mode="livemax",
+)
+HTTP_RESPONSES = Counter(
+    "telemachus_http_responses",
+    "HTTP responses sent by the API server, by status code.",
+    ["code"],
+)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
 def dispatch_observe(*, executor: Any, outcome: str, seconds: float) -> None:
     """One dispatch's latency; a job that ran on no executor (a tool job) is not a dispatch."""
     if executor is not None:
         DISPATCH_SECONDS.labels(executor.name, outcome).observe(seconds)
+
+
+def worker_heartbeat_observe(*, worker: str) -> None:
+    """The worker `worker` is beating now."""
+    WORKER_HEARTBEAT.labels(worker).set_to_current_time()
+
+
+def worker_heartbeat_forget(*, worker: str) -> None:
+    """The worker `worker` stopped on purpose: its heartbeat series goes, so no alert says it is
+    missing. In multiprocess mode that is this process's live-gauge file (the process is ending)."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        multiprocess.mark_process_dead(os.getpid())  # (removing a label is not supported there)
+    else:
+        WORKER_HEARTBEAT.remove(worker)
+
+
+class ResponseCounter:
+    """ASGI middleware counting every HTTP response by status code, whoever answers (Django, the
+    gateway's raw responses, the body limit). An application that fails before it answers gets
+    the server's 500, counted as such."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def counting_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start" and not started:
+                started = True
+                HTTP_RESPONSES.labels(str(message["status"])).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not started:
+                HTTP_RESPONSES.labels("500").inc()
+            raise
 
 
 class DatabaseCollector:
@@ -129,15 +197,20 @@ class DatabaseCollector:
             enabled.add_metric([executor.name], int(executor.enabled))
         yield from (in_use, caps, health, breaker, enabled)
 
+        budget_labels = ["scope", "subject", "dimension", "window"]
         remaining = GaugeMetricFamily(
-            "telemachus_budget_remaining",
-            "What is left of a budget in its current window.",
-            labels=["scope", "subject", "dimension", "window"],
+            "telemachus_budget_remaining", "What is left of a budget in its current window.", labels=budget_labels
+        )
+        limit = GaugeMetricFamily(
+            "telemachus_budget_limit", "A budget's limit per window (remaining / limit: what is left).", labels=budget_labels
         )
         for account in cluster.budgets.accounts:
             rule = account.rule
-            remaining.add_metric([rule.scope, rule.subject, rule.dimension, rule.window], max(account.remaining, 0))
+            labels = [rule.scope, rule.subject, rule.dimension, rule.window]
+            remaining.add_metric(labels, max(account.remaining, 0))
+            limit.add_metric(labels, rule.limit)
         yield remaining
+        yield limit
 
         finished = CounterMetricFamily(
             "telemachus_jobs_finished",

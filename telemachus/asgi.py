@@ -19,15 +19,20 @@ from django.urls import path  # noqa: E402
 
 from scheduler.gateway.asgi import GatewayRouter  # noqa: E402
 from scheduler.live.consumers import DashboardConsumer  # noqa: E402
+from scheduler.metrics import ResponseCounter  # noqa: E402
 from telemachus.http.body_limit import BodyLimit  # noqa: E402
+from telemachus.http.reason_phrases import reason_phrases_install  # noqa: E402
 from telemachus.http.websocket import SameOriginValidator  # noqa: E402
+
+# `429 Too Many Requests`, not Twisted's `429 Unknown Status`, on daphne's status lines.
+reason_phrases_install()
 
 application = ProtocolTypeRouter(
     {
         # The OpenAI-compatible endpoint, job waits and streams are served ahead of Django (they wait
         # without holding a thread); other API bodies are limited (413) and read, chunked ones
-        # included, before Django sees them.
-        "http": GatewayRouter(BodyLimit(django_asgi_app)),
+        # included, before Django sees them. Every response is counted by status for /metrics.
+        "http": ResponseCounter(GatewayRouter(BodyLimit(django_asgi_app))),
         # Session authentication, as for the page itself; the Origin check (scheme, host and port)
         # stops other sites' pages from opening the socket with a signed-in user's cookie.
         "websocket": SameOriginValidator(

@@ -51,7 +51,7 @@ from executors.models import Executor
 from executors.registry import DriverPool
 from scheduler.core.jobtypes import job_output, job_request
 from scheduler.flows.runner import flow_round_run, tool_job_outcome
-from scheduler.metrics import CLAIM_SECONDS, dispatch_observe
+from scheduler.metrics import CLAIM_SECONDS, dispatch_observe, worker_heartbeat_forget, worker_heartbeat_observe
 from scheduler.models import Job
 from scheduler.notify import broadcast
 from scheduler.notify import channels as signals
@@ -148,6 +148,7 @@ class Worker:
             self.lease_seconds,
             connection.vendor,
         )
+        worker_heartbeat_observe(worker=self.name)
         await self._recover_once()
         background = [
             asyncio.create_task(self._finisher(), name="finisher"),
@@ -178,6 +179,8 @@ class Worker:
                 await asyncio.get_running_loop().run_in_executor(thread, _close_connection)
                 thread.shutdown(wait=True)
             self.tool_threads.shutdown(wait=False, cancel_futures=True)
+        # Only a clean stop gets here: a worker that died keeps its last beat, for alerts to see.
+        worker_heartbeat_forget(worker=self.name)
         log.info("worker %s stopped after %d jobs", self.name, self.processed)
 
     def _install_signal_handlers(self) -> None:
@@ -492,6 +495,7 @@ class Worker:
             interval = self._heartbeat_interval()
             await asyncio.sleep(interval)
             self.beat_at = time.monotonic()
+            worker_heartbeat_observe(worker=self.name)
             held = {job_id: f.claim.lease for job_id, f in self.inflight.items() if f.abort_reason is None}
             if not held:
                 continue
