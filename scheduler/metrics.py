@@ -202,7 +202,9 @@ class DatabaseCollector:
             "telemachus_budget_remaining", "What is left of a budget in its current window.", labels=budget_labels
         )
         limit = GaugeMetricFamily(
-            "telemachus_budget_limit", "A budget's limit per window (remaining / limit: what is left).", labels=budget_labels
+            "telemachus_budget_limit",
+            "A budget's limit per window (remaining / limit: what is left).",
+            labels=budget_labels,
         )
         for account in cluster.budgets.accounts:
             rule = account.rule

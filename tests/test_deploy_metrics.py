@@ -13,14 +13,12 @@ import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from rest_framework.authtoken.models import Token
 
-from executors.models import Executor
 from quotas.models import QuotaPolicy
 from tests.conftest import chat_body
 from tests.processes import ROOT, wait_until
@@ -109,7 +107,16 @@ def test_the_dashboard_imports_with_a_prometheus_datasource_input():
         assert panel["targets"] and all(t["datasource"]["uid"] == "${DS_PROMETHEUS}" for t in panel["targets"])
         assert {"x", "y", "w", "h"} <= set(panel["gridPos"])
     titles = " / ".join(p["title"] for p in panels)
-    for topic in ("Queue depth", "Slots in use vs cap", "p50 / p95", "Tokens", "outcomes", "Breaker", "5xx", "heartbeat"):
+    for topic in (
+        "Queue depth",
+        "Slots in use vs cap",
+        "p50 / p95",
+        "Tokens",
+        "outcomes",
+        "Breaker",
+        "5xx",
+        "heartbeat",
+    ):
         assert topic in titles
 
 
@@ -241,6 +248,20 @@ def test_each_alert_fires_on_the_series_it_is_for():
         alert["alertname"]
         for case in yaml.safe_load(ALERT_TESTS.read_text())["tests"]
         for check in case.get("alert_rule_test", [])
-        for alert in [check] if check.get("exp_alerts")
+        for alert in [check]
+        if check.get("exp_alerts")
     }
-    assert expected == {rule["alert"] for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]}
+    assert expected == {
+        rule["alert"] for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]
+    }
+
+
+def test_the_example_prometheus_config_is_valid(tmp_path):
+    """As installed: prometheus.yml beside alerts.yml and the operator's token file."""
+    for name in ("prometheus.yml", "alerts.yml"):
+        shutil.copy(ALERTS.parent / name, tmp_path / name)
+    (tmp_path / "telemachus.token").write_text("an operator's token\n")
+    checked = subprocess.run(
+        [promtool(), "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True, text=True, timeout=30
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr

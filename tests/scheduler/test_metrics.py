@@ -4,17 +4,29 @@ and the totals with their names, labels and values. And the health endpoints."""
 
 import asyncio
 import json
+import signal
+import time
 import urllib.request
 
 import pytest
+from asgiref.testing import ApplicationCommunicator
 from django.db import connection
 from django.db.migrations.loader import MigrationLoader
 from django.db.migrations.recorder import MigrationRecorder
 from prometheus_client.parser import text_string_to_metric_families
+from rest_framework.authtoken.models import Token
 
 from executors.models import Executor
 from quotas.models import QuotaPolicy
-from scheduler.metrics import CLAIM_SECONDS, DISPATCH_SECONDS
+from scheduler.metrics import (
+    CLAIM_SECONDS,
+    DISPATCH_SECONDS,
+    HTTP_RESPONSES,
+    WORKER_HEARTBEAT,
+    ResponseCounter,
+    worker_heartbeat_forget,
+    worker_heartbeat_observe,
+)
 from scheduler.models import Job
 from scheduler.services.cancel import job_cancel
 from scheduler.services.submit import job_submit
@@ -146,3 +158,102 @@ def test_a_worker_serves_probes_and_metrics_on_its_own_address(processes, member
     assert json.loads(body)["checks"] == {"database": "ok", "migrations": "ok", "heartbeat": "ok"}
     status, body = get("/metrics")
     assert status == 200 and b"telemachus_queue_depth" in body and b"telemachus_claim_duration_seconds" in body
+
+
+def series(families, name: str) -> dict[tuple, float]:
+    return {
+        tuple(sorted(sample.labels.items())): sample.value
+        for family in families
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
+@pytest.mark.django_db
+def test_a_budget_is_served_with_its_limit_beside_what_remains(api, operator, member_setup):
+    QuotaPolicy.objects.create(scope="team", subject="a", dimension="ai.requests", limit=40, window="hour")
+    samples = scrape(api(operator))
+    key = (("dimension", "ai.requests"), ("scope", "team"), ("subject", "a"), ("window", "hour"))
+    assert samples["telemachus_budget_limit", key] == 40
+    assert samples["telemachus_budget_remaining", key] == 40
+
+
+def http_responses() -> dict[tuple, float]:
+    return series(HTTP_RESPONSES.collect(), "telemachus_http_responses_total")
+
+
+def test_every_http_response_is_counted_by_code_whoever_answers():
+    """Through the whole ASGI app: Django's pages, the gateway's raw answers ahead of Django, and
+    an application that fails before answering (the server sends 500)."""
+    from telemachus.asgi import application
+
+    async def get(app, path: str) -> int:
+        communicator = ApplicationCommunicator(
+            app,
+            {
+                "type": "http",
+                "method": "GET",
+                "path": path,
+                "headers": [(b"host", b"localhost")],
+                "query_string": b"",
+                "server": ("127.0.0.1", 80),
+            },
+        )
+        await communicator.send_input({"type": "http.request", "body": b""})
+        try:
+            return (await communicator.receive_output(timeout=10))["status"]
+        finally:
+            await communicator.wait(timeout=10)
+
+    async def broken(scope, receive, send):
+        raise RuntimeError("before any response")
+
+    before = http_responses()
+    assert asyncio.run(get(application, "/healthz")) == 200  # Django
+    assert asyncio.run(get(application, "/v1/models")) == 401  # the gateway, raw ASGI
+    with pytest.raises(RuntimeError):
+        asyncio.run(get(ResponseCounter(broken), "/"))
+    after = http_responses()
+    for code in ("200", "401", "500"):
+        assert after[(("code", code),)] - before.get((("code", code),), 0) == 1, code
+
+
+def test_a_worker_heartbeat_is_its_time_until_it_stops_cleanly():
+    worker_heartbeat_observe(worker="beating")
+    beats = series(WORKER_HEARTBEAT.collect(), "telemachus_worker_heartbeat_timestamp_seconds")
+    assert abs(beats[(("worker", "beating"),)] - time.time()) < 5
+    worker_heartbeat_forget(worker="beating")
+    assert (("worker", "beating"),) not in series(
+        WORKER_HEARTBEAT.collect(), "telemachus_worker_heartbeat_timestamp_seconds"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_dead_workers_last_beat_stays_and_a_stopped_one_goes(processes, tmp_path, operator, api):
+    """As bin/run runs them: daphne and workers sharing a multiprocess directory. A worker that
+    stops on SIGTERM takes its series with it; one killed keeps its last beat, which ages, so an
+    alert on the age of the beat fires for it and only for it."""
+    multiproc = tmp_path / "prometheus"
+    multiproc.mkdir()
+    base = processes.daphne(PROMETHEUS_MULTIPROC_DIR=str(multiproc))
+    stopped = processes.worker("stopped", PROMETHEUS_MULTIPROC_DIR=str(multiproc))
+    killed = processes.worker("killed", PROMETHEUS_MULTIPROC_DIR=str(multiproc))
+    token = Token.objects.create(user=operator).key
+
+    def beats() -> dict[str, float]:
+        request = urllib.request.Request(f"{base}/metrics", headers={"Authorization": f"Token {token}"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            families = list(text_string_to_metric_families(response.read().decode()))
+        found = series(families, "telemachus_worker_heartbeat_timestamp_seconds")
+        return {dict(labels)["worker"]: value for labels, value in found.items()}
+
+    wait_until(lambda: {"stopped", "killed"} <= set(beats()), timeout=30, what="both workers' heartbeats")
+    stopped.send_signal(signal.SIGTERM)
+    assert stopped.wait(timeout=30) == 0
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=10)
+    last = beats()
+    assert set(last) == {"killed"}
+    time.sleep(1.5)  # a live worker would have beaten by now (it beats every second without LISTEN)
+    assert beats()["killed"] == last["killed"] and time.time() - last["killed"] >= 1.5
