@@ -20,10 +20,18 @@ $(VENV)/.installed-dev: pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+# database_ensure creates a PostgreSQL database that DATABASE_URL names and the server lacks (or
+# says which createdb to run); a no-op on SQLite.
 migrate: $(VENV)/.installed-run
+	$(PY) manage.py database_ensure
 	$(PY) manage.py migrate --noinput
 
-run: migrate
+# `bin/run --check` first: a port in use (another `make run`) stops this one before it touches
+# the database or the running instance's metrics.
+run: $(VENV)/.installed-run
+	@HOST=$(HOST) PORT=$(PORT) PY=$(PY) bin/run --check
+	$(PY) manage.py database_ensure
+	$(PY) manage.py migrate --noinput
 	$(PY) manage.py telemachus_demo
 	HOST=$(HOST) PORT=$(PORT) PY=$(PY) bin/run
 
