@@ -70,11 +70,14 @@ class Run:
 
     def __init__(self, tmp_path: Path, **env: str) -> None:
         self.tmp_path = tmp_path
+        # The metrics files in the test's directory, not in var/ (an empty value: bin/run's default).
+        (tmp_path / "prometheus").mkdir()
         self.env = {
             **os.environ,
             "DJANGO_SETTINGS_MODULE": "telemachus.settings",
             "PYTHONUNBUFFERED": "1",
             "DATABASE_URL": f"sqlite:///{tmp_path}/run.sqlite3",
+            "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prometheus"),
             **env,
         }
         self.env.pop("DEBUG", None)

@@ -80,6 +80,9 @@ def files(directory: Path) -> dict[str, int]:
 @pytest.fixture
 def run(tmp_path):
     started = Run(tmp_path)
+    # From here on, bin/run's default directory, as `make run` has it (Run's set-up commands kept
+    # theirs in tmp_path: prometheus_client writes wherever the variable points, even "").
+    del started.env["PROMETHEUS_MULTIPROC_DIR"]
     metrics = ROOT / "var/prometheus" / str(started.port)  # bin/run's default, one per port
     yield started
     started.stop_all()
@@ -250,3 +253,20 @@ def test_make_run_without_the_right_to_create_it_stops_with_the_createdb_command
     assert "Traceback" not in output
     assert not answers(f"http://127.0.0.1:{port}/api/schema/")
     assert not database_exists(new_database_name)
+
+
+def test_an_unreachable_postgres_stops_the_set_up_within_seconds_saying_what_to_check():
+    port = free_port()  # nothing listens there
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "manage.py", "database_ensure"],
+        cwd=ROOT,
+        env=environment(f"postgres://alice@127.0.0.1:{port}/telemachus"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1 and time.monotonic() - started < 20, done.stderr
+    assert f"pg_isready -h 127.0.0.1 -p {port}" in done.stderr
+    assert f"createdb -h 127.0.0.1 -p {port} -U postgres -O alice telemachus" in done.stderr
+    assert "Traceback" not in done.stderr
