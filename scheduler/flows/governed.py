@@ -2,13 +2,13 @@
 
     from scheduler.flows.governed import governed_slot
 
-    with governed_slot(user=request.user, team="research", model="llama3", est_tokens=800) as slot:
+    with governed_slot(user=request.user, team="demo", model="llama3", est_tokens=800) as slot:
         reply = httpx.post(f"{slot.endpoint}/chat/completions", json={"model": slot.model, "messages": msgs},
                            headers=slot.headers()).json()
         slot.report(prompt_tokens=reply["usage"]["prompt_tokens"],
                     completion_tokens=reply["usage"]["completion_tokens"])
 
-    async with governed_slot(user=user, team="research", model="llama3") as slot:   # the async twin
+    async with governed_slot(user=user, team="demo", model="llama3") as slot:   # the async twin
         ...
 
 Entering submits a job of type `governed` (the principal needs `flows:run`, budgets are checked as
