@@ -23,13 +23,35 @@ class DomainError(Exception):
 
 
 class ValidationFailed(DomainError):
-    """Bad input; `fields` maps each offending field to its messages."""
+    """Bad input; `fields` maps each offending field to its messages (nested for nested input).
+    The API's body keeps `detail` and `fields` apart; the exception's message joins them, so code
+    that calls a service directly (a shell, governed_slot, a task) sees why in a traceback:
+    `Invalid input. team: No team 'x' that you belong to.`"""
 
     code = "validation_error"
     default_detail = "Invalid input."
 
     def __init__(self, fields: dict[str, Any], detail: str | None = None) -> None:
         super().__init__(detail, fields=fields)
+        self.fields = fields
+        reasons = "; ".join(f"{path}: {message}" for path, message in _field_messages(fields))
+        self.args = (f"{self.detail} {reasons}" if reasons else self.detail,)
+
+
+def _field_messages(fields: Any, path: str = "") -> list[tuple[str, str]]:
+    """(dotted path, message) for every message in a fields map: values are messages, lists of
+    them, or maps (and lists of maps, for list input) one level further down."""
+    if isinstance(fields, dict):
+        return [
+            pair
+            for key, value in fields.items()
+            for pair in _field_messages(value, f"{path}.{key}" if path else str(key))
+        ]
+    if isinstance(fields, list | tuple):
+        if any(isinstance(item, dict | list | tuple) for item in fields):
+            return [pair for index, item in enumerate(fields) for pair in _field_messages(item, f"{path}[{index}]")]
+        return [(path or "input", " ".join(str(message) for message in fields))]
+    return [(path or "input", str(fields))]
 
 
 class UnknownModel(DomainError):
