@@ -1,6 +1,11 @@
-"""Pages outside the API: the live dashboard (its data comes over /ws/dashboard/) and /metrics."""
+"""Pages outside the API: the live dashboard (its data comes over /ws/dashboard/), /metrics and
+/favicon.ico."""
+
+from functools import cache
+from pathlib import Path
 
 from django.contrib.auth.decorators import login_required
+from django.contrib.staticfiles import finders
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
@@ -15,6 +20,19 @@ from telemachus.teams import rbac
 @login_required
 def dashboard(request: HttpRequest) -> HttpResponse:
     return render(request, "scheduler/dashboard.html")
+
+
+@cache
+def _favicon() -> bytes:
+    return Path(str(finders.find("scheduler/favicon.svg"))).read_bytes()
+
+
+@require_GET
+def favicon(request: HttpRequest) -> HttpResponse:
+    """GET /favicon.ico: the site's icon (the SVG the dashboard's pages link), for the pages that
+    link none (the admin, the API's own) and for browsers that ask the conventional path. Served
+    from here, not a CDN; browsers go by the content type, not the name."""
+    return HttpResponse(_favicon(), content_type="image/svg+xml", headers={"Cache-Control": "public, max-age=86400"})
 
 
 @require_GET

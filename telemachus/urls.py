@@ -45,6 +45,7 @@ urlpatterns = [
     path("", RedirectView.as_view(pattern_name="dashboard"), name="home"),
     path("dashboard/", pages.dashboard, name="dashboard"),
     path("metrics", pages.metrics, name="metrics"),
+    path("favicon.ico", pages.favicon, name="favicon"),
     path("healthz", healthz, name="healthz"),
     path("readyz", readyz, name="readyz"),
     path("login/", attempts_limited(auth_views.LoginView.as_view(template_name="scheduler/login.html")), name="login"),  # type: ignore[arg-type]
