@@ -99,7 +99,7 @@ class ResponseCounter:
     gateway's raw responses, the body limit). An application that fails before it answers gets
     the server's 500, counted as such."""
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
