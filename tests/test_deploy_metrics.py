@@ -4,13 +4,17 @@ directory, as bin/run starts them; jobs through a sim executor, so histograms ha
 metric that deploy/ queries is a series on the live /metrics, with the labels its selectors and
 groupings name. And the files themselves: the dashboard imports with a datasource input; the
 rules and the dashboard's queries parse (promtool), the alerts fire on the series they are for
-(promtool's rule tests), and the live exposition passes `promtool check metrics`."""
+(promtool's rule tests), the live exposition passes `promtool check metrics`, and a real
+Prometheus run with the example config scrapes the app, evaluates the rules without error and
+answers every dashboard query with series."""
 
 import json
 import re
 import shutil
 import subprocess
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
@@ -21,7 +25,7 @@ from rest_framework.authtoken.models import Token
 
 from quotas.models import QuotaPolicy
 from tests.conftest import chat_body
-from tests.processes import ROOT, wait_until
+from tests.processes import ROOT, free_port, wait_until
 
 DASHBOARD = ROOT / "deploy/grafana/telemachus.json"
 ALERTS = ROOT / "deploy/prometheus/alerts.yml"
@@ -47,9 +51,10 @@ class Use:
 
 
 def metric_uses(expr: str) -> list[Use]:
-    """The metrics a PromQL expression reads. Strings, range selectors and Grafana's variables are
+    """The metrics a PromQL expression reads. Range selectors (and Grafana's variables in them) are
     set aside; an identifier followed by `(` is a function (or an aggregation), one in a grouping
-    clause a label, the rest metric names, each with its `{...}` matchers."""
+    clause a label, a keyword or a number's exponent nothing, the rest metric names, each with its
+    `{...}` matchers (whose quoted values are not read as names)."""
     expr = re.sub(r"\[[^\]]*\]", "", expr)  # [5m], [$__rate_interval], subqueries' [1h:1m]
     groupings = {label.strip() for _, labels in GROUPING.findall(expr) for label in labels.split(",") if label.strip()}
     expr = GROUPING.sub(" ", expr)
@@ -133,10 +138,18 @@ def http(url: str, token: str, body: dict | None = None) -> tuple[bytes, str]:
         return response.read(), response.headers["Content-Type"]
 
 
-def live_scrape(processes, tmp_path, make_user, make_team, make_executor) -> str:
-    """/metrics of daphne after a worker ran three jobs through a sim executor, then, with the
-    team capped at one slot, one slow job running and one queued behind it; a budget set. Daphne
-    and the worker share one multiprocess directory, as bin/run starts them."""
+@dataclass
+class Live:
+    base: str
+    operator_token: str
+    scrape: str
+
+
+def live_app(processes, tmp_path, make_user, make_team, make_executor) -> Live:
+    """Daphne and a worker after a worker ran three jobs through a sim executor, then, with the
+    team capped at one slot, one slow job running and one queued behind it; a budget set; one 502
+    (an executor sync that cannot reach its server). Daphne and the worker share one
+    multiprocess directory, as bin/run starts them. With daphne's /metrics at the end."""
     alice, operator = make_user("alice"), make_user("operator", is_superuser=True)
     make_team("deploy", {alice: "member"})
     make_executor("deploy-sim", models=["m"], max_concurrency=2, meta={"latency_ms": 20})
@@ -163,6 +176,11 @@ def live_scrape(processes, tmp_path, make_user, make_team, make_executor) -> str
     waiting = submit("m")
     time.sleep(0.5)
     assert status(waiting) == "queued"
+    unreachable = make_executor("deploy-gone", kind="local-model", endpoint=f"http://127.0.0.1:{free_port()}/v1")
+    try:
+        http(f"{base}/api/executors/{unreachable.pk}/sync/", operator_token, {})
+    except urllib.error.HTTPError as exc:
+        assert exc.code == 502
     # The worker's heartbeat reaches daphne's scrape through the shared directory.
     wait_until(
         lambda: b"telemachus_worker_heartbeat_timestamp_seconds{" in http(f"{base}/metrics", operator_token)[0],
@@ -171,7 +189,7 @@ def live_scrape(processes, tmp_path, make_user, make_team, make_executor) -> str
     )
     body, content_type = http(f"{base}/metrics", operator_token)
     assert content_type.startswith("text/plain; version=")
-    return body.decode()
+    return Live(base, operator_token, body.decode())
 
 
 def served(scrape: str) -> dict[str, tuple[str, str, list]]:
@@ -186,7 +204,7 @@ def served(scrape: str) -> dict[str, tuple[str, str, list]]:
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_every_metric_deploy_uses_is_served_by_a_live_app(processes, tmp_path, make_user, make_team, make_executor):
-    scrape = live_scrape(processes, tmp_path, make_user, make_team, make_executor)
+    scrape = live_app(processes, tmp_path, make_user, make_team, make_executor).scrape
     series = served(scrape)
     for expr in dashboard_exprs() + alert_exprs():
         for use in metric_uses(expr):
@@ -265,3 +283,73 @@ def test_the_example_prometheus_config_is_valid(tmp_path):
         [promtool(), "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True, text=True, timeout=30
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_prometheus_scrapes_with_the_example_config_and_every_rule_and_query_evaluates(
+    processes, tmp_path, make_user, make_team, make_executor
+):
+    """A real Prometheus (Debian's), configured by deploy/prometheus/prometheus.yml with only the
+    target and intervals changed: it authenticates with the token file, the five rules load and
+    evaluate without error, and every dashboard query answers with series."""
+    server = shutil.which("prometheus")
+    if server is None:
+        pytest.skip("prometheus is missing (Debian: apt-get install prometheus)")
+    live = live_app(processes, tmp_path, make_user, make_team, make_executor)
+    config = yaml.safe_load((ALERTS.parent / "prometheus.yml").read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    (job,) = config["scrape_configs"]
+    job["static_configs"] = [{"targets": [urllib.parse.urlsplit(live.base).netloc]}]
+    home = tmp_path / "etc-prometheus"
+    home.mkdir()
+    (home / "prometheus.yml").write_text(yaml.safe_dump(config))
+    shutil.copy(ALERTS, home / "alerts.yml")
+    (home / "telemachus.token").write_text(live.operator_token + "\n")
+    port = free_port()
+    log = open(tmp_path / "prometheus.log", "w")
+    prometheus = subprocess.Popen(
+        [
+            server,
+            f"--config.file={home / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+    def api(path: str, **params: str) -> dict:
+        url = f"http://127.0.0.1:{port}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                return json.loads(response.read())
+        except OSError:
+            return {}
+
+    def query(expr: str) -> list:
+        answer = api("query", query=expr)
+        assert answer.get("status") == "success", (expr, answer)
+        return answer["data"]["result"]
+
+    try:
+        wait_until(lambda: api("query", query="up").get("status"), timeout=60, what="prometheus to answer")
+        # Three scrapes, so that rates have samples to work from.
+        wait_until(lambda: query('count_over_time(up{job="telemachus"}[1m]) >= 3'), timeout=30, what="three scrapes")
+        assert query('up{job="telemachus"}')[0]["value"][1] == "1", "the token file authenticates the scrape"
+
+        def rules_evaluated() -> list:
+            rules = [r for g in api("rules").get("data", {}).get("groups", []) for r in g["rules"]]
+            # Evaluated: a last evaluation later than the zero time (0001-01-01T00:00:00Z).
+            return rules if len(rules) == 5 and all(r["lastEvaluation"] > "2000" for r in rules) else []
+
+        rules = wait_until(rules_evaluated, timeout=30, what="the rules to be evaluated")
+        assert all(rule["health"] == "ok" for rule in rules), rules
+        for expr in alert_exprs():
+            query(expr)
+        for expr in dashboard_exprs():
+            assert query(as_promql(expr).replace("[5m]", "[1m]")), f"no series for {expr!r}"
+    finally:
+        prometheus.terminate()
+        prometheus.wait(timeout=30)
+        log.close()
