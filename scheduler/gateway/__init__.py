@@ -1,5 +1,5 @@
 """The app-facing edge, served by the ASGI app itself rather than Django's request cycle: the
-OpenAI-compatible endpoint (`/v1/`) and the job API's long-lived requests (`/api/jobs/{id}/wait/`,
+OpenAI- and Anthropic-compatible endpoints (`/v1/`) and the job API's long-lived requests (`/api/jobs/{id}/wait/`,
 `/api/jobs/{id}/stream/`).
 
 These requests spend almost all their time waiting for a job. Django's async views run every
@@ -13,7 +13,10 @@ listener per process tells every waiting request of the jobs it watches (`feed.p
   database.py  the shared database threads
   feed.py      one per process: job changes (PostgreSQL NOTIFY or SQLite's data_version) and
                output deltas (Redis, NOTIFY, or in process)
+  governed.py  one governed model call, whatever the protocol: submit, wait, relay, cancel
   openai.py    POST /v1/chat/completions, POST /v1/embeddings, GET /v1/models
+  responses.py POST /v1/responses (OpenAI's Responses API over chat completions)
+  anthropic.py POST /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API, likewise)
   shapes.py    OpenAI's request checks, response bodies and error shape
   jobs.py      GET /api/jobs/{id}/wait/ and /stream/
   schema.py    these paths in the OpenAPI schema

@@ -113,10 +113,12 @@ class GatewayRouter:
     """ASGI app: the gateway's paths here, the rest to `fallback` (Django)."""
 
     def __init__(self, fallback: ASGIApp) -> None:
-        from scheduler.gateway import jobs, openai  # the app registry is ready by the time this is built
+        # the app registry is ready by the time this is built
+        from scheduler.gateway import anthropic, jobs, openai
 
         self.fallback = fallback
         self.routes: list[tuple[re.Pattern, Handler, ErrorBody]] = [
+            (re.compile(r"^/v1/messages(?P<rest>/.*)?$"), anthropic.serve, anthropic.error_body),
             (re.compile(r"^/v1/(?P<rest>.*)$"), openai.serve, openai.error_body),
             (re.compile(r"^/api/jobs/(?P<job_id>[0-9]{1,18})/(?P<action>wait|stream)/$"), jobs.serve, api_error),
         ]

@@ -137,6 +137,8 @@ class ModelCall:
     include_usage: bool = False
     api: str = "chat"
     requirements: dict[str, Any] = field(default_factory=dict)
+    # What a translated protocol (Responses, Messages) echoes back or needs to shape its answer.
+    context: dict[str, Any] = field(default_factory=dict)
 
 
 def chat_call(body: Any) -> ModelCall:

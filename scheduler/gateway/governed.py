@@ -1,0 +1,425 @@
+"""One governed model call, whatever protocol the app speaks: the part the three model APIs of the
+gateway share (OpenAI's chat completions and Responses, Anthropic's Messages; openai.py,
+responses.py, anthropic.py).
+
+`model_call()` authenticates the caller, picks the team, checks the `openai` feature switch, has
+the protocol's `Dialect` translate the body into a chat completion, submits it as a `chat` job
+through `job_submit` (RBAC, budgets, priority map, depth cap), then waits for the job on the
+process's job feed, holding no thread and no database connection, and answers in the protocol's
+shape: one body, or a stream the dialect's `StreamWriter` writes as the output arrives. A client
+that disconnects, or a call that waits longer than TELEMACHUS_GATEWAY_TIMEOUT_SECONDS (504),
+cancels its job, which frees its slot at once. Every response about a job names it in
+`X-Telemachus-Job`.
+
+A dialect says only what differs: how a body becomes a chat completion (refusing what it cannot
+carry), how a result, a stream and an error look. Queueing, waiting, relaying and canceling are
+here, once."""
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+
+from executors.contract import EMBEDDINGS_API
+from scheduler.core.configuration import configuration
+from scheduler.gateway import shapes
+from scheduler.gateway.asgi import Reply, Request
+from scheduler.gateway.auth import token_key, user_for_token
+from scheduler.gateway.database import db
+from scheduler.gateway.feed import Delta, JobFeed, Relay, Watch
+from scheduler.models import Job, JobEvent
+from scheduler.services.cancel import job_cancel
+from scheduler.services.submit import job_submit
+from telemachus import errors
+from telemachus.control.config import config_current, config_snapshot
+from telemachus.control.features import OPENAI, feature_require
+from telemachus.models import Team
+from telemachus.teams import rbac
+
+log = logging.getLogger("telemachus.gateway")
+TEAM_HEADER, PRIORITY_HEADER, JOB_HEADER = "x-telemachus-team", "x-telemachus-priority", "x-telemachus-job"
+KEEPALIVE_SECONDS = 15.0
+SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
+GatewayError = shapes.OpenAIError  # the gateway's errors, rendered in each protocol's shape by its dialect
+
+
+# --- what differs between protocols ----------------------------------------------------------------
+
+
+class StreamWriter:
+    """The SSE bytes of one streamed call, in a protocol's events. Called in order: `opening` once
+    (with the first text, maybe empty), `text` for each later piece, then `closing` (with the job's
+    result and the text not yet relayed) or `failure`."""
+
+    keepalive = b": keepalive\n\n"
+
+    def opening(self, text: str) -> bytes:
+        raise NotImplementedError
+
+    def text(self, text: str) -> bytes:
+        raise NotImplementedError
+
+    def closing(self, result: dict[str, Any], rest: str) -> bytes:
+        raise NotImplementedError
+
+    def failure(self, error: GatewayError) -> bytes:
+        raise NotImplementedError
+
+
+class Dialect:
+    """A model API the gateway speaks. `via` is recorded in the job's meta; `api_key_header` names a
+    header that may carry the token instead of `Authorization` (Anthropic's `x-api-key`)."""
+
+    via = "openai"
+    api_key_header: str | None = None
+
+    def translate(self, body: Any) -> shapes.ModelCall:
+        """The body as the chat job it becomes; raises GatewayError (400, naming the field) for what
+        it cannot carry."""
+        raise NotImplementedError
+
+    def answer(self, *, job_id: int, created: int, call: shapes.ModelCall, result: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def writer(self, *, job_id: int, created: int, call: shapes.ModelCall) -> StreamWriter:
+        raise NotImplementedError
+
+    def error_body(self, error: GatewayError) -> dict[str, Any]:
+        return error.body()
+
+    def late_error(self, error: GatewayError) -> bytes:
+        """The last event of a stream that fails after it started, outside a StreamWriter's care."""
+        return sse(self.error_body(error))
+
+    def authorization(self, request: Request) -> str | None:
+        """The credentials as an Authorization header value."""
+        header = request.header("authorization")
+        if header is None and self.api_key_header:
+            key = request.header(self.api_key_header)
+            return f"Bearer {key.strip()}" if key and key.strip() else None
+        return header
+
+
+async def answering_errors(reply: Reply, dialect: Dialect, handler: Any) -> None:
+    """Await `handler` (a coroutine), rendering the errors it raises in the dialect's shape."""
+    try:
+        await handler
+    except (shapes.OpenAIError, errors.DomainError) as exc:
+        failure = exc if isinstance(exc, shapes.OpenAIError) else shapes.from_domain(exc)
+        if not reply.started:
+            await respond_error(reply, dialect, failure)
+        elif not reply.finished:  # a stream under way: the error is its last event
+            await reply.end(dialect.late_error(failure))
+
+
+async def respond_error(reply: Reply, dialect: Dialect, error: GatewayError, job_id: int | None = None) -> None:
+    headers = {**error.headers, **({JOB_HEADER: str(job_id)} if job_id else {})}
+    await reply.json(error.status, dialect.error_body(error), headers)
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    """One Server-Sent Event (with an `event:` line when the protocol names its events)."""
+    head = f"event: {event}\n".encode() if event else b""
+    return head + b"data: " + json.dumps(data).encode() + b"\n\n"
+
+
+# --- who is calling ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Caller:
+    user: rbac.Principal
+    team: Team
+
+
+def caller_for(*, authorization: str | None, team: str | None, confirm: bool) -> Caller:
+    """Authenticate the token, find the team the call acts for and refuse the call (403
+    feature_disabled) if the `openai` switch is off for that team or for everyone: the one point
+    every /v1/ call passes once its caller and team are known. The switches are the cached ones;
+    with `confirm` False, those this process last used, unconfirmed (no query), for a submit,
+    which confirms its configuration and checks the switch again. A refusal is believed only
+    from a confirmed read."""
+    key = token_key(authorization)
+    user = user_for_token(key=key) if key else None
+    if user is None:
+        raise shapes.not_authenticated()
+    caller = Caller(user=user, team=team_of(user, team))
+    snapshot, fresh = (config_snapshot(), True) if confirm else config_current()
+    try:
+        feature_require(feature=OPENAI, team=caller.team, switches=configuration(snapshot).features)
+    except errors.FeatureDisabled:
+        if fresh:
+            raise
+        feature_require(feature=OPENAI, team=caller.team, switches=configuration(config_snapshot()).features)
+    return caller
+
+
+def team_of(user: rbac.Principal, slug: str | None) -> Team:
+    """The team named, if the caller may act in it (it reads as not found otherwise, as other
+    teams' objects do), else the caller's only team."""
+    if slug:
+        named = rbac.visible_teams(user).filter(slug=slug).first()
+        if named is None:
+            raise shapes.OpenAIError(
+                404, f"No team {slug!r} that you belong to.", code="team_not_found", param=TEAM_HEADER, retry=False
+            )
+        return named
+    mine = list(rbac.member_teams(user)[:2])
+    if len(mine) == 1:
+        return mine[0]
+    if not mine:
+        raise shapes.OpenAIError(
+            400,
+            "You belong to no team; name one with the X-Telemachus-Team header.",
+            code="team_required",
+            param=TEAM_HEADER,
+        )
+    raise shapes.OpenAIError(
+        400,
+        "You belong to several teams; name one with the X-Telemachus-Team header.",
+        code="team_required",
+        param=TEAM_HEADER,
+    )
+
+
+def _submit(
+    *,
+    authorization: str | None,
+    team: str | None,
+    priority: str | None,
+    body: bytes,
+    dialect: Dialect,
+) -> tuple[Caller, Job, shapes.ModelCall]:
+    """Authenticate, translate and check the body, submit: one trip to the database threads."""
+    caller = caller_for(authorization=authorization, team=team, confirm=False)
+    data = shapes.parse_body(body)
+    call = dialect.translate(data)
+    requirements = {"model": call.model, "est_tokens": call.est_tokens}
+    if call.api == EMBEDDINGS_API:
+        requirements["api"] = EMBEDDINGS_API
+    job = job_submit(
+        user=caller.user,
+        team=caller.team.slug,
+        type=Job.Type.CHAT,
+        requirements=requirements,
+        input=call.input,
+        priority=_priority(priority),
+        meta={"via": dialect.via},
+        features=(OPENAI,),
+    )
+    return caller, job, call
+
+
+def _priority(header: str | None) -> int:
+    if header is None:
+        return 0
+    try:
+        value = int(header)
+    except ValueError:
+        value = Job.PRIORITY_MAX + 1
+    if not Job.PRIORITY_MIN <= value <= Job.PRIORITY_MAX:
+        raise shapes.bad_request(
+            f"X-Telemachus-Priority must be an integer from {Job.PRIORITY_MIN} to {Job.PRIORITY_MAX}.", PRIORITY_HEADER
+        )
+    return value
+
+
+# --- how a job ended -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ending:
+    status: str
+    result: dict[str, Any] | None
+    error: str
+    upstream_status: int | None = None
+    timed_out: bool = False
+
+    def failure(self) -> GatewayError:
+        return shapes.failure(
+            status=self.status, error=self.error, upstream_status=self.upstream_status, timed_out=self.timed_out
+        )
+
+
+def _ending(*, job_id: int) -> Ending | None:
+    """The job's end, or None while it has not ended."""
+    row = Job.objects.filter(pk=job_id).values("status", "result", "error").first()
+    if row is None or row["status"] not in Job.TERMINAL:
+        return None
+    if row["status"] != Job.Status.FAILED:
+        return Ending(status=row["status"], result=row["result"], error=row["error"])
+    meta = (
+        JobEvent.objects.filter(job_id=job_id, event=JobEvent.Type.FAILED)
+        .order_by("-id")
+        .values_list("meta", flat=True)
+        .first()
+    ) or {}
+    status = meta.get("status")
+    return Ending(
+        status=row["status"],
+        result=None,
+        error=row["error"],
+        upstream_status=status if isinstance(status, int) else None,
+        timed_out=bool(meta.get("timed_out")),
+    )
+
+
+def _cancel(*, job_id: int, user: rbac.Principal, reason: str) -> Ending | None:
+    """Cancel a job its caller no longer waits for, saying why; if it ended first, how it ended."""
+    try:
+        job_cancel(job_id=job_id, by=user, reason=reason)
+    except errors.Conflict:
+        return _ending(job_id=job_id)
+    return None
+
+
+async def _next_ending(watch: Watch) -> tuple[Ending | None, list[Delta]]:
+    """What the watch has: output, and the job's end if a change may have ended it."""
+    _, maybe_ended, deltas = watch.take()
+    ending = await db(_ending, job_id=watch.job_id) if maybe_ended else None
+    return ending, deltas
+
+
+def _deadline() -> float:
+    return asyncio.get_running_loop().time() + settings.TELEMACHUS_GATEWAY_TIMEOUT_SECONDS
+
+
+def _left(deadline: float) -> float:
+    return deadline - asyncio.get_running_loop().time()
+
+
+LEFT = "client disconnected"
+
+
+def _waited_too_long() -> str:
+    return f"timed out after {settings.TELEMACHUS_GATEWAY_TIMEOUT_SECONDS:g} s"
+
+
+def _why(reply: Reply) -> str:
+    """Why a wait that ended without news gives up: its client left, or its time is up."""
+    return LEFT if reply.gone.done() else _waited_too_long()
+
+
+def _timeout() -> GatewayError:
+    return shapes.OpenAIError(
+        504,
+        f"No answer within {settings.TELEMACHUS_GATEWAY_TIMEOUT_SECONDS:g} s; the job was canceled.",
+        type="api_error",
+        code="timeout",
+        retry=False,
+    )
+
+
+INTERRUPTED = shapes.OpenAIError(
+    502,
+    "The model's stream broke off after part of the answer was sent, and the job was retried; "
+    "its answer can no longer be relayed in order.",
+    type="api_error",
+    code="stream_interrupted",
+    retry=False,
+)
+
+
+# --- the call ------------------------------------------------------------------------------------
+
+
+async def model_call(request: Request, reply: Reply, *, dialect: Dialect) -> None:
+    """Serve one model call in `dialect`: submit its job, wait for it, answer (see the module
+    docstring). Errors before the answer starts are raised (GatewayError, DomainError) for the
+    protocol's `serve` to render; a stream that has started ends with the dialect's failure event."""
+    feed = JobFeed.current()
+    mark = feed.mark()
+    created = shapes.now()
+    caller, job, call = await db(
+        _submit,
+        authorization=dialect.authorization(request),
+        team=request.header(TEAM_HEADER),
+        priority=request.header(PRIORITY_HEADER),
+        body=request.body,
+        dialect=dialect,
+    )
+    with feed.watch(job.pk, deltas=call.stream, since=mark) as watch:
+        if call.stream:
+            await _relay(reply, watch, caller, dialect, dialect.writer(job_id=job.pk, created=created, call=call))
+            return
+        deadline = _deadline()
+        while True:
+            ending, _ = await _next_ending(watch)
+            if ending is not None:
+                break
+            if not await watch.wait(_left(deadline), unless=reply.gone):
+                ending = await db(_cancel, job_id=job.pk, user=caller.user, reason=_why(reply))
+                if reply.gone.done():
+                    log.info("job %d: client left; canceled", job.pk)
+                    return
+                if ending is None:
+                    return await respond_error(reply, dialect, _timeout(), job.pk)
+                break
+    if ending.status != Job.Status.DONE:
+        return await respond_error(reply, dialect, ending.failure(), job.pk)
+    try:
+        body = dialect.answer(job_id=job.pk, created=created, call=call, result=ending.result or {})
+    except shapes.OpenAIError as exc:
+        return await respond_error(reply, dialect, exc, job.pk)
+    await reply.json(200, body, {JOB_HEADER: str(job.pk)})
+
+
+async def _relay(reply: Reply, watch: Watch, caller: Caller, dialect: Dialect, writer: StreamWriter) -> None:
+    """A streamed call. The response starts with the first output (or the job's end), so a job that
+    fails before answering gets a real status (502, 504) instead of an error inside a 200 stream."""
+    job_id, deadline, relay = watch.job_id, _deadline(), Relay(exact=True)
+    while True:
+        ending, deltas = await _next_ending(watch)
+        text = "".join(piece.text for piece in relay.accept(deltas))
+        if text or ending is not None:
+            break
+        if not await watch.wait(_left(deadline), unless=reply.gone):
+            ending = await db(_cancel, job_id=job_id, user=caller.user, reason=_why(reply))
+            if reply.gone.done():
+                return
+            if ending is None:
+                return await respond_error(reply, dialect, _timeout(), job_id)
+            break
+    if not text and ending is not None and ending.status != Job.Status.DONE:
+        return await respond_error(reply, dialect, ending.failure(), job_id)
+    await reply.start(200, {**SSE_HEADERS, JOB_HEADER: str(job_id)})
+    await reply.write(writer.opening(text))
+    while ending is None:
+        if relay.broken:
+            await db(
+                _cancel,
+                job_id=job_id,
+                user=caller.user,
+                reason="stream interrupted: the model's stream broke off after part of the answer was relayed",
+            )
+            return await reply.end(writer.failure(INTERRUPTED))
+        if not await watch.wait(min(_left(deadline), KEEPALIVE_SECONDS), unless=reply.gone):
+            if reply.gone.done():
+                await db(_cancel, job_id=job_id, user=caller.user, reason=LEFT)
+                log.info("job %d: client left its stream; canceled", job_id)
+                return
+            if _left(deadline) <= 0:
+                ending = await db(_cancel, job_id=job_id, user=caller.user, reason=_waited_too_long())
+                if ending is None:
+                    return await reply.end(writer.failure(_timeout()))
+                break
+            await reply.write(writer.keepalive)
+            continue
+        ending, deltas = await _next_ending(watch)
+        text = "".join(piece.text for piece in relay.accept(deltas))
+        if text:
+            await reply.write(writer.text(text))
+    if ending.status != Job.Status.DONE:
+        return await reply.end(writer.failure(ending.failure()))
+    result = ending.result or {}
+    rest = relay.rest(result)
+    if rest is None or relay.broken:
+        return await reply.end(writer.failure(INTERRUPTED))
+    try:
+        closing = writer.closing(result, rest)
+    except shapes.OpenAIError as exc:
+        return await reply.end(writer.failure(exc))
+    await reply.end(closing)
