@@ -51,6 +51,7 @@ from scheduler.gateway.governed import (
     answering_errors,
     caller_for,
     model_call,
+    renamed,
     respond_error,
     sse,
 )
@@ -154,8 +155,7 @@ def translate(body: Any, *, counting: bool = False) -> shapes.ModelCall:
     try:
         call = shapes.chat_call(chat)
     except shapes.OpenAIError as exc:
-        exc.param = {"stop": "stop_sequences"}.get(exc.param or "", exc.param)
-        raise
+        raise renamed(exc, {"stop": "stop_sequences"}) from None
     prompt = count_prompt_tokens(chat["messages"])
     return shapes.ModelCall(
         model=call.model, input=call.input, est_tokens=call.est_tokens, stream=call.stream, context={"prompt": prompt}

@@ -103,6 +103,15 @@ class Dialect:
         return header
 
 
+def renamed(exc: GatewayError, names: dict[str, str]) -> GatewayError:
+    """A chat completions check's error, naming the field as this protocol calls it."""
+    name = names.get(exc.param or "")
+    if name is None:
+        return exc
+    message = exc.message.replace(f"'{exc.param}'", f"'{name}'")
+    return shapes.OpenAIError(exc.status, message, type=exc.type, code=exc.code, param=name, headers=exc.headers)
+
+
 async def answering_errors(reply: Reply, dialect: Dialect, handler: Any) -> None:
     """Await `handler` (a coroutine), rendering the errors it raises in the dialect's shape."""
     try:

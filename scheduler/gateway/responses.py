@@ -39,7 +39,7 @@ from typing import Any
 
 from scheduler.gateway import shapes
 from scheduler.gateway.asgi import Reply, Request
-from scheduler.gateway.governed import Dialect, GatewayError, StreamWriter, model_call, sse
+from scheduler.gateway.governed import Dialect, GatewayError, StreamWriter, model_call, renamed, sse
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -117,9 +117,8 @@ def translate(body: Any) -> shapes.ModelCall:
         raise shapes.bad_request("'metadata' must be an object of at most 16 string values.", "metadata")
     try:
         call = shapes.chat_call(chat)
-    except shapes.OpenAIError as exc:  # name the Responses field, not the chat one
-        exc.param = {"max_tokens": "max_output_tokens", "messages": "input"}.get(exc.param or "", exc.param)
-        raise
+    except shapes.OpenAIError as exc:
+        raise renamed(exc, {"max_tokens": "max_output_tokens", "messages": "input"}) from None
     context = {name: body.get(name) for name in ECHOED}
     context.update(tools=body.get("tools") or [], metadata=metadata or {}, text=text or {"format": {"type": "text"}})
     return shapes.ModelCall(
@@ -364,7 +363,7 @@ def response_object(
         "created_at": created,
         "status": "incomplete" if reason and status == "completed" else status,
         "background": False,
-        "error": {"code": error.code or "server_error", "message": error.message} if error else None,
+        "error": _error(error) if error else None,
         "incomplete_details": {"reason": reason} if reason else None,
         "instructions": context.get("instructions"),
         "max_output_tokens": context.get("max_output_tokens"),
@@ -385,7 +384,7 @@ def response_object(
         "usage": (
             {
                 "input_tokens": used["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                 "output_tokens": used["completion_tokens"],
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": used["total_tokens"],
@@ -395,6 +394,12 @@ def response_object(
         ),
         "user": context.get("user"),
     }
+
+
+def _error(error: GatewayError) -> dict[str, str]:
+    """A failed response's error: OpenAI's few codes for it, and ours in the message."""
+    code = "rate_limit_exceeded" if error.status == 429 else "server_error"
+    return {"code": code, "message": f"{error.message} ({error.code})" if error.code else error.message}
 
 
 class ResponsesWriter(StreamWriter):
