@@ -13,7 +13,7 @@ listener per process tells every waiting request of the jobs it watches (`feed.p
   database.py  the shared database threads
   feed.py      one per process: job changes (PostgreSQL NOTIFY or SQLite's data_version) and
                output deltas (Redis, NOTIFY, or in process)
-  governed.py  one governed model call, whatever the protocol: submit, wait, relay, cancel
+  calls.py     one governed model call, whatever the protocol: submit, wait, relay, cancel
   openai.py    POST /v1/chat/completions, POST /v1/embeddings, GET /v1/models
   responses.py POST /v1/responses (OpenAI's Responses API over chat completions)
   anthropic.py POST /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API, likewise)

@@ -1,6 +1,6 @@
 """Anthropic's Messages API, `POST /v1/messages` and `POST /v1/messages/count_tokens`, as a chat
 completion upstream: any executor that speaks chat completions serves it, governed like any chat
-call (governed.py). The official SDK works unchanged with `base_url` set to the server's root
+call (calls.py). The official SDK works unchanged with `base_url` set to the server's root
 (it adds `/v1/messages`); the token goes in `x-api-key` (as the SDK sends it) or
 `Authorization: Bearer`. Errors are Anthropic's shape,
 `{"type": "error", "error": {"type": "invalid_request_error", "message": ...}}`, with our code
@@ -42,8 +42,7 @@ from executors.selectors import models_usable_by
 from executors.tokens import count_prompt_tokens
 from scheduler.gateway import shapes
 from scheduler.gateway.asgi import Reply, Request
-from scheduler.gateway.database import db
-from scheduler.gateway.governed import (
+from scheduler.gateway.calls import (
     TEAM_HEADER,
     Dialect,
     GatewayError,
@@ -55,6 +54,7 @@ from scheduler.gateway.governed import (
     respond_error,
     sse,
 )
+from scheduler.gateway.database import db
 
 KNOWN = (
     "model",
@@ -399,7 +399,7 @@ class MessagesWriter(StreamWriter):
         self.text_open = False
 
     def opening(self, text: str) -> bytes:
-        start = {
+        start: dict[str, Any] = {
             "id": message_id(self.job_id),
             "type": "message",
             "role": "assistant",

@@ -2,7 +2,7 @@
 `POST /v1/responses` (responses.py), `POST /v1/embeddings`, `GET /v1/models` and
 `GET /v1/models/{model}`.
 
-Each model call is a `chat` job, submitted, waited for and relayed by governed.py (the part
+Each model call is a `chat` job, submitted, waited for and relayed by calls.py (the part
 every protocol shares); this module routes /v1/ and says how chat completions look: the body
 is the job's input as it is (shapes.py checks it), the answer a `chat.completion` or a stream
 of `chat.completion.chunk`s ending with `data: [DONE]`. Errors leave in OpenAI's shape.
@@ -17,8 +17,7 @@ from typing import Any
 from executors.selectors import models_usable_by
 from scheduler.gateway import responses, shapes
 from scheduler.gateway.asgi import Reply, Request
-from scheduler.gateway.database import db
-from scheduler.gateway.governed import (
+from scheduler.gateway.calls import (
     TEAM_HEADER,
     Dialect,
     StreamWriter,
@@ -28,6 +27,7 @@ from scheduler.gateway.governed import (
     respond_error,
     sse,
 )
+from scheduler.gateway.database import db
 
 
 def error_body(status: int, code: str, message: str) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """OpenAI's Responses API, `POST /v1/responses`, as a chat completion upstream: any executor that
-speaks chat completions serves it, governed like any chat call (governed.py). Stateless: nothing
+speaks chat completions serves it, governed like any chat call (calls.py). Stateless: nothing
 is kept after the answer, so whatever needs a stored response or conversation is refused.
 
 | Responses request | chat completion | notes |
@@ -39,7 +39,7 @@ from typing import Any
 
 from scheduler.gateway import shapes
 from scheduler.gateway.asgi import Reply, Request
-from scheduler.gateway.governed import Dialect, GatewayError, StreamWriter, model_call, renamed, sse
+from scheduler.gateway.calls import Dialect, GatewayError, StreamWriter, model_call, renamed, sse
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
