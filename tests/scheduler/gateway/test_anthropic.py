@@ -13,7 +13,7 @@ from anthropic import Anthropic
 from quotas.services import quota_policy_create
 from scheduler.models import Job, JobEvent
 from scheduler.services.policy import queue_policy_update
-from telemachus.features import feature_set
+from telemachus.control.features import feature_set
 from telemachus.models import Team
 from tests.scheduler.gateway.conftest import live_deltas, may_chat, token
 

@@ -13,7 +13,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from quotas.services import quota_policy_create
 from scheduler.models import Job, JobEvent
-from telemachus.features import feature_set
+from telemachus.control.features import feature_set
 from telemachus.models import Team
 from tests.scheduler.gateway.conftest import live_deltas, may_chat, token
 
