@@ -12,9 +12,9 @@ See docs/executors.md."""
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from executors.models import Executor
 
@@ -70,11 +70,17 @@ class DispatchResult:
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """One event of a streamed dispatch: text deltas, then exactly one `done` with the result."""
+    """One event of a streamed dispatch: deltas, then exactly one `done` with the result. A
+    `delta` is a piece of the reply's text; a `tool` delta a piece of the arguments of its tool
+    call `index`, with the call's id and function name as far as they are known, so that apps
+    see a tool call as the model writes it."""
 
-    kind: str  # "delta" | "done"
+    kind: str  # "delta" | "tool" | "done"
     text: str = ""
     result: DispatchResult | None = None
+    index: int = 0
+    id: str = ""
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,11 @@ class DispatchError(Exception):
         self.executor_fault = retryable and status != 429 if executor_fault is None else executor_fault
 
 
-DeltaSink = Callable[[str], Awaitable[None]]
+class DeltaSink(Protocol):
+    """Where a streamed dispatch's deltas go (the worker's relay to the API processes): text, or
+    with `tool` = (index, id, name), a piece of that tool call's arguments."""
+
+    async def __call__(self, text: str, *, tool: tuple[int, str, str] | None = None) -> None: ...
 
 
 class ExecutorDriver(ABC):
@@ -163,6 +173,8 @@ class ExecutorDriver(ABC):
             async for event in self.stream(request):
                 if event.kind == "delta" and on_delta is not None:
                     await on_delta(event.text)
+                elif event.kind == "tool" and on_delta is not None:
+                    await on_delta(event.text, tool=(event.index, event.id, event.name))
                 elif event.kind == "done" and event.result is not None:
                     return event.result
             raise DispatchError(f"{self.executor.name}: stream ended without a result", retryable=True)

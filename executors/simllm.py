@@ -29,6 +29,8 @@ from executors.simtools import sim_tool_calls
 from executors.tokens import count_prompt_tokens, embedding_inputs, simulated_embedding
 
 Scope = dict[str, Any]
+# A streamed tool call's arguments go out in pieces of this many characters, one a token's time.
+TOOL_PIECE_CHARS = 8
 
 
 @dataclass
@@ -230,11 +232,11 @@ class SimLLM:
         per_token = 1 / self.tokens_per_s if self.tokens_per_s else 0
         if calls:
             # OpenAI streams a tool call as deltas of an indexed entry: id and name first, then
-            # the arguments text, in pieces.
+            # the arguments text in pieces, a token's time apart (a piece per few characters).
             await event({"role": "assistant", "content": None})
             for index, call in enumerate(calls):
                 function = call["function"]
-                arguments, half = function["arguments"], len(function["arguments"]) // 2
+                arguments = function["arguments"]
                 await event(
                     {
                         "tool_calls": [
@@ -247,9 +249,10 @@ class SimLLM:
                         ]
                     }
                 )
-                await event({"tool_calls": [{"index": index, "function": {"arguments": arguments[:half]}}]})
-                await pause(per_token, gone)
-                await event({"tool_calls": [{"index": index, "function": {"arguments": arguments[half:]}}]})
+                for start in range(0, len(arguments), TOOL_PIECE_CHARS):
+                    await pause(per_token, gone)
+                    piece = arguments[start : start + TOOL_PIECE_CHARS]
+                    await event({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
             await event({}, "tool_calls", **({"usage": usage} if include_usage else {}))
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
             return

@@ -140,9 +140,10 @@ class LocalModelDriver(ExecutorDriver):
         return self._parse_embeddings(response) if embeddings else self._parse_completion(response)
 
     async def stream(self, request: DispatchRequest) -> AsyncIterator[StreamEvent]:
-        """Relay the server's SSE stream. Usage comes from the final chunk when the server sends it
-        (we ask with stream_options.include_usage); otherwise it is counted: one token per
-        content delta, the prompt as the sim tokenizer counts it."""
+        """Relay the server's SSE stream: its text and its tool calls' pieces as they come. Usage
+        comes from the final chunk when the server sends it (we ask with
+        stream_options.include_usage); otherwise it is counted: one token per content delta, the
+        prompt as the sim tokenizer counts it."""
         self._require_endpoint()
         body = {**self.request_body(request), "stream": True, "stream_options": {"include_usage": True}}
         content, deltas, usage, finish, model = [], 0, None, None, None
@@ -167,7 +168,15 @@ class LocalModelDriver(ExecutorDriver):
                         finish = choice.get("finish_reason") or finish
                         delta = choice.get("delta") or {}
                         for call in delta.get("tool_calls") or ():
-                            _merge_tool_call(tool_calls, call)
+                            index, merged = _merge_tool_call(tool_calls, call)
+                            function = merged["function"]
+                            yield StreamEvent(
+                                kind="tool",
+                                index=index,
+                                id=merged["id"] or "",
+                                name=function["name"],
+                                text=(call.get("function") or {}).get("arguments") or "",
+                            )
                         text = delta.get("content")
                         if text:
                             content.append(text)
@@ -329,9 +338,9 @@ class LocalModelDriver(ExecutorDriver):
         )
 
 
-def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
+def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """Fold one streamed tool-call fragment into the calls so far: the first fragment of a call
-    brings its id, type and name; later ones append to its arguments."""
+    brings its id, type and name; later ones append to its arguments. Returns the call so far."""
     index = int(delta.get("index") or 0)
     call = calls.setdefault(index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
     call["id"] = delta.get("id") or call["id"]
@@ -339,6 +348,7 @@ def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) ->
     function = delta.get("function") or {}
     call["function"]["name"] += function.get("name") or ""
     call["function"]["arguments"] += function.get("arguments") or ""
+    return index, call
 
 
 class RemoteModelDriver(LocalModelDriver):

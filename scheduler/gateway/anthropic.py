@@ -43,6 +43,7 @@ from executors.tokens import count_prompt_tokens
 from scheduler.gateway import shapes
 from scheduler.gateway.asgi import Reply, Request
 from scheduler.gateway.calls import (
+    INTERRUPTED,
     TEAM_HEADER,
     Dialect,
     GatewayError,
@@ -55,6 +56,7 @@ from scheduler.gateway.calls import (
     sse,
 )
 from scheduler.gateway.database import db
+from scheduler.gateway.feed import ToolPiece
 
 KNOWN = (
     "model",
@@ -389,14 +391,17 @@ def message_object(*, job_id: int, call: shapes.ModelCall, result: dict[str, Any
 
 
 class MessagesWriter(StreamWriter):
-    """Anthropic's stream: `message_start`, content blocks as they come, `message_delta`,
+    """Anthropic's stream: `message_start`, content blocks one after the other as they come (the
+    text, a `tool_use` block per tool call, each stopped when the next starts), `message_delta`,
     `message_stop`."""
 
     keepalive = sse({"type": "ping"}, event="ping")
 
     def __init__(self, *, job_id: int, created: int, call: shapes.ModelCall) -> None:
+        super().__init__()
         self.job_id, self.call = job_id, call
-        self.text_open = False
+        self.blocks: list[int | None] = []  # by block index: None a text block, else a tool call's index
+        self.open = False  # whether the last block is still open
 
     def opening(self, text: str) -> bytes:
         start: dict[str, Any] = {
@@ -415,33 +420,62 @@ class MessagesWriter(StreamWriter):
             + (self.text(text) if text else b"")
         )
 
+    def _start(self, tool: int | None, block: dict[str, Any]) -> bytes:
+        out = self._stop()
+        self.blocks.append(tool)
+        self.open = True
+        data = {"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": block}
+        return out + sse(data, event="content_block_start")
+
+    def _stop(self) -> bytes:
+        if not self.open:
+            return b""
+        self.open = False
+        return sse({"type": "content_block_stop", "index": len(self.blocks) - 1}, event="content_block_stop")
+
+    def _current(self, tool: int | None) -> bool:
+        return self.open and self.blocks[-1] == tool
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        data = {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}
+        return sse(data, event="content_block_delta")
+
     def text(self, text: str) -> bytes:
+        out = b"" if self._current(None) else self._start(None, {"type": "text", "text": ""})
+        return out + self._delta({"type": "text_delta", "text": text})
+
+    def tool_piece(self, piece: ToolPiece) -> bytes | None:
         out = b""
-        if not self.text_open:
-            self.text_open = True
-            block = {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
-            out = sse(block, event="content_block_start")
-        delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}
-        return out + sse(delta, event="content_block_delta")
+        if piece.first:
+            out = self._start(piece.index, {"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}})
+        elif not self._current(piece.index):
+            # A piece of a call whose block another block has closed: it cannot be sent in order.
+            # `closing` finds it unsent, and ends the stream rather than send a wrong input.
+            return None
+        if not piece.text:
+            return out
+        return out + self._delta({"type": "input_json_delta", "partial_json": piece.text})
 
     def closing(self, result: dict[str, Any], rest: str) -> bytes:
-        blocks = content_blocks(result)  # before anything is written: it may refuse the tool calls
+        content_blocks(result)  # before anything is written: it refuses tool inputs that are not objects
+        rests = self.tool_rests(result)
         out = [self.text(rest)] if rest else []
-        index = 0
-        if self.text_open:
-            out.append(sse({"type": "content_block_stop", "index": 0}, event="content_block_stop"))
-            index = 1
-        for block in blocks:
-            if block["type"] != "tool_use":
-                continue
-            start = {"type": "content_block_start", "index": index, "content_block": {**block, "input": {}}}
-            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-            out += [
-                sse(start, event="content_block_start"),
-                sse({"type": "content_block_delta", "index": index, "delta": delta}, event="content_block_delta"),
-                sse({"type": "content_block_stop", "index": index}, event="content_block_stop"),
-            ]
-            index += 1
+        for index, call, left in rests:
+            function = call.get("function") or {}
+            if left is None:
+                block: dict[str, Any] = {
+                    "type": "tool_use",
+                    "id": call.get("id") or "",
+                    "name": function.get("name") or "",
+                    "input": {},
+                }
+                out.append(self._start(index, block))
+                left = str(function.get("arguments") or "")
+            elif left and not self._current(index):
+                raise INTERRUPTED
+            if left:
+                out.append(self._delta({"type": "input_json_delta", "partial_json": left}))
+        out.append(self._stop())
         final = message_object(job_id=self.job_id, call=self.call, result=result)
         out += [
             sse(

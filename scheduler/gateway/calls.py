@@ -29,7 +29,7 @@ from scheduler.gateway import shapes
 from scheduler.gateway.asgi import Reply, Request
 from scheduler.gateway.auth import token_key, user_for_token
 from scheduler.gateway.database import db
-from scheduler.gateway.feed import Delta, JobFeed, Relay, Watch
+from scheduler.gateway.feed import Delta, JobFeed, Relay, ToolPiece, Watch
 from scheduler.models import Job, JobEvent
 from scheduler.services.cancel import job_cancel
 from scheduler.services.submit import job_submit
@@ -51,10 +51,53 @@ GatewayError = shapes.OpenAIError  # the gateway's errors, rendered in each prot
 
 class StreamWriter:
     """The SSE bytes of one streamed call, in a protocol's events. Called in order: `opening` once
-    (with the first text, maybe empty), `text` for each later piece, then `closing` (with the job's
-    result and the text not yet relayed) or `failure`."""
+    (with the first text, maybe empty), `text` and `tool` for each later piece of the reply's text
+    or of a tool call's arguments, then `closing` (with the job's result and the text not yet
+    relayed; `tool_rests()` says what of the tool calls is) or `failure`."""
 
     keepalive = b": keepalive\n\n"
+
+    def __init__(self) -> None:
+        self.relayed: dict[int, ToolPiece] = {}  # tool calls relayed: index -> id, name, arguments sent
+
+    def tool(self, piece: ToolPiece) -> bytes:
+        """A piece of a tool call's arguments (the first with its id and name), as far as the
+        protocol can send it now."""
+        out = self.tool_piece(piece)
+        if out is None:
+            return b""
+        sent = self.relayed.get(piece.index)
+        self.relayed[piece.index] = ToolPiece(
+            piece.index, piece.id, piece.name, (sent.text if sent else "") + piece.text, first=True
+        )
+        return out
+
+    def tool_piece(self, piece: ToolPiece) -> bytes | None:
+        """The piece's events; None if it cannot be sent in order now (`closing` then finds it
+        unsent)."""
+        raise NotImplementedError
+
+    def tool_rests(self, result: dict[str, Any]) -> list[tuple[int, dict[str, Any], str | None]]:
+        """Each tool call of the result with what is left to relay of it: None when none of it was
+        relayed, else the rest of its arguments. A result that does not continue what was relayed
+        cannot be streamed any more (INTERRUPTED)."""
+        calls = (result.get("message") or {}).get("tool_calls") or []
+        if any(index >= len(calls) for index in self.relayed):
+            raise INTERRUPTED
+        rests: list[tuple[int, dict[str, Any], str | None]] = []
+        for index, call in enumerate(calls):
+            function = call.get("function") or {}
+            sent = self.relayed.get(index)
+            if sent is None:
+                rests.append((index, call, None))
+                continue
+            arguments = str(function.get("arguments") or "")
+            if (call.get("id") or "", function.get("name") or "") != (sent.id, sent.name) or not arguments.startswith(
+                sent.text
+            ):
+                raise INTERRUPTED
+            rests.append((index, call, arguments[len(sent.text) :]))
+        return rests
 
     def opening(self, text: str) -> bytes:
         raise NotImplementedError
@@ -383,7 +426,8 @@ async def _relay(reply: Reply, watch: Watch, caller: Caller, dialect: Dialect, w
     while True:
         ending, deltas = await _next_ending(watch)
         text = "".join(piece.text for piece in relay.accept(deltas))
-        if text or ending is not None:
+        tools = relay.take_tools()
+        if text or tools or ending is not None:
             break
         if not await watch.wait(_left(deadline), unless=reply.gone):
             ending = await db(_cancel, job_id=job_id, user=caller.user, reason=_why(reply))
@@ -392,10 +436,10 @@ async def _relay(reply: Reply, watch: Watch, caller: Caller, dialect: Dialect, w
             if ending is None:
                 return await respond_error(reply, dialect, _timeout(), job_id)
             break
-    if not text and ending is not None and ending.status != Job.Status.DONE:
+    if not text and not tools and ending is not None and ending.status != Job.Status.DONE:
         return await respond_error(reply, dialect, ending.failure(), job_id)
     await reply.start(200, {**SSE_HEADERS, JOB_HEADER: str(job_id)})
-    await reply.write(writer.opening(text))
+    await reply.write(writer.opening(text) + b"".join(writer.tool(piece) for piece in tools))
     while ending is None:
         if relay.broken:
             await db(
@@ -419,8 +463,9 @@ async def _relay(reply: Reply, watch: Watch, caller: Caller, dialect: Dialect, w
             continue
         ending, deltas = await _next_ending(watch)
         text = "".join(piece.text for piece in relay.accept(deltas))
-        if text:
-            await reply.write(writer.text(text))
+        output = (writer.text(text) if text else b"") + b"".join(writer.tool(p) for p in relay.take_tools())
+        if output:
+            await reply.write(output)
     if ending.status != Job.Status.DONE:
         return await reply.end(writer.failure(ending.failure()))
     result = ending.result or {}

@@ -47,9 +47,49 @@ RECENT_JOBS = 50_000
 
 @dataclass(frozen=True)
 class Delta:
+    """A piece of a job's streamed output. `part` "" is the reply's text; `"tool:<index>"` the
+    arguments of a tool call, whose `id` and `name` come with each piece (as far as known)."""
+
     attempt: int
     offset: int
     text: str
+    part: str = ""
+    id: str = ""
+    name: str = ""
+
+
+def delta_from(message: dict[str, Any]) -> Delta:
+    """A delta as a worker sends it (scheduler/notify/broadcast.py)."""
+    return Delta(
+        int(message["attempt"]),
+        int(message["offset"]),
+        str(message["text"]),
+        str(message.get("part") or ""),
+        str(message.get("id") or ""),
+        str(message.get("name") or ""),
+    )
+
+
+@dataclass
+class ToolCall:
+    """A tool call as a relay has heard it: its arguments so far, and whether a gap was seen."""
+
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+    gap: bool = False
+
+
+@dataclass(frozen=True)
+class ToolPiece:
+    """New arguments of tool call `index`, in order; `first` the first piece relayed of it (its id
+    and name known from then on)."""
+
+    index: int
+    id: str
+    name: str
+    text: str
+    first: bool
 
 
 class Relay:
@@ -57,9 +97,10 @@ class Relay:
     it starts, so a repeated one is dropped and a missed one shows as a gap; a delta of a later
     attempt shows that the model's stream broke off and the job was retried.
 
-    An `exact` relay (the OpenAI stream) must add up to the answer: after a gap it relays nothing
-    more (the rest comes from the job's result, `rest()`), and a retry after text went out leaves
-    it `broken`, since it cannot take back what it sent. A loose one (the job stream, whose deltas
+    An `exact` relay (the model APIs' streams) must add up to the answer: after a gap it relays
+    nothing more (the rest comes from the job's result, `rest()`), and a retry after text or a
+    tool call went out leaves it `broken`, since it cannot take back what it sent. It follows the
+    tool calls' pieces too, each call on its own (`take_tools()`). A loose one (the job stream, whose deltas
     carry offsets and attempts) may start where it joined and starts over with each attempt."""
 
     def __init__(self, *, exact: bool) -> None:
@@ -69,17 +110,29 @@ class Relay:
         self.attempt: int | None = None
         self.gap = False
         self.broken = False
+        self.tools: dict[int, ToolCall] = {}  # an exact relay's tool calls, by index
+        self._tool_pieces: list[ToolPiece] = []
 
     def accept(self, deltas: list[Delta]) -> list[Delta]:
-        """The new, in-order pieces of output among `deltas`."""
+        """The new, in-order pieces of the reply's text among `deltas`. An exact relay keeps the
+        tool calls' pieces for `take_tools()`; a loose one ignores them."""
         fresh = []
         for delta in deltas:
-            if self.attempt is None or (delta.attempt > self.attempt and not (self.exact and self.sent)):
-                self.attempt, self.sent, self.gap = delta.attempt, "", False
+            if delta.part and not self.exact:
+                continue
+            if self.attempt is None or (
+                delta.attempt > self.attempt and not (self.exact and (self.sent or self._relayed_tools()))
+            ):
+                self.attempt, self.sent, self.gap, self.tools = delta.attempt, "", False, {}
                 self.base = 0 if self.exact else delta.offset
             if delta.attempt > self.attempt:
                 self.broken = True
-            if delta.attempt != self.attempt or self.gap or self.broken:
+            if delta.attempt != self.attempt or self.broken:
+                continue
+            if delta.part:
+                self._accept_tool(delta)
+                continue
+            if self.gap:
                 continue
             have = self.base + len(self.sent)
             if delta.offset > have:
@@ -89,6 +142,33 @@ class Relay:
                 fresh.append(Delta(delta.attempt, have, text))
                 self.sent += text
         return fresh
+
+    def _accept_tool(self, delta: Delta) -> None:
+        """A tool call's piece: relayed once the call's id and name are known, in order; after a
+        gap nothing more of that call (the rest comes from the job's result)."""
+        index = int(delta.part.removeprefix("tool:") or 0)
+        call = self.tools.setdefault(index, ToolCall())
+        if call.gap:
+            return
+        if delta.offset > len(call.arguments):
+            call.gap = True
+            return
+        announced = bool(call.id and call.name)
+        call.id, call.name = call.id or delta.id, call.name or delta.name
+        new = delta.text[len(call.arguments) - delta.offset :]
+        call.arguments += new
+        if not announced and call.id and call.name:
+            self._tool_pieces.append(ToolPiece(index, call.id, call.name, call.arguments, first=True))
+        elif announced and new:
+            self._tool_pieces.append(ToolPiece(index, call.id, call.name, new, first=False))
+
+    def _relayed_tools(self) -> bool:
+        return any(call.id and call.name for call in self.tools.values())
+
+    def take_tools(self) -> list[ToolPiece]:
+        """The tool calls' pieces accepted since the last take, in the order they came."""
+        pieces, self._tool_pieces = self._tool_pieces, []
+        return pieces
 
     def rest(self, result: dict[str, Any] | None) -> str | None:
         """What remains to relay of the final text, or None if it does not continue what was sent."""
@@ -286,9 +366,7 @@ class JobFeed:
                     self._changed(int(job_id), event)
             elif payload.startswith(signals.DELTA) and self.deltas_via == broadcast.POSTGRES:
                 message = json.loads(payload[len(signals.DELTA) :])
-                self._delta(
-                    int(message["job"]), Delta(int(message["attempt"]), int(message["offset"]), message["text"])
-                )
+                self._delta(int(message["job"]), delta_from(message))
         except (ValueError, KeyError, TypeError):
             log.warning("job feed: ignored a malformed notification %r", payload[:200])
 
@@ -341,9 +419,7 @@ class JobFeed:
             while True:
                 try:
                     message = await layer.receive(self._channel)
-                    self._delta(
-                        int(message["job"]), Delta(int(message["attempt"]), int(message["offset"]), message["text"])
-                    )
+                    self._delta(int(message["job"]), delta_from(message))
                 except (KeyError, ValueError, TypeError):
                     log.warning("job feed: ignored a malformed delta")
                 except Exception as exc:

@@ -28,6 +28,7 @@ from scheduler.gateway.calls import (
     sse,
 )
 from scheduler.gateway.database import db
+from scheduler.gateway.feed import ToolPiece
 
 
 def error_body(status: int, code: str, message: str) -> dict[str, Any]:
@@ -50,10 +51,11 @@ class ChatDialect(Dialect):
 
 
 class ChatWriter(StreamWriter):
-    """`chat.completion.chunk`s: the role with the first text, text deltas, the tool calls whole,
-    the finish reason, usage if asked, `[DONE]`."""
+    """`chat.completion.chunk`s: the role with the first text, text deltas, tool call deltas (the
+    first of a call with its id and name), the finish reason, usage if asked, `[DONE]`."""
 
     def __init__(self, *, job_id: int, created: int, call: shapes.ModelCall) -> None:
+        super().__init__()
         self.job_id, self.created, self.call = job_id, created, call
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
@@ -69,11 +71,24 @@ class ChatWriter(StreamWriter):
     def text(self, text: str) -> bytes:
         return self._chunk({"content": text})
 
+    def tool_piece(self, piece: ToolPiece) -> bytes:
+        if piece.first:
+            call = {"index": piece.index, "id": piece.id, "type": "function"}
+            return self._chunk({"tool_calls": [{**call, "function": {"name": piece.name, "arguments": piece.text}}]})
+        return self._chunk({"tool_calls": [{"index": piece.index, "function": {"arguments": piece.text}}]})
+
     def closing(self, result: dict[str, Any], rest: str) -> bytes:
         out = [self._chunk({"content": rest})] if rest else []
-        calls = (result.get("message") or {}).get("tool_calls")
-        if calls:
-            out.append(self._chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}))
+        unsent, rests = [], []
+        for index, call, left in self.tool_rests(result):
+            if left is None:
+                unsent.append({"index": index, **call})
+            elif left:
+                rests.append({"index": index, "function": {"arguments": left}})
+        for delta in rests:
+            out.append(self._chunk({"tool_calls": [delta]}))
+        if unsent:
+            out.append(self._chunk({"tool_calls": unsent}))
         out.append(self._chunk({}, result.get("finish_reason") or "stop"))
         if self.call.include_usage:
             out.append(

@@ -40,6 +40,7 @@ from typing import Any
 from scheduler.gateway import shapes
 from scheduler.gateway.asgi import Reply, Request
 from scheduler.gateway.calls import Dialect, GatewayError, StreamWriter, model_call, renamed, sse
+from scheduler.gateway.feed import ToolPiece
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -322,7 +323,7 @@ def output_items(job_id: int, result: dict[str, Any]) -> list[dict[str, Any]]:
         items.append(
             {
                 "type": "function_call",
-                "id": f"fc_{job_id}_{index}",
+                "id": _call_id(job_id, index),
                 "call_id": call.get("id") or f"call_{job_id}_{index}",
                 "name": function.get("name") or "",
                 "arguments": function.get("arguments") or "",
@@ -330,6 +331,14 @@ def output_items(job_id: int, result: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )
     return items
+
+
+def _call_id(job_id: int, index: int) -> str:
+    return f"fc_{job_id}_{index}"
+
+
+def _call_index(item_id: str) -> int:
+    return int(item_id.rsplit("_", 1)[1])
 
 
 def _message_item(job_id: int, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
@@ -352,6 +361,7 @@ def response_object(
     status: str,
     result: dict[str, Any] | None = None,
     error: GatewayError | None = None,
+    output: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The `response` object, as the answer and as the stream's lifecycle events carry it."""
     context = call.context
@@ -369,7 +379,7 @@ def response_object(
         "max_output_tokens": context.get("max_output_tokens"),
         "metadata": context.get("metadata") or {},
         "model": (result or {}).get("model") or call.model,
-        "output": output_items(job_id, result) if result is not None else [],
+        "output": output if output is not None else output_items(job_id, result) if result is not None else [],
         "parallel_tool_calls": context.get("parallel_tool_calls") is not False,
         "previous_response_id": None,
         "reasoning": {"effort": None, "summary": None},
@@ -403,12 +413,15 @@ def _error(error: GatewayError) -> dict[str, str]:
 
 
 class ResponsesWriter(StreamWriter):
-    """The Responses stream: lifecycle events around the output items' events, numbered."""
+    """The Responses stream: lifecycle events around the output items' events, numbered. Items
+    take their output index in the order they start: the message at its first text, a function
+    call at its first piece."""
 
     def __init__(self, *, job_id: int, created: int, call: shapes.ModelCall) -> None:
+        super().__init__()
         self.job_id, self.created, self.call = job_id, created, call
         self.sequence = 0
-        self.message_open = False
+        self.started: list[str] = []  # item ids, by output index
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, **fields, "sequence_number": self.sequence}
@@ -426,51 +439,83 @@ class ResponsesWriter(StreamWriter):
             + (self.text(text) if text else b"")
         )
 
-    def _open_message(self) -> bytes:
-        if self.message_open:
-            return b""
-        self.message_open = True
-        ids = {"item_id": message_id(self.job_id), "output_index": 0}
+    def _start(self, item: dict[str, Any]) -> bytes:
+        """An output item's first events, at the next output index."""
+        self.started.append(item["id"])
+        index = len(self.started) - 1
+        if item["type"] == "message":
+            return self._event(
+                "response.output_item.added", output_index=index, item={**item, "status": "in_progress", "content": []}
+            ) + self._event(
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                part=_text_part(""),
+            )
         return self._event(
-            "response.output_item.added", output_index=0, item=_message_item(self.job_id, "in_progress", [])
-        ) + self._event("response.content_part.added", **ids, content_index=0, part=_text_part(""))
+            "response.output_item.added",
+            output_index=index,
+            item={**item, "arguments": "", "status": "in_progress"},
+        )
 
     def text(self, text: str) -> bytes:
-        return self._open_message() + self._event(
+        item_id = message_id(self.job_id)
+        out = b"" if item_id in self.started else self._start(_message_item(self.job_id, "in_progress", []))
+        return out + self._event(
             "response.output_text.delta",
-            item_id=message_id(self.job_id),
-            output_index=0,
+            item_id=item_id,
+            output_index=self.started.index(item_id),
             content_index=0,
             delta=text,
             logprobs=[],
         )
 
+    def tool_piece(self, piece: ToolPiece) -> bytes:
+        item_id = _call_id(self.job_id, piece.index)
+        out = b""
+        if piece.first:
+            item = {"type": "function_call", "id": item_id, "call_id": piece.id, "name": piece.name}
+            out = self._start(item)
+        if not piece.text:
+            return out
+        return out + self._event(
+            "response.function_call_arguments.delta",
+            item_id=item_id,
+            output_index=self.started.index(item_id),
+            delta=piece.text,
+        )
+
     def closing(self, result: dict[str, Any], rest: str) -> bytes:
+        rests = {index: left for index, _, left in self.tool_rests(result)}
         out = [self.text(rest)] if rest else []
-        for index, item in enumerate(output_items(self.job_id, result)):
+        items = output_items(self.job_id, result)
+        # The items as they were started, then those that were not, in the answer's order.
+        order = {item_id: position for position, item_id in enumerate(self.started)}
+        items.sort(key=lambda item: order.get(item["id"], len(order)))
+        for index, item in enumerate(items):
+            if item["id"] not in order:
+                out.append(self._start(item))
             if item["type"] == "message":
                 ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
                 part = item["content"][0]
                 out += [
-                    self._open_message(),
                     self._event("response.output_text.done", **ids, text=part["text"], logprobs=[]),
                     self._event("response.content_part.done", **ids, part=part),
                 ]
             else:
                 ids = {"item_id": item["id"], "output_index": index}
-                out += [
-                    self._event(
-                        "response.output_item.added",
-                        output_index=index,
-                        item={**item, "arguments": "", "status": "in_progress"},
-                    ),
-                    self._event("response.function_call_arguments.delta", **ids, delta=item["arguments"]),
+                left = rests.get(_call_index(item["id"]))
+                left = item["arguments"] if left is None else left
+                if left:
+                    out.append(self._event("response.function_call_arguments.delta", **ids, delta=left))
+                out.append(
                     self._event(
                         "response.function_call_arguments.done", **ids, name=item["name"], arguments=item["arguments"]
-                    ),
-                ]
+                    )
+                )
             out.append(self._event("response.output_item.done", output_index=index, item=item))
-        final = self._response("completed", result=result)
+        final = self._response("completed", result=result, output=items)
         out.append(self._event(f"response.{final['status']}", response=final))
         return b"".join(out)
 

@@ -13,7 +13,9 @@ Where deltas travel (`delta_transport()`, the same answer in every process of a 
 
 A delta is `{"job", "attempt", "offset", "text"}`: `offset` is where `text` starts in the
 attempt's output, so a receiver can tell a missed delta from the next one and a retry (a new
-attempt starts again at 0) from more output. Deltas are coalesced per job while a send is in
+attempt starts again at 0) from more output. A piece of a tool call's arguments is a delta of
+its own `part`, `"tool:<index>"`, with offsets of its own and the call's `id` and `name` as far
+as known; a delta without `part` is the reply's text. Deltas are coalesced per job while a send is in
 flight, so a fast model does not cost one message per token."""
 
 import asyncio
@@ -43,14 +45,25 @@ def delta_transport() -> str:
     return POSTGRES
 
 
-def delta_message(*, job_id: int, attempt: int, offset: int, text: str) -> dict[str, Any]:
-    return {"type": "job.delta", "job": job_id, "attempt": attempt, "offset": offset, "text": text}
+def delta_message(
+    *, job_id: int, attempt: int, offset: int, text: str, part: str = "", head: tuple[str, str] | None = None
+) -> dict[str, Any]:
+    message = {"type": "job.delta", "job": job_id, "attempt": attempt, "offset": offset, "text": text}
+    if part:
+        message.update(part=part, id=head[0] if head else "", name=head[1] if head else "")
+    return message
+
+
+def tool_part(index: int) -> str:
+    """The part of a delta that is a piece of the arguments of tool call `index`."""
+    return f"tool:{index}"
 
 
 @dataclass
 class _Pending:
     offset: int
     parts: list[str] = field(default_factory=list)
+    head: tuple[str, str] | None = None  # a tool call's id and name, the latest known
 
 
 class DeltaPublisher:
@@ -62,7 +75,7 @@ class DeltaPublisher:
 
     def __init__(self) -> None:
         self.transport = delta_transport()
-        self._pending: dict[tuple[int, int], _Pending] = {}
+        self._pending: dict[tuple[int, int, str], _Pending] = {}
         self._sending: set[int] = set()
         self._ready = asyncio.Event()
         self._round_over = asyncio.Event()
@@ -78,11 +91,14 @@ class DeltaPublisher:
             publisher = cls._instances[loop] = cls()
         return publisher
 
-    def publish(self, *, job_id: int, attempt: int, offset: int, text: str) -> None:
-        pending = self._pending.get((job_id, attempt))
+    def publish(
+        self, *, job_id: int, attempt: int, offset: int, text: str, part: str = "", head: tuple[str, str] | None = None
+    ) -> None:
+        pending = self._pending.get((job_id, attempt, part))
         if pending is None:
-            pending = self._pending[(job_id, attempt)] = _Pending(offset=offset)
+            pending = self._pending[(job_id, attempt, part)] = _Pending(offset=offset)
         pending.parts.append(text)
+        pending.head = head or pending.head
         self._ready.set()
         if self._sender is None or self._sender.done():
             self._sender = asyncio.create_task(self._send_forever(), name="delta-publisher")
@@ -102,10 +118,12 @@ class DeltaPublisher:
             await self._ready.wait()
             self._ready.clear()
             batch, self._pending = self._pending, {}
-            self._sending = {job_id for job_id, _ in batch}
+            self._sending = {job_id for job_id, _, _ in batch}
             messages = [
-                delta_message(job_id=job_id, attempt=attempt, offset=p.offset, text="".join(p.parts))
-                for (job_id, attempt), p in batch.items()
+                delta_message(
+                    job_id=job_id, attempt=attempt, offset=p.offset, text="".join(p.parts), part=part, head=p.head
+                )
+                for (job_id, attempt, part), p in batch.items()
             ]
             try:
                 if self.transport == POSTGRES:
@@ -157,9 +175,23 @@ class DeltaStream:
 
     def __init__(self, job_id: int, *, attempt: int) -> None:
         self.job_id, self.attempt, self.sent = job_id, attempt, 0
+        self.tool_sent: dict[int, int] = {}  # tool call index -> length of its arguments sent
         self.publisher = DeltaPublisher.current()
 
-    async def __call__(self, text: str) -> None:
+    async def __call__(self, text: str, *, tool: tuple[int, str, str] | None = None) -> None:
+        if tool is not None:
+            index, ident, name = tool
+            offset = self.tool_sent.get(index, 0)
+            self.publisher.publish(
+                job_id=self.job_id,
+                attempt=self.attempt,
+                offset=offset,
+                text=text,
+                part=tool_part(index),
+                head=(ident, name),
+            )
+            self.tool_sent[index] = offset + len(text)
+            return
         self.publisher.publish(job_id=self.job_id, attempt=self.attempt, offset=self.sent, text=text)
         self.sent += len(text)
 

@@ -28,9 +28,12 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def dispatch(d: LocalModelDriver, req: DispatchRequest, deltas: list | None = None):
-    async def sink(text: str) -> None:
-        deltas.append(text)
+async def dispatch(d: LocalModelDriver, req: DispatchRequest, deltas: list | None = None, tools: list | None = None):
+    async def sink(text: str, *, tool: tuple[int, str, str] | None = None) -> None:
+        if tool is None:
+            deltas.append(text)
+        elif tools is not None:
+            tools.append((*tool, text))
 
     try:
         return await d.execute(req, sink if deltas is not None else None)
@@ -76,12 +79,17 @@ class TestAgainstSimllm:
             }
         ]
         plain = run(dispatch(driver(f"{simllm}/v1"), request(tools=tools)))
-        streamed = run(dispatch(driver(f"{simllm}/v1"), request(tools=tools, stream=True), []))
+        pieces: list = []
+        streamed = run(dispatch(driver(f"{simllm}/v1"), request(tools=tools, stream=True), [], pieces))
         for result in (plain, streamed):
             (call,) = result.output["message"]["tool_calls"]
             assert call["function"] == {"name": "lookup", "arguments": '{"query": "say something", "limit": 2}'}
             assert call["id"].startswith("call_") and result.output["finish_reason"] == "tool_calls"
         assert plain.output["message"]["tool_calls"][0]["id"] == streamed.output["message"]["tool_calls"][0]["id"]
+        # Streamed, the call's pieces went to the sink as they came: its id and name, then its arguments
+        ident = streamed.output["message"]["tool_calls"][0]["id"]
+        assert len(pieces) > 3 and all(piece[:3] == (0, ident, "lookup") for piece in pieces)
+        assert pieces[0][3] == "" and "".join(piece[3] for piece in pieces) == '{"query": "say something", "limit": 2}'
 
     def test_embeddings(self, simllm):
         embed = DispatchRequest(
