@@ -29,8 +29,8 @@ per tool call; `stop_reason` from the finish reason (stop → `end_turn`, length
 tool_calls → `tool_use`, content_filter → `refusal`; chat completions do not say which stop
 sequence matched, so a stop sequence reads as `end_turn`); `usage` in input and output tokens.
 Streamed: `message_start` (its `input_tokens` the prompt as counted for the budget estimate),
-`ping`, `content_block_start` / `content_block_delta` (`text_delta` as the model writes,
-`input_json_delta` for a tool call's input) / `content_block_stop` per block, `message_delta`
+`ping`, `content_block_start` / `content_block_delta` (`text_delta`, or a tool call's
+`input_json_delta`, as the model writes) / `content_block_stop` per block, `message_delta`
 (stop reason, and the usage the model server reported), `message_stop`; a failure after the
 stream started is an `error` event. `count_tokens` answers `{"input_tokens": N}` by the same
 stand-in count the budget estimate uses (executors/tokens.py), without a job."""  # noqa: E501 (the mapping table's rows)

@@ -29,9 +29,9 @@ the model only called tools), then a `function_call` item per tool call; `status
 output tokens. Streamed: `response.created`, `response.in_progress`, then for text
 `response.output_item.added`, `response.content_part.added`, `response.output_text.delta` as the
 model writes, `response.output_text.done`, `response.content_part.done`,
-`response.output_item.done`; for each tool call `response.output_item.added`,
-`response.function_call_arguments.delta`, `response.function_call_arguments.done`,
-`response.output_item.done`; last `response.completed` (or `response.incomplete`) with the whole
+`response.output_item.done`; for each tool call `response.output_item.added` when the model
+names it, `response.function_call_arguments.delta` as it writes the arguments,
+`response.function_call_arguments.done`, `response.output_item.done`; last `response.completed` (or `response.incomplete`) with the whole
 response. A failure after the stream started ends it with `response.failed`. Errors are OpenAI's
 shape, as on chat completions."""  # noqa: E501 (the mapping table's rows)
 

@@ -9,6 +9,7 @@ from anthropic import Anthropic
 from openai import OpenAI
 
 from scheduler.models import Job
+from tests.processes import Processes
 from tests.scheduler.gateway.conftest import live_deltas, may_chat, token
 
 pytestmark = [
@@ -19,6 +20,17 @@ pytestmark = [
 
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 ARGUMENTS = json.dumps({"city": "Paris"})
+
+
+@pytest.fixture(scope="module")
+def slow_writer(servers, tmp_path_factory):
+    """A model server that writes slowly: half a second between pieces of a tool call's
+    arguments, a second and a half in all, so the test can tell live pieces from the end's."""
+    processes = Processes(tmp_path_factory.mktemp("slow-writer"))
+    try:
+        yield processes.simllm(latency_ms=30, models="m", tokens_per_s=2)
+    finally:
+        processes.stop_all()
 
 
 @pytest.fixture
@@ -84,8 +96,8 @@ def messages(stack, alice) -> tuple[bool, list[str]]:
 
 
 @pytest.mark.parametrize("protocol", [chat, responses, messages], ids=["chat", "responses", "messages"])
-def test_a_tool_call_streams_as_the_model_writes_it(stack, alice, protocol):
-    stack.executor(stack.trickle)  # a token's time (125 ms) between pieces of the arguments
+def test_a_tool_call_streams_as_the_model_writes_it(stack, alice, slow_writer, protocol):
+    stack.executor(slow_writer)
     started_while_running, pieces = protocol(stack, alice)
     assert started_while_running, "the call was announced while the model was still writing it"
     assert "".join(pieces) == ARGUMENTS
