@@ -204,7 +204,7 @@ def _joins(previous: Any) -> bool:
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     role = item.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise shapes.bad_request(f"{where}.role must be one of {', '.join(ROLES)}.", f"{where}.role")
     content = item.get("content")
     if isinstance(content, str):

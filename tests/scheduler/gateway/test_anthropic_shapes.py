@@ -9,6 +9,8 @@ import json
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 from anthropic.types.shared.error_response import ErrorResponse
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import TypeAdapter
 
 from scheduler.gateway import anthropic, shapes
@@ -235,3 +237,35 @@ def _event(block: bytes | str) -> tuple[str, dict]:
     text = block.decode() if isinstance(block, bytes) else block
     head, data = text.strip().split("\n", 1)
     return head.removeprefix("event: "), json.loads(data.removeprefix("data: "))
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+FIELDS = st.sampled_from(["messages", "system", "tools", "tool_choice", "stop_sequences", "metadata", "output_config"])
+BLOCKS = st.dictionaries(
+    st.sampled_from(["type", "text", "id", "name", "input", "tool_use_id", "content", "source", "is_error"]),
+    JSON | st.sampled_from(["text", "tool_use", "tool_result", "image", "base64"]),
+)
+MESSAGES = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant"]), "content": st.lists(BLOCKS, max_size=3) | JSON}
+    ),
+    max_size=3,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=st.dictionaries(FIELDS, JSON | MESSAGES, max_size=4))
+def test_any_body_is_translated_or_refused_never_a_crash(body):
+    """Whatever JSON arrives, the translator answers with a job or a 400, never a server error."""
+    try:
+        call = anthropic.translate(
+            {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}], **body}
+        )
+    except shapes.OpenAIError as exc:
+        assert exc.status == 400 and exc.message
+    else:
+        assert call.input["messages"]

@@ -8,6 +8,8 @@ import json
 from typing import get_args
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openai.types.responses import Response, ResponseStreamEvent
 
 from scheduler.gateway import responses, shapes
@@ -228,3 +230,27 @@ def _event(block: bytes | str) -> tuple[str, dict]:
     text = block.decode() if isinstance(block, bytes) else block
     head, data = text.strip().split("\n", 1)
     return head.removeprefix("event: "), json.loads(data.removeprefix("data: "))
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+FIELDS = st.sampled_from(["input", "instructions", "tools", "tool_choice", "text", "metadata", "max_output_tokens"])
+ITEMS = st.dictionaries(
+    st.sampled_from(["type", "role", "content", "call_id", "name", "arguments", "output"]),
+    JSON | st.sampled_from(["message", "function_call", "function_call_output", "user", "assistant", "input_text"]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=st.dictionaries(FIELDS, JSON | st.lists(ITEMS, max_size=3), max_size=4))
+def test_any_body_is_translated_or_refused_never_a_crash(body):
+    """Whatever JSON arrives, the translator answers with a job or a 400, never a server error."""
+    try:
+        call = translate(**body)
+    except shapes.OpenAIError as exc:
+        assert exc.status == 400 and exc.message
+    else:
+        assert call.input["messages"]
