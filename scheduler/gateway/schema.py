@@ -22,6 +22,21 @@ OPENAI_ERROR = {
         }
     },
 }
+ANTHROPIC_ERROR = {
+    "type": "object",
+    "properties": {
+        "type": {"type": "string", "enum": ["error"]},
+        "error": {
+            "type": "object",
+            "properties": {
+                "type": {"type": "string"},
+                "message": {"type": "string"},
+                "code": {"type": "string", "nullable": True},
+                "param": {"type": "string"},
+            },
+        },
+    },
+}
 JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "integer"}}
 TEAM_HEADER = {
     "name": "X-Telemachus-Team",
@@ -39,6 +54,7 @@ PRIORITY_HEADER = {
 }
 API_AUTH: list[dict[str, list[str]]] = [{"tokenAuth": []}, {"cookieAuth": []}]
 BEARER: list[dict[str, list[str]]] = [{"bearerAuth": []}]
+API_KEY: list[dict[str, list[str]]] = [{"apiKeyAuth": []}, {"bearerAuth": []}]
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
@@ -61,6 +77,27 @@ SSE_EVENT = {
 
 def _openai_errors(*statuses: int) -> dict[str, Any]:
     return {str(status): _json(OPENAI_ERROR, "An error in OpenAI's shape.") for status in statuses}
+
+
+def _anthropic(operation_id: str, summary: str, description: str, *, stream: bool) -> dict[str, Any]:
+    """A path of Anthropic's Messages API: its errors are in Anthropic's shape."""
+    operation = _openai(
+        operation_id,
+        summary,
+        description,
+        post=True,
+        stream=stream,
+        errors=(),
+        parameters=(TEAM_HEADER, PRIORITY_HEADER) if stream else (TEAM_HEADER,),
+    )["post"]
+    statuses = (400, 401, 403, 404, 409, 413, 429, 502, 504) if stream else (400, 401, 403, 404, 413)
+    operation["tags"] = ["anthropic"]
+    operation["security"] = API_KEY
+    operation["responses"].update(
+        {str(status): _json(ANTHROPIC_ERROR, "An error in Anthropic's shape.") for status in statuses}
+    )
+    operation["responses"]["200"]["description"] = "As Anthropic's API answers."
+    return {"post": operation}
 
 
 def _openai(
@@ -148,6 +185,30 @@ def gateway_paths(result: dict[str, Any], generator: Any, request: Any, public: 
         errors=(400, 401, 403, 404, 409, 429, 502, 504),
         parameters=(TEAM_HEADER, PRIORITY_HEADER),
     )
+    paths["/v1/responses"] = _openai(
+        "v1_responses_create",
+        "Response (OpenAI's Responses API, governed, stateless)",
+        "OpenAI's Responses request, translated to a chat completion: a queued chat job under the team's caps "
+        "and budgets. Nothing is kept: `previous_response_id`, `conversation` and `store: true` are refused. "
+        "What maps and what is refused: docs/gateway.md.",
+        post=True,
+        stream=True,
+        errors=(400, 401, 403, 404, 409, 429, 502, 504),
+        parameters=(TEAM_HEADER, PRIORITY_HEADER),
+    )
+    paths["/v1/messages"] = _anthropic(
+        "v1_messages_create",
+        "Message (Anthropic's Messages API, governed)",
+        "Anthropic's Messages request, translated to a chat completion: a queued chat job under the team's caps "
+        "and budgets; the token as `x-api-key` or Bearer. What maps and what is refused: docs/gateway.md.",
+        stream=True,
+    )
+    paths["/v1/messages/count_tokens"] = _anthropic(
+        "v1_messages_count_tokens",
+        "Count a Messages request's input tokens",
+        "The prompt's tokens as the budget estimate counts them; no job.",
+        stream=False,
+    )
     paths["/v1/embeddings"] = _openai(
         "v1_embeddings_create",
         "Embeddings (OpenAI-compatible, governed)",
@@ -169,5 +230,11 @@ def gateway_paths(result: dict[str, Any], generator: Any, request: Any, public: 
         "type": "http",
         "scheme": "bearer",
         "description": "An API token (the same as `Authorization: Token KEY`).",
+    }
+    schemes["apiKeyAuth"] = {
+        "type": "apiKey",
+        "in": "header",
+        "name": "x-api-key",
+        "description": "An API token, as Anthropic's SDK sends its key (the Messages API only).",
     }
     return result
