@@ -3,6 +3,7 @@ workers and a real model server that speaks chat completions. Every call is a go
 under the team's caps; errors come in Anthropic's shape."""
 
 import json
+import socket
 import threading
 
 import anthropic
@@ -10,11 +11,13 @@ import httpx
 import pytest
 from anthropic import Anthropic
 
+from quotas.models import Usage
 from quotas.services import quota_policy_create
-from scheduler.models import Job, JobEvent
+from scheduler.models import Job, JobEvent, Slot
 from scheduler.services.policy import queue_policy_update
 from telemachus.control.features import feature_set
 from telemachus.models import Team
+from tests.processes import wait_until
 from tests.scheduler.gateway.conftest import live_deltas, may_chat, token
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -53,6 +56,7 @@ def alice(member_setup):
 def test_plain(stack, alice):
     executor = stack.executor(stack.simllm)
     cap_team_a(1)
+    quota_policy_create(scope="team", subject="a", dimension="ai.tokens", limit=10_000, window="day")
     reply = sdk(stack, alice).messages.create(
         model="m",
         max_tokens=4,
@@ -75,6 +79,45 @@ def test_plain(stack, alice):
     }
     assert [e.event for e in JobEvent.objects.filter(job=job).order_by("id")][-1] == "finished"
     assert stack.stats(executor)["requests"] == 1
+    # Billed like any chat job, and visible in the job API with its events
+    assert job.tokens_used == 16 and Usage.objects.get(scope="team", subject="a").tokens == 16
+    listed = httpx.get(f"{stack.base}/api/jobs/{job.pk}/events/", headers={"Authorization": f"Token {token(alice)}"})
+    events = listed.json()
+    events = events.get("results", events) if isinstance(events, dict) else events
+    assert listed.status_code == 200 and [e["event"] for e in events][-1] == "finished"
+
+
+def test_the_team_header_picks_the_team(stack, alice, make_team):
+    make_team("c", {alice: "member"})
+    stack.executor(stack.simllm)
+    with pytest.raises(anthropic.BadRequestError) as ambiguous:
+        sdk(stack, alice).messages.create(model="m", max_tokens=2, messages=HELLO)
+    assert ambiguous.value.body["error"]["code"] == "team_required"
+    reply = sdk(stack, alice, default_headers={"X-Telemachus-Team": "c"}).messages.create(
+        model="m", max_tokens=2, messages=HELLO
+    )
+    assert job_of(reply.id).team.slug == "c"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_disconnects_cancels_its_job(stack, alice, stream):
+    executor = stack.executor(stack.slow)
+    body = json.dumps({"model": "m", "max_tokens": 64, "messages": HELLO, "stream": stream}).encode()
+    host, port = stack.base.removeprefix("http://").split(":")
+    # Given a call whose model takes 5 s, running at the model server
+    client = socket.create_connection((host, int(port)))
+    client.sendall(
+        b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + f"x-api-key: {token(alice)}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    wait_until(lambda: stack.stats(executor).get("in_flight") == 1, timeout=30, what="the model call to start")
+    # When the client hangs up
+    client.close()
+    # Then its job is canceled, saying why, its slot freed and the model server's request aborted
+    wait_until(lambda: Job.objects.get().status == "canceled", timeout=30, what="the job to be canceled")
+    assert Job.objects.get().error == "client disconnected" and not Slot.objects.exists()
+    wait_until(lambda: stack.stats(executor).get("disconnects") == 1, timeout=30, what="the request aborted")
 
 
 def test_streamed(stack, alice):

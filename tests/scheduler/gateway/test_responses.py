@@ -4,6 +4,7 @@ server that speaks chat completions. Every call is a governed `chat` job under t
 
 import asyncio
 import json
+import socket
 import threading
 
 import httpx
@@ -12,9 +13,10 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from quotas.services import quota_policy_create
-from scheduler.models import Job, JobEvent
+from scheduler.models import Job, JobEvent, Slot
 from telemachus.control.features import feature_set
 from telemachus.models import Team
+from tests.processes import wait_until
 from tests.scheduler.gateway.conftest import live_deltas, may_chat, token
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -70,6 +72,26 @@ def test_plain(stack, alice):
     }
     assert [e.event for e in JobEvent.objects.filter(job=job).order_by("id")][-1] == "finished"
     assert stack.stats(executor)["requests"] == 1
+
+
+def test_a_client_that_disconnects_cancels_its_job(stack, alice):
+    executor = stack.executor(stack.slow)
+    body = json.dumps({"model": "m", "input": "hello there"}).encode()
+    host, port = stack.base.removeprefix("http://").split(":")
+    # Given a call whose model takes 5 s, running at the model server
+    client = socket.create_connection((host, int(port)))
+    client.sendall(
+        b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {token(alice)}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    wait_until(lambda: stack.stats(executor).get("in_flight") == 1, timeout=30, what="the model call to start")
+    # When the client hangs up
+    client.close()
+    # Then its job is canceled, saying why, its slot freed and the model server's request aborted
+    wait_until(lambda: Job.objects.get().status == "canceled", timeout=30, what="the job to be canceled")
+    assert Job.objects.get().error == "client disconnected" and not Slot.objects.exists()
+    wait_until(lambda: stack.stats(executor).get("disconnects") == 1, timeout=30, what="the request aborted")
 
 
 def test_streamed(stack, alice):
