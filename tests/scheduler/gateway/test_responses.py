@@ -165,8 +165,10 @@ def test_function_call_round_trip(stack, alice, stream):
     ]
 
 
-def test_agents_sdk_runs_a_tool_using_agent_with_its_default_model(stack, alice):
-    """The OpenAI Agents SDK, unchanged: its default model (the Responses API) pointed here."""
+@pytest.mark.parametrize("streamed", [False, True])
+def test_agents_sdk_runs_a_tool_using_agent_with_its_default_model(stack, alice, streamed):
+    """The OpenAI Agents SDK, unchanged: its default model (the Responses API) pointed here,
+    run plainly and streamed."""
     from agents import Agent, Runner, function_tool, set_default_openai_client, set_tracing_disabled
     from agents.models.multi_provider import MultiProvider
     from agents.models.openai_responses import OpenAIResponsesModel
@@ -185,11 +187,22 @@ def test_agents_sdk_runs_a_tool_using_agent_with_its_default_model(stack, alice)
     set_default_openai_client(AsyncOpenAI(base_url=f"{stack.base}/v1", api_key=token(alice), max_retries=0))
     agent = Agent(name="forecaster", instructions="Answer with the weather.", model="m", tools=[weather])
     assert isinstance(MultiProvider().get_model("m"), OpenAIResponsesModel), "the SDK's default model"
-    result = asyncio.run(Runner.run(agent, "Lisbon"))
+    if streamed:
+
+        async def run_streamed():
+            run = Runner.run_streamed(agent, "Lisbon")
+            kinds = [event.type async for event in run.stream_events()]
+            assert "raw_response_event" in kinds
+            return run
+
+        result = asyncio.run(run_streamed())
+    else:
+        result = asyncio.run(Runner.run(agent, "Lisbon"))
     assert called == ["Lisbon"]
     assert result.final_output.startswith("[simulated by simllm] the tool said: sunny in Lisbon")
     jobs = list(Job.objects.order_by("id"))
     assert [job.meta["via"] for job in jobs] == ["responses", "responses"], "one governed job per model call"
+    assert all(bool(job.input.get("stream")) == streamed for job in jobs)
     assert jobs[0].input["messages"][0] == {"role": "system", "content": "Answer with the weather."}
     assert jobs[1].input["messages"][-1]["role"] == "tool"
     assert stack.stats(executor)["peak"] == 1
