@@ -15,8 +15,9 @@ listener per process tells every waiting request of the jobs it watches (`feed.p
                output deltas (Redis, NOTIFY, or in process)
   calls.py     one governed model call, whatever the protocol: submit, wait, relay, cancel
   openai.py    POST /v1/chat/completions, POST /v1/embeddings, GET /v1/models
-  responses.py POST /v1/responses (OpenAI's Responses API over chat completions)
-  anthropic.py POST /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API, likewise)
+  responses/   POST /v1/responses (OpenAI's Responses API over chat completions): request.py
+               translates the request, answer.py the answer and its stream
+  anthropic/   POST /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API), likewise
   shapes.py    OpenAI's request checks, response bodies and error shape
   jobs.py      GET /api/jobs/{id}/wait/ and /stream/
   schema.py    these paths in the OpenAPI schema

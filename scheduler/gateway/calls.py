@@ -1,6 +1,6 @@
 """One governed model call, whatever protocol the app speaks: the part the three model APIs of the
 gateway share (OpenAI's chat completions and Responses, Anthropic's Messages; openai.py,
-responses.py, anthropic.py).
+responses/, anthropic/).
 
 `model_call()` authenticates the caller, picks the team, checks the `openai` feature switch, has
 the protocol's `Dialect` translate the body into a chat completion, submits it as a `chat` job

@@ -1,5 +1,5 @@
 """The OpenAI-compatible endpoint, governed: `POST /v1/chat/completions` (plain and `stream: true`),
-`POST /v1/responses` (responses.py), `POST /v1/embeddings`, `GET /v1/models` and
+`POST /v1/responses` (responses/), `POST /v1/embeddings`, `GET /v1/models` and
 `GET /v1/models/{model}`.
 
 Each model call is a `chat` job, submitted, waited for and relayed by calls.py (the part

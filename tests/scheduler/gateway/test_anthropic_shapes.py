@@ -1,4 +1,4 @@
-"""The Messages translator (scheduler/gateway/anthropic.py) on its own: what maps to chat
+"""The Messages translator (scheduler/gateway/anthropic/) on its own: what maps to chat
 completions, what is refused (naming the field), the error shape, and that what it answers parses
 as the official SDK's types."""
 

@@ -1,4 +1,4 @@
-"""The Responses translator (scheduler/gateway/responses.py) on its own: what maps to chat
+"""The Responses translator (scheduler/gateway/responses/) on its own: what maps to chat
 completions, what is refused (naming the field), and that what it answers parses as the official
 SDK's types."""
 
