@@ -186,7 +186,7 @@ def queue(n: int, user, team) -> None:
     from django.utils import timezone
 
     from scheduler.models import Job
-    from scheduler.notify import channels as signals
+    from telemachus.control import notify
 
     now = timezone.now()
     rows = [
@@ -203,7 +203,7 @@ def queue(n: int, user, team) -> None:
     ]
     with transaction.atomic():
         Job.objects.bulk_create(rows, batch_size=5000)
-        signals.notify_workers(signals.QUEUED)
+        notify.notify_workers(notify.QUEUED)
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE scheduler_job")
 

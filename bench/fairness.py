@@ -84,11 +84,11 @@ from quotas.models import QuotaPolicy  # noqa: E402
 from scheduler.core.policy import FairSharePolicy, team_usage  # noqa: E402
 from scheduler.core.selectors import queue_policy  # noqa: E402
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot, TeamShare  # noqa: E402
-from scheduler.notify import channels as signals  # noqa: E402
 from scheduler.services.claim import job_claim  # noqa: E402
 from scheduler.services.finish import job_finish  # noqa: E402
 from scheduler.services.policy import queue_policy_update  # noqa: E402
 from scheduler.services.submit import job_submit  # noqa: E402
+from telemachus.control import notify  # noqa: E402
 from telemachus.models import Team  # noqa: E402
 from telemachus.teams.services import team_create, team_member_set  # noqa: E402
 
@@ -204,7 +204,7 @@ def queue_jobs(counts: list[tuple[Member, int]], *, interleaved: bool = False) -
     ]
     with transaction.atomic():
         Job.objects.bulk_create(rows, batch_size=5_000)
-        signals.notify_workers(signals.QUEUED)
+        notify.notify_workers(notify.QUEUED)
 
 
 def analyze() -> None:

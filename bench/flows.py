@@ -46,9 +46,9 @@ from django.utils import timezone  # noqa: E402
 
 from executors.models import Executor  # noqa: E402
 from scheduler.models import Job, JobEvent, Slot, TeamShare  # noqa: E402
-from scheduler.notify import channels as signals  # noqa: E402
 from scheduler.services.policy import queue_policy_update  # noqa: E402
 from scheduler.services.submit import job_submit  # noqa: E402
+from telemachus.control import notify  # noqa: E402
 from telemachus.teams.services import team_create, team_member_set  # noqa: E402
 
 MODEL = "sim"
@@ -136,7 +136,7 @@ def bulk_queue(jobs: list[Job]) -> list[Job]:
         job.submitted_at = job.ready_at = job.queued_at = now
     with transaction.atomic():
         created = Job.objects.bulk_create(jobs, batch_size=5_000)
-        signals.notify_workers(signals.QUEUED)
+        notify.notify_workers(notify.QUEUED)
     return created
 
 

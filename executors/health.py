@@ -23,7 +23,7 @@ from django.db.models.functions import Now
 
 from executors.contract import Probe
 from executors.models import Executor
-from telemachus.control.changes import changes_notify
+from telemachus.control.notify import changes_notify
 from telemachus.locks import Level, rows_lock
 
 BREAKER_OPENED, BREAKER_HALF_OPEN, BREAKER_CLOSED = "breaker_opened", "breaker_half_open", "breaker_closed"

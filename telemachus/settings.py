@@ -154,6 +154,10 @@ def database_config(url: str | None) -> dict:
 
 
 DATABASES = {"default": database_config(os.environ.get("DATABASE_URL"))}
+# PostgreSQL: where the LISTEN connection goes (one per process: scheduler/notify/listener.py).
+# LISTEN needs a server session of its own, which a transaction-pooling PgBouncer does not keep:
+# behind one, point this at PostgreSQL itself. Empty: DATABASE_URL.
+TELEMACHUS_LISTEN_DATABASE_URL = os.environ.get("TELEMACHUS_LISTEN_DATABASE_URL", "")
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = os.environ.get("REDIS_URL", "")

@@ -2,17 +2,17 @@
 
 A request that waits for a job (`/wait/`, `/stream/`, `/v1/chat/completions`) takes a `Watch` on
 it and sleeps until the feed says the job changed or output arrived; then it reads the job again.
-The feed runs one listener per process (per event loop), never one per request:
+The feed is one per process (per event loop), never one per request, and hears the database
+through the process's listener (scheduler/notify/listener.py):
 
-* job changes: on PostgreSQL, LISTEN on `signals.JOBS_CHANNEL`, where every job event sends its
-  job id and event at commit (scheduler/services/events.py). On SQLite, which has no NOTIFY and
-  serves one host, a watch on the database file's `PRAGMA data_version` (it changes when another
-  connection commits; reading it touches no table), checked every few milliseconds while
-  anything is watched, followed by one query for the state of every watched job.
-  If the PostgreSQL listener is down, the same query runs once a second until it is back.
+* job changes: on PostgreSQL, the jobs' channel (telemachus/control/notify.py), where every job
+  event sends its job id and event at commit (scheduler/services/events.py). On SQLite, which
+  has no NOTIFY and serves one host, the listener's watch on `PRAGMA data_version`, every few
+  milliseconds while anything is watched, and on each move one query for the state of every
+  watched job. While the PostgreSQL listener is down, the same query runs once a second.
 * output deltas of streamed jobs (scheduler/notify/broadcast.py): from the channel layer (one channel for
   the process, added to the group of each job watched for output) or, on PostgreSQL without Redis,
-  from the same LISTEN connection.
+  from the jobs' channel too.
 
 Missing a delta is survivable (a watcher fills the gap from the job's result); missing a change is
 not, so every path that could lose one (a listener that reconnects, a watch taken after the change)
@@ -21,12 +21,10 @@ marks the watch changed and lets the watcher read the database."""
 import asyncio
 import json
 import logging
-import sqlite3
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-import psycopg
 from channels.layers import get_channel_layer
 from django.db import connection
 from django.db.models import Max
@@ -34,7 +32,8 @@ from django.db.models import Max
 from scheduler.gateway.database import db
 from scheduler.models import Job, JobEvent
 from scheduler.notify import broadcast
-from scheduler.notify import channels as signals
+from scheduler.notify.listener import Listener
+from telemachus.control import notify
 
 log = logging.getLogger("telemachus.feed")
 SQLITE_WATCH_SECONDS = 0.005
@@ -238,13 +237,23 @@ class JobFeed:
         # PostgreSQL: job id -> (epoch, event) of the last change heard, for `watch(since=...)`.
         self.recent: OrderedDict[int, tuple[int, str]] = OrderedDict()
         self.epoch = 0
-        self.listening = False
         self.generation = 0  # bumped each time the listener (re)connects
         self._known: dict[int, tuple[str, int | None]] = {}
-        self._anything_watched = asyncio.Event()
+        self._stale = asyncio.Event()  # SQLite: another connection committed since the last read
+        self._poller: asyncio.Task | None = None  # PostgreSQL: reads while the listener is down
         self._group_ops: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
         self._channel: str | None = None
         self._tasks: list[asyncio.Task] = []
+        # On SQLite, watched only while a request waits (`active`); PostgreSQL listens throughout,
+        # so a watch taken after a mark knows what changed in between.
+        self._ears = Listener.current().subscribe(
+            self, channels=[notify.JOBS_CHANNEL], sqlite_interval=SQLITE_WATCH_SECONDS, active=False
+        )
+
+    @property
+    def listening(self) -> bool:
+        """PostgreSQL: job changes are heard now (connected, the jobs' channel LISTENed)."""
+        return self.vendor == "postgresql" and self._ears.live
 
     @classmethod
     def current(cls) -> "JobFeed":
@@ -258,10 +267,8 @@ class JobFeed:
         return feed
 
     def _start(self) -> None:
-        if self.vendor == "postgresql":
-            self._tasks.append(asyncio.create_task(self._listen(), name="feed-listen"))
-        elif self.vendor == "sqlite":
-            self._tasks.append(asyncio.create_task(self._watch_sqlite(), name="feed-sqlite"))
+        if self.vendor == "sqlite":
+            self._tasks.append(asyncio.create_task(self._refresh_when_stale(), name="feed-sqlite"))
         if self.deltas_via == broadcast.LAYER:
             self._tasks.append(asyncio.create_task(self._receive_deltas(), name="feed-deltas"))
 
@@ -277,7 +284,7 @@ class JobFeed:
         watch = Watch(self, job_id, deltas=deltas)
         first = job_id not in self.watches
         self.watches.setdefault(job_id, set()).add(watch)
-        self._anything_watched.set()
+        self._ears.active = True
         if (
             deltas
             and self.deltas_via == broadcast.LAYER
@@ -303,7 +310,7 @@ class JobFeed:
             del self.watches[watch.job_id]
             self._known.pop(watch.job_id, None)
             if not self.watches:
-                self._anything_watched.clear()
+                self._ears.active = False
 
     def _changed(self, job_id: int, event: str) -> None:
         self.epoch += 1
@@ -324,71 +331,50 @@ class JobFeed:
             for watch in watches:
                 watch.notify(ended=True)
 
-    # --- PostgreSQL -----------------------------------------------------------------------------
+    # --- what the listener tells ------------------------------------------------------------------
 
-    async def _listen(self) -> None:
-        delay = 0.5
-        while True:
-            try:
-                async with await psycopg.AsyncConnection.connect(
-                    **signals.listen_connection_params(), autocommit=True
-                ) as conn:
-                    await conn.execute(f"LISTEN {signals.JOBS_CHANNEL}")
-                    self.listening, delay = True, 0.5
-                    self.generation += 1
-                    self._all_changed()  # anything that happened while we were not listening
-                    async for note in conn.notifies():
-                        self._on_notify(note.payload)
-            except (psycopg.Error, OSError) as exc:
-                log.warning(
-                    "job feed: LISTEN connection lost (%s); reading watched jobs each second until it is back", exc
-                )
-            self.listening = False
-            await self._poll_for(delay)
-            delay = min(delay * 2, 10.0)
+    def notified(self, channel: str, payload: str) -> None:
+        self._on_notify(payload)
 
-    async def _poll_for(self, seconds: float) -> None:
-        loop = asyncio.get_running_loop()
-        until = loop.time() + seconds
-        while True:
+    def missed(self) -> None:
+        if self.vendor == "postgresql":
+            # Listening again: anything may have happened while we were not.
+            self.generation += 1
+            self._all_changed()
+        else:
+            # SQLite: another connection committed; read the watched jobs to see which changed.
+            self._stale.set()
+
+    def live_changed(self, live: bool) -> None:
+        if self.vendor == "postgresql" and not live and (self._poller is None or self._poller.done()):
+            log.warning("job feed: not listening; reading watched jobs each second until the listener is back")
+            self._poller = asyncio.create_task(self._poll_while_down(), name="feed-poll")
+
+    async def _poll_while_down(self) -> None:
+        while not self.listening:
             if self.watches:
                 await self._refresh()
-            left = until - loop.time()
-            if left <= 0:
-                return
-            await asyncio.sleep(min(FALLBACK_POLL_SECONDS, left))
+            await asyncio.sleep(FALLBACK_POLL_SECONDS)
 
     def _on_notify(self, payload: str) -> None:
         try:
-            if payload.startswith(signals.CHANGED):
-                for item in payload[len(signals.CHANGED) :].split(","):
+            if payload.startswith(notify.CHANGED):
+                for item in payload[len(notify.CHANGED) :].split(","):
                     job_id, _, event = item.partition(":")
                     self._changed(int(job_id), event)
-            elif payload.startswith(signals.DELTA) and self.deltas_via == broadcast.POSTGRES:
-                message = json.loads(payload[len(signals.DELTA) :])
+            elif payload.startswith(notify.DELTA) and self.deltas_via == broadcast.POSTGRES:
+                message = json.loads(payload[len(notify.DELTA) :])
                 self._delta(int(message["job"]), delta_from(message))
         except (ValueError, KeyError, TypeError):
             log.warning("job feed: ignored a malformed notification %r", payload[:200])
 
     # --- SQLite ---------------------------------------------------------------------------------
 
-    async def _watch_sqlite(self) -> None:
-        path = str(connection.settings_dict["NAME"])
-        if not path or path.startswith(":memory:") or path.startswith("file:"):
-            return
-        watcher = sqlite3.connect(path, check_same_thread=False)
-        try:
-            seen = None
-            while True:
-                if not self.watches:
-                    await self._anything_watched.wait()
-                version = watcher.execute("PRAGMA data_version").fetchone()[0]
-                if version != seen:
-                    seen = version
-                    await self._refresh()
-                await asyncio.sleep(SQLITE_WATCH_SECONDS)
-        finally:
-            watcher.close()
+    async def _refresh_when_stale(self) -> None:
+        while True:
+            await self._stale.wait()
+            self._stale.clear()
+            await self._refresh()
 
     async def _refresh(self) -> None:
         """Read the state of every watched job in one query; tell the watches of those that changed."""

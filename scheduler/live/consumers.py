@@ -6,10 +6,15 @@ The page chooses its page of jobs with `{"id": ..., "view": {tab, team, type, mo
 after, size}}` (scheduler/live/jobs.py), anyone signed in, members too; the reply echoes `id` and
 the next push carries that page.
 
-Re-reads are driven by change notifications (scheduler/notify/watcher.py), coalesced over a short window, not
-by a timer per socket. A heartbeat every few seconds tells the page that the picture it shows is
-still current (the "updated" stamp); when notifications cannot be heard, or a reason in the picture
-has a deadline (a breaker cooldown, a budget reset), the heartbeat re-reads instead."""
+Re-reads are driven by change notifications, coalesced over a short window, not by a timer per
+socket: each socket subscribes to the process's listener (scheduler/notify/listener.py) for the
+workers' channel (work queued, capacity freed, a job canceled, configuration changed) and the
+live-view channel (claims, breaker and health changes, audited operator changes), or on SQLite
+for its data_version watch. The channel layer carries the dashboard's own actions
+(broadcast.dashboard_changed_send), across processes when it is Redis. A heartbeat every few
+seconds tells the page that the picture it shows is still current (the "updated" stamp); when
+notifications cannot be heard, or a reason in the picture has a deadline (a breaker cooldown, a
+budget reset), the heartbeat re-reads instead."""
 
 import asyncio
 import json
@@ -31,7 +36,8 @@ from scheduler.live.actions import dashboard_action
 from scheduler.live.jobs import JobView, JobViewInput
 from scheduler.live.snapshot import dashboard_state
 from scheduler.notify import broadcast
-from scheduler.notify.watcher import ChangeFeed
+from scheduler.notify.listener import Listener, Subscription
+from telemachus.control import notify
 from telemachus.errors import ValidationFailed
 
 log = logging.getLogger("telemachus.dashboard")
@@ -40,12 +46,30 @@ NOT_AUTHENTICATED = 4401
 COALESCE_SECONDS = 0.1
 # Re-read at least this often even when notifications say nothing changed.
 REREAD_SECONDS = 60.0
+# SQLite: how often the listener looks for commits while a dashboard is open.
+SQLITE_WATCH_SECONDS = 0.05
+
+
+class DashboardEars:
+    """A socket's subscription to the listener: any change it hears wakes the socket's pusher."""
+
+    def __init__(self, wake: asyncio.Event) -> None:
+        self.wake = wake
+
+    def notified(self, channel: str, payload: str) -> None:
+        self.wake.set()
+
+    def missed(self) -> None:
+        self.wake.set()
+
+    def live_changed(self, live: bool) -> None:
+        """The pusher reads `live` when its heartbeat comes round."""
 
 
 class DashboardConsumer(AsyncJsonWebsocketConsumer):
     pusher: asyncio.Task | None = None
     wake: asyncio.Event | None = None
-    feed: ChangeFeed | None = None
+    ears: Subscription | None = None
     view: JobView = JobView()
 
     async def connect(self) -> None:
@@ -54,16 +78,20 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=NOT_AUTHENTICATED)
             return
         await self.accept()
-        self.feed = ChangeFeed.current()
-        self.wake = self.feed.subscribe()
+        self.wake = asyncio.Event()
+        self.ears = Listener.current().subscribe(
+            DashboardEars(self.wake),
+            channels=[notify.WORKERS_CHANNEL, notify.CHANGES_CHANNEL],
+            sqlite_interval=SQLITE_WATCH_SECONDS,
+        )
         await self.channel_layer.group_add(broadcast.DASHBOARD_GROUP, self.channel_name)
         self.pusher = asyncio.create_task(self._push(user, self.scope["session"].session_key))
 
     async def disconnect(self, code: int) -> None:
         if self.pusher is not None:
             self.pusher.cancel()
-        if self.feed is not None and self.wake is not None:
-            self.feed.unsubscribe(self.wake)
+        if self.ears is not None:
+            self.ears.close()
             await self.channel_layer.group_discard(broadcast.DASHBOARD_GROUP, self.channel_name)
 
     async def dashboard_changed(self, message: dict[str, Any]) -> None:
@@ -135,7 +163,7 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
                 reread = True
             except TimeoutError:
                 reread = (
-                    not self.feed.live  # type: ignore[union-attr]
+                    not self.ears.live  # type: ignore[union-attr]
                     or time.monotonic() - read_at >= REREAD_SECONDS
                     or (deadline is not None and time.time() >= deadline)
                 )

@@ -1,2 +1,4 @@
-"""Between processes: the database notification channels (sent after commit), the listener
-that wakes workers and live views, and streamed output over the channel layer."""
+"""Between processes: the listener that hears the database's notifications for the worker, live
+views and the gateway (`listener.py`; the channels and their senders are in
+telemachus/control/notify.py, where every layer can reach them), and streamed output
+(`broadcast.py`)."""

@@ -6,8 +6,8 @@ job, and the receivers fill any gap from the job's final result (scheduler/gatew
 Where deltas travel (`delta_transport()`, the same answer in every process of a deployment):
 
 * `REDIS_URL` set: the channel layer (channels-redis), to the group `job-<id>`.
-* PostgreSQL without Redis: NOTIFY on `signals.JOBS_CHANNEL`, from one connection per worker
-  process, outside any transaction.
+* PostgreSQL without Redis: NOTIFY on the jobs' channel (telemachus/control/notify.py), from one
+  connection per worker process, outside any transaction.
 * otherwise (SQLite without Redis): the in-memory channel layer, which reaches only the process
   it is in; API processes then see a streamed job's text when the job ends.
 
@@ -29,7 +29,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import connection
 
-from scheduler.notify import channels as signals
+from telemachus.control import notify
 
 log = logging.getLogger("telemachus.broadcast")
 LAYER, POSTGRES = "layer", "postgres"
@@ -140,13 +140,8 @@ class DeltaPublisher:
     async def _notify(self, messages: list[dict[str, Any]]) -> None:
         payloads = [p for m in messages for p in _delta_payloads(m)]
         if self._conn is None or self._conn.closed:
-            self._conn = await psycopg.AsyncConnection.connect(**signals.listen_connection_params(), autocommit=True)
-        for start in range(0, len(payloads), 50):
-            chunk = payloads[start : start + 50]
-            await self._conn.execute(
-                "SELECT " + ", ".join(["pg_notify(%s, %s)"] * len(chunk)),
-                [value for payload in chunk for value in (signals.JOBS_CHANNEL, payload)],
-            )
+            self._conn = await psycopg.AsyncConnection.connect(**notify.notify_connection_params(), autocommit=True)
+        await notify.job_deltas_notify(self._conn, payloads)
 
     async def _close(self) -> None:
         if self._conn is not None:
@@ -161,11 +156,11 @@ def _delta_payloads(message: dict[str, Any]) -> list[str]:
     """A delta as NOTIFY payloads under PostgreSQL's size limit: long text is split in pieces
     that each carry their own offset."""
     text, offset, payloads = message["text"], message["offset"], []
-    step = signals.MAX_PAYLOAD_BYTES // 13  # JSON may spend 12 bytes on one character; room for the rest
+    step = notify.MAX_PAYLOAD_BYTES // 13  # JSON may spend 12 bytes on one character; room for the rest
     for start in range(0, max(len(text), 1), step):
         piece = {**message, "offset": offset + start, "text": text[start : start + step]}
         del piece["type"]
-        payloads.append(signals.DELTA + json.dumps(piece, separators=(",", ":")))
+        payloads.append(notify.DELTA + json.dumps(piece, separators=(",", ":")))
     return payloads
 
 

@@ -26,8 +26,8 @@ from django.db import connection
 from quotas.budget import Bill, quota_settle
 from quotas.rules import Rule
 from scheduler.models import Job, QueuePolicy, Slot
-from scheduler.notify import channels as signals
 from scheduler.services.shares import team_shares_charge
+from telemachus.control import notify
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def attempts_end(
         return
     started = slots_free(job_ids=[end.job.pk for end in ends])
     if wake and started:
-        signals.notify_workers(signals.FREED)
+        notify.notify_workers(notify.FREED)
     bills = [
         Bill(team_id=end.job.team_id, user_id=end.job.user_id, executor_id=end.job.executor_id, tokens=end.tokens)
         for end in ends

@@ -6,9 +6,9 @@ from executors.tokens import count_prompt_tokens
 from scheduler.core.configuration import policy_record
 from scheduler.core.locks import lock_job
 from scheduler.models import Job, JobEvent
-from scheduler.notify import channels as signals
 from scheduler.services.attempts import AttemptEnd, attempts_end
 from scheduler.services.events import event_record
+from telemachus.control import notify
 from telemachus.control.audit import Actor, audit_record
 from telemachus.control.config import config_snapshot
 from telemachus.errors import Conflict, NotFound
@@ -61,7 +61,7 @@ def job_cancel(*, job_id: int, by: Actor = None, reason: str = "", bill: bool = 
                 after={"status": job.status},
             )
         if was == Job.Status.RUNNING:
-            signals.notify_workers(f"{signals.CANCELED}:{job.pk}")
+            notify.notify_workers(f"{notify.CANCELED}:{job.pk}")
         # Slots, then ledger rows (lock level 4) and team shares (level 5), last.
         attempts_end(ends=[end], now=now, record=policy_record(config_snapshot()), wake=was == Job.Status.RUNNING)
     return job

@@ -18,7 +18,7 @@ from scheduler.models import Job, JobEvent, Slot
 from scheduler.services.events import events_record, job_event
 from scheduler.services.shares import team_shares_charge
 from scheduler.services.tooljobs import tool_jobs_start
-from telemachus.control.changes import changes_notify
+from telemachus.control.notify import changes_notify
 from telemachus.locks import Level, for_update_sql
 
 MAX_ORDER_ROUNDS = 3

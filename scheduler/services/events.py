@@ -15,7 +15,7 @@ from django.utils import timezone
 from executors.health import ExecutorEvent
 from executors.models import Executor
 from scheduler.models import Job, JobEvent
-from scheduler.notify import channels as signals
+from telemachus.control import notify
 
 
 def job_event(
@@ -33,7 +33,7 @@ def events_record(events: Iterable[JobEvent]) -> None:
     watches a job before its submit returns)."""
     events = list(events)
     JobEvent.objects.bulk_create(events)
-    signals.notify_job_watchers(
+    notify.notify_job_watchers(
         (event.job_id, event.event)
         for event in events
         if event.job_id is not None and event.event != JobEvent.Type.QUEUED

@@ -10,10 +10,10 @@ from django.db.models.functions import Now
 from scheduler.core.locks import lock_jobs_held
 from scheduler.core.selectors import queue_policy
 from scheduler.models import Job, JobEvent
-from scheduler.notify import channels as signals
 from scheduler.services.attempts import AttemptEnd, attempts_end
 from scheduler.services.claim import lease_length
 from scheduler.services.events import events_record, job_event
+from telemachus.control import notify
 
 
 def held_by(held: Mapping[int, uuid.UUID]) -> Q:
@@ -61,6 +61,6 @@ def jobs_release(*, held: Mapping[int, uuid.UUID], reason: str) -> list[int]:
             job.attempts = max(job.attempts - 1, 0)
         Job.objects.bulk_update(jobs, Job.REQUEUE_FIELDS)
         events_record(events)
-        signals.notify_workers(signals.QUEUED)
+        notify.notify_workers(notify.QUEUED)
         attempts_end(ends=ends, now=jobs[0].db_now, record=queue_policy(), wake=True)
     return [job.pk for job in jobs]

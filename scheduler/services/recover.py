@@ -6,9 +6,9 @@ from django.db import transaction
 from scheduler.core.locks import lock_jobs_expired
 from scheduler.core.selectors import queue_policy
 from scheduler.models import Job, JobEvent, QueuePolicy
-from scheduler.notify import channels as signals
 from scheduler.services.attempts import AttemptEnd, attempts_end
 from scheduler.services.events import events_record, job_event
+from telemachus.control import notify
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def jobs_recover(*, limit: int = 500) -> RecoveryReport:
                 failed.append(job)
         if requeued:
             Job.objects.bulk_update(requeued, Job.REQUEUE_FIELDS)
-            signals.notify_workers(signals.QUEUED)
+            notify.notify_workers(notify.QUEUED)
         if failed:
             Job.objects.bulk_update(failed, Job.END_FIELDS)
         events_record(events)

@@ -2,8 +2,8 @@ from django.db import transaction
 
 from scheduler.core.locks import lock_job
 from scheduler.models import Job, JobEvent
-from scheduler.notify import channels as signals
 from scheduler.services.events import event_record
+from telemachus.control import notify
 from telemachus.control.audit import audit_record
 from telemachus.errors import Conflict, NotFound
 from telemachus.teams import rbac
@@ -63,5 +63,5 @@ def job_requeue(*, job_id: int, by: rbac.Principal) -> Job:
             before={"status": was},
             after={"status": job.status},
         )
-        signals.notify_workers(signals.QUEUED)
+        notify.notify_workers(notify.QUEUED)
     return job

@@ -34,9 +34,9 @@ from executors.tools import ToolOutcome
 from scheduler.core.locks import lock_job
 from scheduler.core.selectors import queue_policy
 from scheduler.models import Job, JobEvent, QueuePolicy
-from scheduler.notify import channels as signals
 from scheduler.services.attempts import AttemptEnd, attempts_end
 from scheduler.services.events import events_record, job_event
+from telemachus.control import notify
 from telemachus.errors import Conflict
 
 if TYPE_CHECKING:
@@ -318,5 +318,5 @@ def round_requeue(*, job_id: int, lease: uuid.UUID, round: int, results: list[To
                 )
             ]
         )
-        signals.notify_workers(signals.QUEUED)
+        notify.notify_workers(notify.QUEUED)
         return str(job.status)

@@ -24,9 +24,9 @@ from scheduler.core.configuration import Configuration, configuration, grants, p
 from scheduler.core.jobtypes import MODEL_CALL_TYPES, job_input_check
 from scheduler.core.policy import Admission, AdmissionState, policy_for
 from scheduler.models import Job, JobEvent, QueuePolicy
-from scheduler.notify import channels as signals
 from scheduler.rbac import JOB_TYPE_PERMISSION
 from scheduler.services.events import events_record, job_event
+from telemachus.control import notify
 from telemachus.control.config import (
     ConfigSnapshot,
     config_at,
@@ -162,7 +162,7 @@ def _admit(*, user: rbac.Principal, specs: Sequence[JobSpec], snapshot: ConfigSn
         rows_lock(Team.objects, level=Level.CONFIGURATION, of=("self",))
         .filter(pk__in=teams)
         .order_by("pk")
-        .annotate(config_version=version_annotation(), wake=signals.notify_column(signals.QUEUED), **budget_columns)
+        .annotate(config_version=version_annotation(), wake=notify.notify_column(notify.QUEUED), **budget_columns)
         .values("pk", "config_version", "wake", *budget_columns)
     )
     version = locked[0]["config_version"] if locked else None

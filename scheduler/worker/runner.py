@@ -11,7 +11,8 @@ a second connection would only wait for the first: everything shares one thread.
   claim loop   claims as many jobs as there are free local slots, then waits to be woken: by
                NOTIFY on PostgreSQL (work queued, capacity freed, configuration changed, a job
                canceled), by its own finishes, or on SQLite by a watch on its data_version
-               (another connection committed); and, when the claim said something waits on time
+               (another connection committed), both heard through the process's listener
+               (scheduler/notify/listener.py); and, when the claim said something waits on time
                (a retry's backoff, a breaker's cooldown, a budget window), at that moment.
   dispatches   one task per job; the driver's dispatch() runs outside any transaction. A flow's
                claim is one round (scheduler/flows/runner.py): model call, slot freed, tools in the
@@ -32,7 +33,6 @@ grace period running out): abort the dispatches and give their jobs back to the 
 import asyncio
 import logging
 import signal
-import sqlite3
 import time
 import uuid
 from collections.abc import Callable
@@ -41,7 +41,6 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
-import psycopg
 from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, close_old_connections, connection
 
@@ -54,7 +53,7 @@ from scheduler.flows.runner import flow_round_run, tool_job_outcome
 from scheduler.metrics import CLAIM_SECONDS, dispatch_observe, worker_heartbeat_forget, worker_heartbeat_observe
 from scheduler.models import Job
 from scheduler.notify import broadcast
-from scheduler.notify import channels as signals
+from scheduler.notify.listener import Listener, Subscription
 from scheduler.services.claim import Claim, job_claim
 from scheduler.services.finish import FinishReport, Outcome, jobs_finish
 from scheduler.services.history import history_next_in, history_record
@@ -62,6 +61,7 @@ from scheduler.services.lease import jobs_release, leases_renew
 from scheduler.services.recover import jobs_recover
 from scheduler.worker.flight import InFlight
 from scheduler.worker.probes import heartbeat_check, probe_serve
+from telemachus.control import notify
 
 log = logging.getLogger("telemachus.worker")
 SQLITE_WATCH_SECONDS = 0.01
@@ -105,8 +105,7 @@ class Worker:
         self.breaker_gate = asyncio.Lock()
         self.to_release: dict[int, uuid.UUID] = {}
         self.drivers = DriverPool()
-        self.listening = False
-        self.watching = False  # SQLite: the data_version watch is running
+        self._ears: Subscription | None = None  # the process's listener, while running
         self.want_freed = True  # wake when capacity frees: work may be waiting for it
         self.freed = 0  # capacity-freed wake-ups so far (own finishes, `freed` notifications)
         self.stopping = False
@@ -160,10 +159,9 @@ class Worker:
         probes = (
             await probe_serve(db=self.db, heartbeat=self._heartbeat_state) if settings.TELEMACHUS_METRICS_BIND else None
         )
-        if connection.vendor == "postgresql":
-            background.append(asyncio.create_task(self._listen(), name="listener"))
-        elif connection.vendor == "sqlite":
-            background.append(asyncio.create_task(self._watch_sqlite(), name="watcher"))
+        self._ears = Listener.current().subscribe(
+            self, channels=[notify.WORKERS_CHANNEL], sqlite_interval=SQLITE_WATCH_SECONDS
+        )
         try:
             await self._claim_loop()
             await self._drain()
@@ -173,6 +171,7 @@ class Worker:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
+            await self._ears.aclose()
             for driver in self.drivers.all():
                 await driver.aclose()
             for thread in {self._claim_thread, self._finish_thread}:
@@ -572,55 +571,34 @@ class Worker:
         except Exception as exc:  # a probe that crashes says the executor cannot be trusted
             return executor.pk, Probe(health=Executor.Health.DOWN, detail=f"probe error: {exc!r}")
 
-    # --- notifications (PostgreSQL) -----------------------------------------------------------
+    # --- notifications (scheduler/notify/listener.py) -------------------------------------------
 
-    async def _listen(self) -> None:
-        params = signals.listen_connection_params()
-        delay = 0.5
-        while True:
-            try:
-                async with await psycopg.AsyncConnection.connect(**params, autocommit=True) as conn:
-                    await conn.execute(f"LISTEN {signals.CHANNEL}")
-                    self.listening, delay = True, 0.5
-                    self.wake.set()  # anything sent before LISTEN took effect
-                    async for note in conn.notifies():
-                        self._on_notify(note.payload)
-            except (psycopg.Error, OSError) as exc:
-                log.warning("LISTEN connection lost (%s); polling until it is back", exc)
-            self.listening = False
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
+    @property
+    def listening(self) -> bool:
+        """PostgreSQL: wake-ups (and cancels) arrive by NOTIFY now."""
+        return self._ears is not None and self._ears.live and connection.vendor == "postgresql"
 
-    async def _watch_sqlite(self) -> None:
-        """SQLite has no LISTEN. Its `PRAGMA data_version` changes whenever another connection
-        commits a change, and reading it costs microseconds without touching any table, so
-        checking it every few milliseconds wakes the claim loop about as promptly as NOTIFY."""
-        path = connection.settings_dict["NAME"]
-        if not path or str(path).startswith(":memory:") or str(path).startswith("file:"):
-            return
-        watcher = sqlite3.connect(path, check_same_thread=False)
-        try:
-            seen = watcher.execute("PRAGMA data_version").fetchone()[0]
-            self.watching = True
-            while True:
-                await asyncio.sleep(SQLITE_WATCH_SECONDS)
-                version = watcher.execute("PRAGMA data_version").fetchone()[0]
-                if version != seen:
-                    seen = version
-                    self.wake.set()
-        finally:
-            self.watching = False
-            watcher.close()
+    @property
+    def watching(self) -> bool:
+        """SQLite: the data_version watch is running."""
+        return self._ears is not None and self._ears.live and connection.vendor == "sqlite"
 
-    def _on_notify(self, payload: str) -> None:
-        if payload in (signals.QUEUED, signals.CONFIG):
+    def notified(self, channel: str, payload: str) -> None:
+        if payload in (notify.QUEUED, notify.CONFIG_CHANGED):
             self.wake.set()
-        elif payload == signals.FREED:
+        elif payload == notify.FREED:
             self._capacity_freed()
-        elif payload.startswith(f"{signals.CANCELED}:"):
+        elif payload.startswith(f"{notify.CANCELED}:"):
             job_id = int(payload.partition(":")[2])
             if job_id in self.inflight:
                 self._abort(job_id, "canceled")
+
+    def missed(self) -> None:
+        """Listening again (or, on SQLite, another connection committed): anything may be waiting."""
+        self.wake.set()
+
+    def live_changed(self, live: bool) -> None:
+        """Nothing to do: the claim loop and the heartbeat read `listening` each time round."""
 
 
 def _database_thread(name: str) -> ThreadPoolExecutor:

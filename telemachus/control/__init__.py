@@ -1,2 +1,3 @@
 """What operators change at run time and how it is seen: the configuration version and its
-cache, feature switches, change notifications and the audit log."""
+cache, feature switches, the audit log, and the database notifications every layer sends
+(`notify.py`)."""

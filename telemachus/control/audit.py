@@ -13,7 +13,7 @@ from typing import Any
 
 from django.contrib.auth.models import AnonymousUser, User
 
-from telemachus.control.changes import changes_notify
+from telemachus.control.notify import changes_notify
 from telemachus.models import AuditEvent
 
 _source: ContextVar[str] = ContextVar("audit_source", default=AuditEvent.Source.SYSTEM)

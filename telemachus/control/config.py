@@ -4,8 +4,9 @@ Configuration is what every claim and every submit reads but that changes only w
 changes it: executors (with their breaker and health), teams, memberships, permissions, quota
 rules, the queue policy. Database triggers bump one counter, `ConfigVersion.version`, in the
 transaction of any write to those tables, whoever writes (a service, the admin, a queryset
-`.update()`, a shell, psql), and on PostgreSQL send `NOTIFY telemachus, 'config'`, which wakes the
-workers: a configuration change may raise a cap or make queued work placeable.
+`.update()`, a shell, psql), and on PostgreSQL send `config` on the workers' channel
+(telemachus/control/notify.py), which wakes the workers: a configuration change may raise a cap or
+make queued work placeable.
 
 A process keeps what it read under the version it read it at (`config_at(version)`), and reads
 again only when the version has moved. Callers learn the version from a statement they run anyway
@@ -25,11 +26,8 @@ from typing import Any, TypeVar
 from django.db.migrations import RunPython
 from django.db.models import Subquery
 
+from telemachus.control.notify import config_notify_plpgsql
 from telemachus.models import ConfigVersion
-
-# The channel the workers LISTEN on (scheduler/notify/channels.py sends its wake-ups there too).
-CHANNEL = "telemachus"
-CONFIG_CHANGED = "config"
 
 T = TypeVar("T")
 
@@ -136,7 +134,7 @@ def install_bump_function() -> RunPython:
             f"CREATE OR REPLACE FUNCTION {BUMP_FUNCTION}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
             f"INSERT INTO {table} (id, version) VALUES (1, {FRESH_VERSION_SQL['postgresql']}) "
             f"ON CONFLICT (id) DO UPDATE SET version = {table}.version + 1; "
-            f"PERFORM pg_notify('{CHANNEL}', '{CONFIG_CHANGED}'); "
+            f"{config_notify_plpgsql()} "
             "RETURN NULL; END $$"
         )
 

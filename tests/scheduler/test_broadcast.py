@@ -3,7 +3,7 @@
 import json
 
 from scheduler.notify import broadcast
-from scheduler.notify import channels as signals
+from telemachus.control import notify as signals
 
 
 def test_job_changes_split_into_payloads_under_the_limit():

@@ -13,7 +13,8 @@ from guardian.shortcuts import assign_perm, remove_perm
 from executors.models import Executor
 from quotas.models import QuotaPolicy
 from scheduler.models import QueuePolicy
-from telemachus.control.config import CHANNEL, CONFIG_CHANGED, config_version
+from telemachus.control.config import config_version
+from telemachus.control.notify import CONFIG_CHANGED, WORKERS_CHANNEL
 from telemachus.models import ConfigVersion, Membership
 from telemachus.teams.services import team_member_set
 
@@ -96,7 +97,7 @@ def test_a_configuration_write_wakes_listeners_when_it_commits(member_setup):
     with psycopg.connect(
         host=s["HOST"] or "127.0.0.1", port=s["PORT"] or 5432, user=s["USER"], dbname=s["NAME"], autocommit=True
     ) as listener:
-        listener.execute(f"LISTEN {CHANNEL}")
+        listener.execute(f"LISTEN {WORKERS_CHANNEL}")
 
         # When an operator raises an executor's capacity with a plain UPDATE...
         Executor.objects.filter(name="shared").update(max_concurrency=8)

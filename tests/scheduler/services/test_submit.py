@@ -9,8 +9,8 @@ from guardian.shortcuts import remove_perm
 from executors.models import Executor
 from quotas.models import QuotaPolicy
 from scheduler.models import Job, JobEvent, QueuePolicy
-from scheduler.notify import channels as signals
 from scheduler.services.submit import MAX_BULK, JobSpec, job_submit, jobs_submit
+from telemachus.control import notify as signals
 from telemachus.errors import Forbidden, QuotaExceeded, TryLater, UnknownModel, ValidationFailed
 from telemachus.teams.services import team_member_remove
 
@@ -175,7 +175,7 @@ def test_a_submit_wakes_the_workers_when_it_commits(member_setup):
     with psycopg.connect(
         host=s["HOST"] or "127.0.0.1", port=s["PORT"] or 5432, user=s["USER"], dbname=s["NAME"], autocommit=True
     ) as listener:
-        listener.execute(f"LISTEN {signals.CHANNEL}")
+        listener.execute(f"LISTEN {signals.WORKERS_CHANNEL}")
         one(alice)
         jobs_submit(user=alice, jobs=[spec(), spec()])
         notes = [n.payload for n in listener.notifies(timeout=5, stop_after=2)]

@@ -1,0 +1,178 @@
+"""Database notifications: every channel, every payload and every sender, in one place.
+
+Senders queue a PostgreSQL NOTIFY inside the transaction that makes the change. PostgreSQL
+delivers a NOTIFY issued inside a transaction only when that transaction commits (and never if it
+rolls back), so "sent after commit" holds without on-commit hooks, and nobody wakes for a change
+they cannot see yet. On SQLite nothing is sent: listeners watch the database file's
+`PRAGMA data_version`, which moves on every commit by another connection. Who hears what:
+scheduler/notify/listener.py, one listener per process shared by every subscriber.
+
+Channels, their payloads, and who sends them:
+
+  telemachus (WORKERS_CHANNEL): wakes workers; the dashboard listens too
+    queued             work entered the queue (submit, requeue, recovery, a released job, a flow's
+                       next round)
+    freed              slots were freed by someone who will not claim them (cancel, release,
+                       recovery, a flow's step, a finish outside a worker or by a worker that is
+                       stopping); a worker's own finishes wake only itself, since it has the local
+                       room to use what it freed
+    config             configuration changed: sent by database triggers on every configuration
+                       table, whoever writes (telemachus/control/config.py)
+    canceled:<job id>  stop that job's dispatch (scheduler/services/cancel.py)
+  telemachus_changes (CHANGES_CHANNEL): live views (the dashboard) re-read; never wakes a worker
+    what changed, as a word (claimed, breaker, health, audit); listeners re-read everything
+  telemachus_jobs (JOBS_CHANNEL): API processes watching jobs (waits, streams, the
+  OpenAI-compatible endpoint: scheduler/gateway/feed.py)
+    c:<job>:<event>,...  jobs changed, with the latest event of each (every job event but
+                         `queued`: scheduler/services/events.py)
+    d:<json>             an output delta of a streamed job, when there is no Redis
+                         (scheduler/notify/broadcast.py); the one NOTIFY sent outside a
+                         transaction, from a connection of its own per worker process
+
+Time frees capacity too (a retry's backoff, a breaker's cooldown, a budget window): the claim
+tells the worker when the next of those is due, so nobody needs to send anything for it.
+
+This module is in the lowest layer because every layer sends: configuration triggers and the
+audit log here, breaker and health changes in executors, the job services in scheduler."""
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import dj_database_url
+import psycopg
+from django.conf import settings
+from django.db import connection
+from django.db.models import Func, TextField, Value
+
+WORKERS_CHANNEL = "telemachus"
+QUEUED = "queued"
+FREED = "freed"
+CONFIG_CHANGED = "config"
+CANCELED = "canceled"
+
+CHANGES_CHANNEL = "telemachus_changes"
+
+JOBS_CHANNEL = "telemachus_jobs"
+CHANGED, DELTA = "c:", "d:"
+
+# PostgreSQL refuses payloads of 8000 bytes or more.
+MAX_PAYLOAD_BYTES = 7900
+# NOTIFYs per statement for the senders that send many at once.
+NOTIFY_BATCH = 50
+
+
+# --- senders inside a transaction -------------------------------------------------------------
+
+
+def notify_workers(message: str) -> None:
+    """Queue a wake-up for workers (`QUEUED`, `FREED`, `f"{CANCELED}:{job_id}"`). Call inside the
+    transaction that makes the change; nothing is sent on SQLite."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_notify(%s, %s)", [WORKERS_CHANNEL, message])
+
+
+def notify_column(message: str) -> Func | Value:
+    """`notify_workers` as a column of a statement the caller runs anyway inside the transaction
+    that makes the change, which saves a round trip (a NOTIFY in a transaction that rolls back is
+    never delivered). A constant on SQLite."""
+    if connection.vendor == "postgresql":
+        return Func(Value(WORKERS_CHANNEL), Value(message), function="pg_notify", output_field=TextField())
+    return Value("", output_field=TextField())
+
+
+def changes_notify(what: str) -> None:
+    """Tell live views that `what` changed. Call inside the transaction that makes the change;
+    nothing is sent on SQLite."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_notify(%s, %s)", [CHANGES_CHANNEL, what])
+
+
+def notify_job_watchers(changes: Iterable[tuple[int, str]]) -> None:
+    """Queue a "changed" notice for API processes watching these jobs: (job id, event) pairs, the
+    last event of each job kept. One statement per call, however many jobs. Call inside the
+    transaction that makes the change; nothing is sent on SQLite."""
+    if connection.vendor != "postgresql":
+        return
+    latest = dict(changes)
+    if not latest:
+        return
+    payloads = chunked_payloads(CHANGED, [f"{job_id}:{event}" for job_id, event in latest.items()])
+    with connection.cursor() as cursor:
+        cursor.execute(*notify_statement(JOBS_CHANNEL, payloads))
+
+
+def config_notify_plpgsql() -> str:
+    """The statement the configuration triggers' PL/pgSQL function runs to wake the workers
+    (telemachus/control/config.py installs it; changing it takes a migration)."""
+    return f"PERFORM pg_notify('{WORKERS_CHANNEL}', '{CONFIG_CHANGED}');"
+
+
+# --- senders outside a transaction ------------------------------------------------------------
+
+
+async def job_deltas_notify(conn: psycopg.AsyncConnection[Any], payloads: Sequence[str]) -> None:
+    """Send output deltas (`DELTA` payloads) on an autocommit connection of the caller's, at once:
+    deltas are best effort and change no row, so they wait for no commit."""
+    for start in range(0, len(payloads), NOTIFY_BATCH):
+        await conn.execute(*notify_statement(JOBS_CHANNEL, payloads[start : start + NOTIFY_BATCH]))
+
+
+# --- payloads and statements ------------------------------------------------------------------
+
+
+def chunked_payloads(prefix: str, items: list[str]) -> list[str]:
+    """Comma-joined items behind `prefix`, split so no payload reaches PostgreSQL's limit."""
+    payloads: list[str] = []
+    current = prefix
+    for item in items:
+        if len(current) + len(item) + 1 > MAX_PAYLOAD_BYTES and current != prefix:
+            payloads.append(current[:-1])
+            current = prefix
+        current += item + ","
+    if current != prefix:
+        payloads.append(current[:-1])
+    return payloads
+
+
+def notify_statement(channel: str, payloads: Sequence[str]) -> tuple[str, list[str]]:
+    """One SELECT that sends every payload on `channel`, with its parameters."""
+    return (
+        "SELECT " + ", ".join(["pg_notify(%s, %s)"] * len(payloads)),
+        [value for payload in payloads for value in (channel, payload)],
+    )
+
+
+# --- connections of their own -----------------------------------------------------------------
+
+
+def listen_connection_params() -> dict[str, Any]:
+    """Parameters for the LISTEN connection (psycopg.connect keywords). LISTEN needs a session of
+    its own on the server, which a transaction-pooling PgBouncer does not give: a deployment behind
+    one sets TELEMACHUS_LISTEN_DATABASE_URL to reach PostgreSQL directly; otherwise, the database
+    Django uses."""
+    url = getattr(settings, "TELEMACHUS_LISTEN_DATABASE_URL", "")
+    if not url:
+        return notify_connection_params()
+    config = dj_database_url.parse(url)
+    params: dict[str, Any] = {
+        "dbname": config.get("NAME"),
+        "user": config.get("USER"),
+        "password": config.get("PASSWORD"),
+        "host": config.get("HOST"),
+        "port": config.get("PORT"),
+        "client_encoding": "UTF8",
+        **dict(config.get("OPTIONS") or {}),
+    }
+    return {k: v for k, v in params.items() if v not in (None, "")}
+
+
+def notify_connection_params() -> dict[str, Any]:
+    """Parameters for a separate psycopg connection to the database Django uses (the delta
+    sender's, which NOTIFYs outside any transaction)."""
+    return {
+        k: v
+        for k, v in connection.get_connection_params().items()
+        if k not in {"cursor_factory", "context", "prepare_threshold"}
+    }
