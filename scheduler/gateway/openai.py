@@ -8,25 +8,30 @@ answers with the model's reply in OpenAI's shape. A streamed call relays the mod
 worker receives them. A client that disconnects, or a call that waits longer than
 TELEMACHUS_GATEWAY_TIMEOUT_SECONDS (504), cancels its job, which frees its slot at once.
 
-The caller is the owner of the API token (`Authorization: Bearer KEY`); the team is the one the
-`X-Telemachus-Team` header names, or the caller's only team; `X-Telemachus-Priority` asks for a
+The caller is an app's API key or a person's token (`Authorization: Bearer KEY`,
+telemachus/keys/). A key acts for its team, and may call only its models (404 model_not_found,
+as for a model its team has no executor for); for a person the team is the one the
+`X-Telemachus-Team` header names, or the caller's only team. `X-Telemachus-Priority` asks for a
 priority (the priority map may lower it). Every response about a job names it in
-`X-Telemachus-Job`."""
+`X-Telemachus-Job`; a plain (not streamed) answer also carries what the call cost in
+`X-Telemachus-Cost` (a decimal string, in `X-Telemachus-Currency`)."""
 
 import asyncio
 import json
 import logging
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
 
 from executors.contract import EMBEDDINGS_API
 from executors.selectors import models_usable_by
+from quotas.models import ZERO, money_text
 from scheduler.core.configuration import configuration
 from scheduler.gateway import shapes
 from scheduler.gateway.asgi import Reply, Request
-from scheduler.gateway.auth import token_key, user_for_token
+from scheduler.gateway.auth import TooManyFailures, client_address, credential_for
 from scheduler.gateway.database import db
 from scheduler.gateway.feed import Delta, JobFeed, Relay, Watch
 from scheduler.models import Job, JobEvent
@@ -35,11 +40,12 @@ from scheduler.services.submit import job_submit
 from telemachus import errors
 from telemachus.control.config import config_current, config_snapshot
 from telemachus.control.features import OPENAI, feature_require
-from telemachus.models import Team
+from telemachus.models import ApiKey, Team
 from telemachus.teams import rbac
 
 log = logging.getLogger("telemachus.gateway")
 TEAM_HEADER, PRIORITY_HEADER, JOB_HEADER = "x-telemachus-team", "x-telemachus-priority", "x-telemachus-job"
+COST_HEADER, CURRENCY_HEADER = "x-telemachus-cost", "x-telemachus-currency"
 KEEPALIVE_SECONDS = 15.0
 SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
 
@@ -97,20 +103,35 @@ async def _error(reply: Reply, exc: shapes.OpenAIError, job_id: int | None = Non
 class Caller:
     user: rbac.Principal
     team: Team
+    key: ApiKey | None = None
+
+    def may_call(self, model: str) -> bool:
+        """Whether the caller's key (if it came with one) lets it call the model."""
+        return self.key is None or not self.key.allowed_models or model in self.key.allowed_models
 
 
-def caller_for(*, authorization: str | None, team: str | None, confirm: bool) -> Caller:
-    """Authenticate the token, find the team the call acts for and refuse the call (403
+def caller_for(*, authorization: str | None, team: str | None, confirm: bool, address: str) -> Caller:
+    """Authenticate the key or token, find the team the call acts for and refuse the call (403
     feature_disabled) if the `openai` switch is off for that team or for everyone: the one point
     every /v1/ call passes once its caller and team are known. The switches are the cached ones;
     with `confirm` False, those this process last used, unconfirmed (no query), for a submit,
     which confirms its configuration and checks the switch again. A refusal is believed only
-    from a confirmed read."""
-    key = token_key(authorization)
-    user = user_for_token(key=key) if key else None
-    if user is None:
+    from a confirmed read. Too many bad credentials from `address`: 429 with Retry-After."""
+    try:
+        credential = credential_for(authorization=authorization, address=address)
+    except TooManyFailures as exc:
+        raise shapes.OpenAIError(
+            429,
+            str(exc),
+            type="rate_limit_error",
+            code="too_many_authentication_failures",
+            headers={"retry-after": str(exc.retry_after)},
+            retry=exc.retry_after <= 60,
+        ) from None
+    if credential is None:
         raise shapes.not_authenticated()
-    caller = Caller(user=user, team=team_of(user, team))
+    user = credential.user
+    caller = Caller(user=user, team=team_of(user, team), key=credential.key)
     snapshot, fresh = (config_snapshot(), True) if confirm else config_current()
     try:
         feature_require(feature=OPENAI, team=caller.team, switches=configuration(snapshot).features)
@@ -150,10 +171,16 @@ def team_of(user: rbac.Principal, slug: str | None) -> Team:
 
 
 def _submit(
-    *, authorization: str | None, team: str | None, priority: str | None, body: bytes, embeddings: bool
+    *,
+    authorization: str | None,
+    team: str | None,
+    priority: str | None,
+    body: bytes,
+    embeddings: bool,
+    address: str,
 ) -> tuple[Caller, Job, shapes.ModelCall]:
     """Authenticate, check the body, submit: one trip to the database threads."""
-    caller = caller_for(authorization=authorization, team=team, confirm=False)
+    caller = caller_for(authorization=authorization, team=team, confirm=False, address=address)
     data = shapes.parse_body(body)
     call = shapes.embeddings_call(data) if embeddings else shapes.chat_call(data)
     requirements = {"model": call.model, "est_tokens": call.est_tokens}
@@ -168,6 +195,7 @@ def _submit(
         priority=_priority(priority),
         meta={"via": "openai"},
         features=(OPENAI,),
+        key=caller.key,
     )
     return caller, job, call
 
@@ -196,6 +224,7 @@ class Ending:
     error: str
     upstream_status: int | None = None
     timed_out: bool = False
+    cost: Decimal = ZERO
 
     def failure(self) -> shapes.OpenAIError:
         return shapes.failure(
@@ -205,11 +234,11 @@ class Ending:
 
 def _ending(*, job_id: int) -> Ending | None:
     """The job's end, or None while it has not ended."""
-    row = Job.objects.filter(pk=job_id).values("status", "result", "error").first()
+    row = Job.objects.filter(pk=job_id).values("status", "result", "error", "cost").first()
     if row is None or row["status"] not in Job.TERMINAL:
         return None
     if row["status"] != Job.Status.FAILED:
-        return Ending(status=row["status"], result=row["result"], error=row["error"])
+        return Ending(status=row["status"], result=row["result"], error=row["error"], cost=row["cost"])
     meta = (
         JobEvent.objects.filter(job_id=job_id, event=JobEvent.Type.FAILED)
         .order_by("-id")
@@ -294,6 +323,7 @@ async def _model_call(request: Request, reply: Reply, *, embeddings: bool) -> No
         priority=request.header(PRIORITY_HEADER),
         body=request.body,
         embeddings=embeddings,
+        address=client_address(request.scope),
     )
     with feed.watch(job.pk, deltas=call.stream, since=mark) as watch:
         if call.stream:
@@ -320,7 +350,15 @@ async def _model_call(request: Request, reply: Reply, *, embeddings: bool) -> No
         if embeddings
         else shapes.completion(job_id=job.pk, created=created, model=call.model, result=result)
     )
-    await reply.json(200, body, {JOB_HEADER: str(job.pk)})
+    await reply.json(
+        200,
+        body,
+        {
+            JOB_HEADER: str(job.pk),
+            COST_HEADER: money_text(ending.cost),
+            CURRENCY_HEADER: settings.TELEMACHUS_CURRENCY,
+        },
+    )
 
 
 INTERRUPTED = shapes.OpenAIError(
@@ -416,12 +454,22 @@ async def _relay(reply: Reply, watch: Watch, caller: Caller, call: shapes.ModelC
 
 
 async def models(request: Request, reply: Reply) -> None:
-    offered = await db(_models, authorization=request.header("authorization"), team=request.header(TEAM_HEADER))
+    offered = await db(
+        _models,
+        authorization=request.header("authorization"),
+        team=request.header(TEAM_HEADER),
+        address=client_address(request.scope),
+    )
     await reply.json(200, shapes.model_list(offered))
 
 
 async def model_detail(request: Request, reply: Reply, model: str) -> None:
-    offered = await db(_models, authorization=request.header("authorization"), team=request.header(TEAM_HEADER))
+    offered = await db(
+        _models,
+        authorization=request.header("authorization"),
+        team=request.header(TEAM_HEADER),
+        address=client_address(request.scope),
+    )
     if model not in offered:
         raise shapes.OpenAIError(
             404,
@@ -433,7 +481,8 @@ async def model_detail(request: Request, reply: Reply, model: str) -> None:
     await reply.json(200, shapes.model_object(model))
 
 
-def _models(*, authorization: str | None, team: str | None) -> list[str]:
-    """The models of the enabled executors the caller's team may use that answer model calls."""
-    caller = caller_for(authorization=authorization, team=team, confirm=True)
-    return sorted(models_usable_by([caller.team.pk], chat=True)[caller.team.pk])
+def _models(*, authorization: str | None, team: str | None, address: str) -> list[str]:
+    """The models of the enabled executors the caller's team may use that answer model calls (and
+    that its key, if it came with one, may call)."""
+    caller = caller_for(authorization=authorization, team=team, confirm=True, address=address)
+    return sorted(m for m in models_usable_by([caller.team.pk], chat=True)[caller.team.pk] if caller.may_call(m))

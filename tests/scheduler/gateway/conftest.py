@@ -12,10 +12,10 @@ from urllib.parse import urlparse
 import pytest
 from django.contrib.auth.models import Permission
 from django.db import connection
-from rest_framework.authtoken.models import Token
 
 from executors.models import Executor
 from telemachus.teams import rbac
+from tests.credentials import token_for
 from tests.processes import Processes, http_json
 
 _prefixes = itertools.count(1)
@@ -66,7 +66,8 @@ def may_chat(user):
 
 
 def token(user) -> str:
-    return Token.objects.get_or_create(user=user)[0].key
+    """A new API token of the user."""
+    return token_for(user)
 
 
 def redis_url() -> str | None:
