@@ -101,7 +101,12 @@ def api_key_revoke(*, key: ApiKey, by: Actor = None) -> ApiKey:
     canceled (the hooks); running ones finish. Locks the key's row; revoking a revoked key
     changes nothing. Audited (`api_key.revoke`)."""
     with transaction.atomic():
-        locked = ApiKey.objects.select_for_update().select_related("team", "principal").get(pk=key.pk)
+        # FOR NO KEY UPDATE: a submit inserting a job that names the key (a key-share lock) is not held up.
+        locked = (
+            ApiKey.objects.select_for_update(of=("self",), no_key=True)
+            .select_related("team", "principal")
+            .get(pk=key.pk)
+        )
         if locked.revoked_at is not None:
             return locked
         locked.revoked_at = timezone.now()
