@@ -10,6 +10,7 @@ from datetime import timedelta
 
 from django.contrib.auth.models import User
 from django.utils import timezone
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
 from rest_framework.exceptions import AuthenticationFailed, Throttled
 from rest_framework.permissions import BasePermission
@@ -116,6 +117,22 @@ class CredentialAuthentication(BaseAuthentication):
 
     def authenticate_header(self, request: Request) -> str:
         return "Token"
+
+
+class CredentialScheme(OpenApiAuthenticationExtension):
+    """The OpenAPI schema's account of CredentialAuthentication: either header form."""
+
+    target_class = "telemachus.keys.authentication.CredentialAuthentication"
+    name = ["bearerAuth", "tokenAuth"]
+
+    def get_security_definition(self, auto_schema: object) -> list[dict[str, str]]:
+        return [
+            {"type": "http", "scheme": "bearer", "description": "An app's API key (tm-...) or a person's token."},
+            {"type": "apiKey", "in": "header", "name": "Authorization", "description": "Token <key or token>"},
+        ]
+
+    def get_security_requirement(self, auto_schema: object) -> list[dict[str, list[str]]]:
+        return [{"bearerAuth": []}, {"tokenAuth": []}]
 
 
 def request_api_key(request: Request) -> ApiKey | None:
