@@ -13,8 +13,8 @@ that disagree on order are how deadlocks happen.
     2. executor rows, in ascending id (breaker and probe updates; the claim's move of a breaker to
        half open).
     3. job rows, in ascending id.
-    4. usage ledger rows (quotas.Usage), in key order: taken by the UPDATE that applies a
-       settlement (quotas/budget.py), not by a SELECT.
+    4. usage ledger rows (quotas.Usage), in key order, then spend ledger rows (quotas.Spend), in
+       key order: taken by the upserts that apply a settlement (quotas/budget.py), not by a SELECT.
     5. team share rows (scheduler.TeamShare), in ascending team id: taken by the upsert that
        charges fair share (scheduler/services/shares.py).
 
