@@ -38,7 +38,10 @@ class SlotCounts:
 
 def concurrency_caps(rules: list[Rule] | None = None) -> ConcurrencyCaps:
     """The ai.concurrency rules (of `rules`, or all, loaded in one query) as slot caps per scope."""
-    global_cap, executor, team, user = None, {}, {}, {}
+    global_cap: int | None = None
+    executor: dict[str, int] = {}
+    team: dict[int, int] = {}
+    user: dict[int, int] = {}
     key: dict[int, int] = {}
     key_users: dict[int, int] = {}
     for rule in quota_rules() if rules is None else rules:

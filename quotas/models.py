@@ -1,4 +1,5 @@
 from decimal import Decimal
+from typing import Any
 
 from django.conf import settings
 from django.db import models
@@ -10,7 +11,7 @@ MONEY_DIGITS, MONEY_PLACES = 32, 12
 ZERO = Decimal(0)
 
 
-def money_field(**options) -> models.DecimalField:
+def money_field(**options: Any) -> "models.DecimalField[Any, Any]":
     return models.DecimalField(max_digits=MONEY_DIGITS, decimal_places=MONEY_PLACES, **options)
 
 

@@ -49,7 +49,7 @@ class SpendFilter(serializers.Serializer[Any]):
 def spend_visible(*, user: rbac.Principal, key: ApiKey | None) -> QuerySet[Spend]:
     """The spend rows a caller may see: an API key its own, operators all, others their teams'."""
     if key is not None:
-        return Spend.objects.filter(user_id=key.principal_id)
+        return Spend.objects.filter(user__api_key=key)
     if rbac.is_operator(user):
         return Spend.objects.all()
     return Spend.objects.filter(team__in=rbac.visible_teams(user))
@@ -85,7 +85,8 @@ def spend_report(
         rows = rows.filter(day__gte=since)
     if until is not None:
         rows = rows.filter(day__lte=until)
-    days = list(rows.order_by().values("day").annotate(**{name: Sum(name) for name in TOTALS}).order_by("day"))
+    grouped = rows.order_by().values("day").annotate(**{name: Sum(name) for name in TOTALS}).order_by("day")
+    days: list[dict[str, Any]] = [dict(day) for day in grouped]
     total: dict[str, Any] = {
         name: sum((day[name] or 0 for day in days), ZERO if name == "cost" else 0) for name in TOTALS
     }

@@ -100,7 +100,7 @@ class ApiKeyAdmin(SecretOnceAdmin):
     ]
     actions = ["revoke"]
 
-    def get_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> list[str]:
+    def get_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> list[str]:  # type: ignore[override]
         return ["team", "name", "models_text", "expires_at"] if obj is None else list(self.readonly_fields)
 
     def get_readonly_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> list[str]:
@@ -155,7 +155,7 @@ class PersonalTokenAdmin(SecretOnceAdmin):
     readonly_fields = ["prefix", "user", "name", "created_at", "last_used_at"]
     autocomplete_fields = ["user"]
 
-    def get_fields(self, request: HttpRequest, obj: PersonalToken | None = None) -> list[str]:
+    def get_fields(self, request: HttpRequest, obj: PersonalToken | None = None) -> list[str]:  # type: ignore[override]
         return ["user", "name"] if obj is None else list(self.readonly_fields)
 
     def get_readonly_fields(self, request: HttpRequest, obj: PersonalToken | None = None) -> list[str]:
