@@ -104,7 +104,8 @@ def servers(django_db_setup, django_db_blocker, tmp_path_factory):
                 slow=processes.simllm(latency_ms=5000, models="m", output_tokens=8),
                 trickle=processes.simllm(latency_ms=50, models="m", output_tokens=8, tokens_per_s=8),
                 faults=processes.faultserver(),
-                base=processes.daphne(),
+                # Serves a whole module: bad-credential counts of one test must not throttle the next.
+                base=processes.daphne(TELEMACHUS_AUTH_FAILURES_PER_ADDRESS="1000"),
             )
     finally:
         processes.stop_all()
