@@ -7,8 +7,11 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+    """A job's key, its cost, and its estimate split for pricing. Numbered as assigned; it follows
+    main's latest migration (0013_history) so the graph has one leaf."""
+
     dependencies = [
-        ("scheduler", "0010_retry_index"),
+        ("scheduler", "0013_history"),
         ("telemachus", "0005_api_keys"),
     ]
 

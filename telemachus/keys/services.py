@@ -17,6 +17,7 @@ from telemachus.control.audit import Actor, audit_record
 from telemachus.errors import ValidationFailed
 from telemachus.keys.digests import KEY_MARKER, TOKEN_MARKER, secret_digest, secret_new, secret_prefix
 from telemachus.keys.models import ApiKey, PersonalToken
+from telemachus.locks import Level, rows_lock
 from telemachus.models import Team
 from telemachus.teams.rbac import KEY_PRINCIPAL_PREFIX
 from telemachus.teams.services import team_key_principal_join
@@ -101,9 +102,9 @@ def api_key_revoke(*, key: ApiKey, by: Actor = None) -> ApiKey:
     canceled (the hooks); running ones finish. Locks the key's row; revoking a revoked key
     changes nothing. Audited (`api_key.revoke`)."""
     with transaction.atomic():
-        # FOR NO KEY UPDATE: a submit inserting a job that names the key (a key-share lock) is not held up.
+        # No key changes: a submit inserting a job that names the key (a key-share lock) is not held up.
         locked = (
-            ApiKey.objects.select_for_update(of=("self",), no_key=True)
+            rows_lock(ApiKey.objects, level=Level.CONFIGURATION, of=("self",), no_key=True)
             .select_related("team", "principal")
             .get(pk=key.pk)
         )
