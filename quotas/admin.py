@@ -33,6 +33,9 @@ class QuotaPolicyForm(forms.ModelForm[QuotaPolicy]):
             )
             for name, messages in errors.items():
                 self.add_error(None if name == "non_field_errors" else name, messages)
+            limit = data.get("limit")
+            if limit is not None and data["dimension"] != QuotaPolicy.Dimension.COST and limit != int(limit):
+                self.add_error("limit", f"A whole number for {data['dimension']} (an amount only for ai.cost).")
         return data
 
 

@@ -286,3 +286,14 @@ class TestApi:
         finish(claim)
         text = api(operator).get("/metrics").content.decode()
         assert 'telemachus_cost_total{currency="USD",model="m",team="a"} 8e-05' in text
+
+
+def test_the_admin_takes_amounts_for_money_and_whole_numbers_for_the_rest(client, operator, priced):
+    client.force_login(operator)
+    form = {"scope": "team", "subject": "a", "window": "day"}
+    refused = client.post("/admin/quotas/quotapolicy/add/", {**form, "dimension": "ai.tokens", "limit": "1.5"})
+    assert refused.status_code == 200 and b"A whole number for ai.tokens" in refused.content
+    added = client.post("/admin/quotas/quotapolicy/add/", {**form, "dimension": "ai.cost", "limit": "0.005"})
+    assert added.status_code == 302
+    assert QuotaPolicy.objects.get(dimension="ai.cost").limit == Decimal("0.005")
+    assert b"0.005" in client.get("/admin/quotas/quotapolicy/").content
