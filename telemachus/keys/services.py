@@ -10,7 +10,7 @@ from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from telemachus.control.audit import Actor, audit_record
@@ -72,15 +72,19 @@ def api_key_create(
         raise ValidationFailed(errors)
     secret = secret_new(KEY_MARKER)
     with transaction.atomic():
-        key = ApiKey.objects.create(
-            team=team,
-            name=name,
-            prefix=secret_prefix(secret),
-            digest=secret_digest(secret),
-            allowed_models=wanted,
-            created_by=by if isinstance(by, User) else None,
-            expires_at=expires_at,
-        )
+        try:
+            with transaction.atomic():
+                key = ApiKey.objects.create(
+                    team=team,
+                    name=name,
+                    prefix=secret_prefix(secret),
+                    digest=secret_digest(secret),
+                    allowed_models=wanted,
+                    created_by=by if isinstance(by, User) else None,
+                    expires_at=expires_at,
+                )
+        except IntegrityError:  # a concurrent create took the name first
+            raise ValidationFailed({"name": [f"Team {team.slug!r} has a live key named {name!r}."]}) from None
         principal = get_user_model().objects.create_user(username=f"{KEY_PRINCIPAL_PREFIX}{key.pk}", password=None)
         key.principal = principal
         key.save(update_fields=["principal"])
