@@ -3,13 +3,13 @@ own and jobs in every state, so schema-driven requests find real objects; prints
 
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
-from rest_framework.authtoken.models import Token
 
 from quotas.models import QuotaPolicy
 from scheduler.services.cancel import job_cancel
 from scheduler.services.claim import job_claim
 from scheduler.services.finish import job_finish
 from scheduler.services.submit import job_submit
+from telemachus.keys.services import personal_token_issue
 from telemachus.teams.services import team_create
 
 call_command("telemachus_demo", stdout=open("/dev/null", "w"))
@@ -36,5 +36,5 @@ job_finish(job_id=claims[0].job.pk, lease=claims[0].lease, result={"seed": True}
 job_finish(job_id=claims[1].job.pk, lease=claims[1].lease, error="seeded failure")
 job_cancel(job_id=claims[2].job.pk, by=admin)
 QuotaPolicy.objects.get_or_create(scope="team", subject="demo", dimension="ai.concurrency", defaults={"limit": 4})
-print("OPERATOR_TOKEN", Token.objects.get_or_create(user=admin)[0].key)
-print("MEMBER_TOKEN", Token.objects.get_or_create(user=member)[0].key)
+print("OPERATOR_TOKEN", personal_token_issue(user=admin)[1])
+print("MEMBER_TOKEN", personal_token_issue(user=member)[1])

@@ -134,9 +134,9 @@ class Stack:
 def seed(simllm: str, streaming: str) -> str:
     """A team, its member and API token, and two executors (plain and streaming model servers)."""
     from django.contrib.auth import get_user_model
-    from rest_framework.authtoken.models import Token
 
     from executors.models import Executor
+    from telemachus.keys.services import personal_token_issue
     from telemachus.teams.services import team_create, team_member_set
 
     user = get_user_model().objects.create_user("bench")
@@ -149,7 +149,7 @@ def seed(simllm: str, streaming: str) -> str:
             capabilities={"models": [model]},
             max_concurrency=100_000,
         )
-    return Token.objects.create(user=user).key
+    return personal_token_issue(user=user)[1]
 
 
 async def load(

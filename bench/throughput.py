@@ -243,9 +243,9 @@ def submit_rates(setup: dict, database_url: str, n: int) -> dict:
     """jobs/s (and p50 ms per call) for one client submitting `n` jobs: one at a time and in bulks
     of BULK, in-process and over HTTP."""
     import httpx
-    from rest_framework.authtoken.models import Token
 
     from scheduler.services.submit import JobSpec, job_submit, jobs_submit
+    from telemachus.keys.services import personal_token_issue
 
     user, team = setup["users"][0]
     results = {}
@@ -277,8 +277,7 @@ def submit_rates(setup: dict, database_url: str, n: int) -> dict:
         env=env,
         stderr=subprocess.DEVNULL,
     )
-    token, _ = Token.objects.get_or_create(user=user)
-    headers = {"Authorization": f"Token {token.key}"}
+    headers = {"Authorization": f"Token {personal_token_issue(user=user)[1]}"}
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=headers, timeout=60) as client:
             deadline = time.monotonic() + 30

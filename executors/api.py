@@ -10,6 +10,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from executors.models import Executor
+from executors.prices import price_problems, prices_stored
 from executors.registry import known_kinds
 from executors.services import executor_create, executor_delete, executor_sync, executor_update
 from executors.simknobs import knob_problems
@@ -51,6 +52,17 @@ class ExecutorInput(StrictSerializer):
     weight = serializers.IntegerField(min_value=0, max_value=1_000_000, default=1)
     transport = serializers.DictField(required=False)
     meta = serializers.DictField(required=False)
+    prices = serializers.DictField(
+        required=False,
+        help_text='Per model: {"input": "<price per 1M input tokens>", "output": "<price per 1M output tokens>"}, '
+        "decimal strings in TELEMACHUS_CURRENCY. Replaces the executor's prices as a whole.",
+    )
+
+    def validate_prices(self, prices: dict[str, Any]) -> dict[str, dict[str, str]]:
+        problems = price_problems(prices)
+        if problems:
+            raise serializers.ValidationError({model: [problem] for model, problem in problems.items()})
+        return prices_stored(prices)
 
     def validate_kind(self, kind: str) -> str:
         if kind not in known_kinds():
@@ -121,6 +133,7 @@ class ExecutorOutput(serializers.ModelSerializer):
             "weight",
             "transport",
             "meta",
+            "prices",
         ]
         read_only_fields = fields
 

@@ -3,6 +3,7 @@ import logging
 from django.core.exceptions import ValidationError
 from django.db import models
 
+from executors.prices import price_problems
 from executors.simknobs import knob_problems
 from telemachus.models import Team
 
@@ -48,6 +49,11 @@ class Executor(models.Model):
     weight = models.PositiveIntegerField(default=1)
     transport = models.JSONField(default=dict, blank=True)
     meta = models.JSONField(default=dict, blank=True)
+    # What its models cost (executors/prices.py): {"<model>": {"input": "0.15", "output": "0.60"}},
+    # per 1M tokens, in TELEMACHUS_CURRENCY.
+    prices = models.JSONField(
+        default=dict, blank=True, help_text='{"<model>": {"input": "<per 1M tokens>", "output": "<per 1M tokens>"}}'
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -89,6 +95,8 @@ class Executor(models.Model):
             raise ValidationError({name.split(".")[0]: f"{name} {problem}" for name, problem in problems.items()})
         if self.kind == "sim" and (knobs := knob_problems(self.meta)):
             raise ValidationError({"meta": [f"meta.{name} {problem}" for name, problem in knobs.items()]})
+        if priced := price_problems(self.prices):
+            raise ValidationError({"prices": [f"{model} {problem}" for model, problem in priced.items()]})
 
 
 _reported: set[tuple] = set()
@@ -97,7 +105,7 @@ _reported: set[tuple] = set()
 def json_shape_problems(executor: Executor, *, loaded: list[str]) -> dict[str, str]:
     """The JSON fields of an executor that do not have the shape the scheduler reads."""
     problems = {}
-    for name in ("capabilities", "transport", "meta"):
+    for name in ("capabilities", "transport", "meta", "prices"):
         if name in loaded and not isinstance(getattr(executor, name), dict):
             problems[name] = "is not an object"
     if "capabilities" in loaded and "capabilities" not in problems:

@@ -22,6 +22,7 @@ AUDITED = (
     "weight",
     "transport",
     "meta",
+    "prices",
 )
 
 

@@ -8,7 +8,7 @@ from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 
 from quotas.budget import Account, Budgets
-from quotas.models import QuotaPolicy, Usage
+from quotas.models import QuotaPolicy, Spend, Usage, money_text
 from quotas.rules import quota_rule_errors
 from quotas.services import quota_policy_create, quota_policy_delete, quota_policy_update
 from telemachus.admin import ReadOnlyAdmin
@@ -33,6 +33,9 @@ class QuotaPolicyForm(forms.ModelForm[QuotaPolicy]):
             )
             for name, messages in errors.items():
                 self.add_error(None if name == "non_field_errors" else name, messages)
+            limit = data.get("limit")
+            if limit is not None and data["dimension"] != QuotaPolicy.Dimension.COST and limit != int(limit):
+                self.add_error("limit", f"A whole number for {data['dimension']} (an amount only for ai.cost).")
         return data
 
 
@@ -79,12 +82,12 @@ class QuotaPolicyAdmin(admin.ModelAdmin[QuotaPolicy]):
     @admin.display(description="used (+ reserved)")
     def used(self, policy: QuotaPolicy) -> str:
         account = self._account(policy)
-        return f"{account.used} (+{account.reserved})" if account else "-"
+        return f"{account.show(account.used)} (+{account.show(account.reserved)})" if account else "-"
 
     @admin.display(description="remaining")
     def remaining(self, policy: QuotaPolicy) -> str:
         account = self._account(policy)
-        return str(max(account.remaining, 0)) if account else "-"
+        return str(account.show(max(account.remaining, 0))) if account else "-"
 
     @admin.display(description="resets")
     def resets(self, policy: QuotaPolicy) -> str:
@@ -105,8 +108,25 @@ class UsageAdmin(ReadOnlyAdmin):
         "requests",
         "reserved_tokens",
         "reserved_requests",
+        "cost",
+        "reserved_cost",
         "exhausted_at",
     ]
     list_filter = ["scope", "window"]
     search_fields = ["subject"]
     date_hierarchy = "window_start"
+
+
+@admin.register(Spend)
+class SpendAdmin(ReadOnlyAdmin):
+    """The spend ledger, read-only: tokens and money per day, team, user and model."""
+
+    list_display = ["day", "team", "user", "key", "model", "requests", "tokens", "spent"]
+    list_filter = ["team", "model"]
+    search_fields = ["model", "user__username", "team__slug"]
+    date_hierarchy = "day"
+    list_select_related = ["team", "user", "key"]
+
+    @admin.display(description="cost", ordering="cost")
+    def spent(self, row: Spend) -> str:
+        return money_text(row.cost)

@@ -1,15 +1,16 @@
+from decimal import Decimal
 from typing import Any
 
 from django.db.models import QuerySet
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import extend_schema, extend_schema_field
 from rest_framework import serializers, status
 from rest_framework.generics import ListAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from quotas.models import QuotaPolicy
+from quotas.models import MONEY_DIGITS, MONEY_PLACES, QuotaPolicy, limit_text
 from quotas.rules import quota_rule_errors
 from quotas.selectors import usage_report
 from quotas.services import quota_policy_create, quota_policy_delete, quota_policy_update
@@ -18,12 +19,26 @@ from telemachus.http.pagination import query_params_check
 from telemachus.http.serializers import StrictSerializer
 from telemachus.teams import rbac
 
+LIMIT_SCHEMA = {
+    "oneOf": [{"type": "integer", "minimum": 0}, {"type": "string", "format": "decimal"}],
+    "description": "A whole number; for ai.cost an amount in TELEMACHUS_CURRENCY, as a decimal string.",
+}
+MAX_COUNT = 2**62
+
+
+@extend_schema_field(LIMIT_SCHEMA)
+class LimitField(serializers.DecimalField):
+    """A count, or for `ai.cost` an amount (a decimal string, or a number)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(max_digits=MONEY_DIGITS, decimal_places=MONEY_PLACES, min_value=Decimal(0), **kwargs)
+
 
 class QuotaPolicyInput(StrictSerializer):
     scope = serializers.ChoiceField(choices=QuotaPolicy.Scope.choices)
     subject = serializers.CharField(max_length=150, allow_null=True, required=False)
     dimension = serializers.ChoiceField(choices=QuotaPolicy.Dimension.choices)
-    limit = serializers.IntegerField(min_value=0, max_value=2**62)
+    limit = LimitField()
     window = serializers.ChoiceField(choices=QuotaPolicy.Window.choices, allow_null=True, required=False)
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
@@ -38,6 +53,10 @@ class QuotaPolicyInput(StrictSerializer):
             for name in ("scope", "subject", "dimension", "window")
         }
         errors = quota_rule_errors(**rule, exclude_pk=getattr(self.instance, "pk", None))
+        limit = stored.get("limit", getattr(self.instance, "limit", None))
+        if limit is not None and rule["dimension"] != QuotaPolicy.Dimension.COST:
+            if limit != limit.to_integral_value() or limit > MAX_COUNT:
+                errors["limit"] = [f"A whole number from 0 to {MAX_COUNT} for {rule['dimension']}."]
         if errors:
             raise serializers.ValidationError(errors)
         return stored
@@ -46,6 +65,7 @@ class QuotaPolicyInput(StrictSerializer):
 class QuotaPolicyOutput(serializers.ModelSerializer[QuotaPolicy]):
     subject = serializers.SerializerMethodField()
     window = serializers.SerializerMethodField()
+    limit = serializers.SerializerMethodField()
 
     class Meta:
         model = QuotaPolicy
@@ -57,6 +77,11 @@ class QuotaPolicyOutput(serializers.ModelSerializer[QuotaPolicy]):
 
     def get_window(self, policy: QuotaPolicy) -> str | None:
         return policy.window or None
+
+    @extend_schema_field(LIMIT_SCHEMA)
+    def get_limit(self, policy: QuotaPolicy) -> int | str:
+        text = limit_text(policy.dimension, policy.limit)
+        return text if policy.dimension == QuotaPolicy.Dimension.COST else int(text)
 
 
 def managed_policy(request: Request, policy_id: int) -> QuotaPolicy:

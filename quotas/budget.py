@@ -1,5 +1,7 @@
-"""Token and request budgets: `ai.tokens` and `ai.requests` rules per fixed UTC window, at the
-global, team, user and executor scopes, kept in the usage ledger (quotas.Usage).
+"""Token, request and money budgets: `ai.tokens`, `ai.requests` and `ai.cost` rules per fixed UTC
+window, at the global, team, user, key and executor scopes, kept in the usage ledger (quotas.Usage).
+Money is Decimal throughout (never float), in TELEMACHUS_CURRENCY; a job's money estimate and an
+attempt's cost are priced by the caller (the executors' prices) and handed in.
 
 Three moments touch a budget:
   submit  `quota_check` refuses (429 quota_exceeded) a job whose estimate the remaining budget
@@ -8,30 +10,39 @@ Three moments touch a budget:
           at team level in the query, and reserves each placed job's estimate (and one request).
           Claims are serialized, so two workers cannot both spend the last of a budget; usage can
           overshoot a limit only by what attempts in flight use beyond their estimates.
-  end     `quota_settle` releases the reservation and bills the actual tokens and one request to
-          the window the attempt ended in (`quota_release` only releases, for an attempt that
-          never dispatched or whose outcome is unknown).
+  end     `quota_settle` releases the reservation and bills the actual tokens, one request and the
+          attempt's cost to the window the attempt ended in, and adds it to the spend ledger
+          (quotas.Spend: per day, team, user and model, for /api/spend/).
 
 Ledger rows are written only as increments (INSERT ... ON CONFLICT DO UPDATE), in sorted key
-order, inside the transaction that makes the change (lock level 4, after job rows)."""
+order, inside the transaction that makes the change (lock level 4, after job rows): usage rows
+first, then spend rows."""
 
 import calendar
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 from django.db import connection
 from django.db.models import Q, Subquery
 
-from quotas.models import QuotaPolicy, Usage
+from quotas.models import ZERO, QuotaPolicy, Spend, Usage, money_text
 from quotas.rules import Rule, quota_rules
 from telemachus.errors import QuotaExceeded
 
 Dimension, Window = QuotaPolicy.Dimension, QuotaPolicy.Window
-BUDGET_DIMENSIONS = (Dimension.TOKENS, Dimension.REQUESTS)
+BUDGET_DIMENSIONS = (Dimension.TOKENS, Dimension.REQUESTS, Dimension.COST)
+# The ledger columns of each budget dimension: what was used, and what attempts in flight hold.
+LEDGER_COLUMNS = {
+    Dimension.TOKENS: ("tokens", "reserved_tokens"),
+    Dimension.REQUESTS: ("requests", "reserved_requests"),
+    Dimension.COST: ("cost", "reserved_cost"),
+}
 LedgerKey = tuple[str, str, str, datetime]  # scope, subject, window, window_start
+Amount = int | Decimal  # whole tokens or requests; money
 
 
 def window_bounds(window: str, now: datetime) -> tuple[datetime, datetime]:
@@ -58,8 +69,8 @@ class Account:
     rule: Rule
     start: datetime
     end: datetime
-    used: int = 0
-    reserved: int = 0
+    used: Amount = 0
+    reserved: Amount = 0
     exhausted_at: datetime | None = None
 
     @property
@@ -67,11 +78,23 @@ class Account:
         return (self.rule.scope, self.rule.subject, self.rule.window, self.start)
 
     @property
-    def remaining(self) -> int:
-        return self.rule.limit - self.used - self.reserved
+    def remaining(self) -> Amount:
+        return self.rule.limit - self.used - self.reserved  # type: ignore[no-any-return]
 
-    def cost(self, tokens: int) -> int:
-        return tokens if self.rule.dimension == Dimension.TOKENS else 1
+    @property
+    def is_money(self) -> bool:
+        return self.rule.dimension == Dimension.COST
+
+    def cost(self, tokens: int, money: Decimal = ZERO) -> Amount:
+        """What one attempt of a job counts against this budget: its tokens, one request, or its
+        money (the estimate at admission and claim, the actual cost when billed)."""
+        if self.rule.dimension == Dimension.TOKENS:
+            return tokens
+        return money if self.is_money else 1
+
+    def show(self, amount: Amount) -> Any:
+        """An amount as JSON carries it: money as a decimal string, counts as numbers."""
+        return money_text(Decimal(amount)) if self.is_money else amount
 
     def describe(self) -> dict[str, Any]:
         """The fields of a quota_exceeded error and a deferred event."""
@@ -79,17 +102,18 @@ class Account:
             "dimension": self.rule.dimension,
             "scope": self.rule.scope,
             "subject": self.rule.subject or None,
-            "limit": self.rule.limit,
-            "used": self.used + self.reserved,
+            "limit": self.show(self.rule.limit),
+            "used": self.show(self.used + self.reserved),
             "reset_at": self.end.isoformat(),
         }
 
 
 @dataclass
 class Deltas:
-    """Pending ledger increments, per key: [tokens, requests, reserved_tokens, reserved_requests]."""
+    """Pending ledger increments, per key: [tokens, requests, reserved_tokens, reserved_requests,
+    cost, reserved_cost]."""
 
-    rows: dict[LedgerKey, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0, 0, 0]))
+    rows: dict[LedgerKey, list[Amount]] = field(default_factory=lambda: defaultdict(lambda: [0, 0, 0, 0, ZERO, ZERO]))
 
     def add(
         self,
@@ -99,12 +123,16 @@ class Deltas:
         requests: int = 0,
         reserved_tokens: int = 0,
         reserved_requests: int = 0,
+        cost: Decimal = ZERO,
+        reserved_cost: Decimal = ZERO,
     ) -> None:
         row = self.rows[key]
         row[0] += tokens
         row[1] += requests
         row[2] += reserved_tokens
         row[3] += reserved_requests
+        row[4] += cost
+        row[5] += reserved_cost
 
     def apply(self) -> None:
         ledger_add(self.rows)
@@ -139,9 +167,8 @@ class Budgets:
             for account in budgets.accounts:
                 row = rows.get(account.key)
                 if row is not None:
-                    is_tokens = account.rule.dimension == Dimension.TOKENS
-                    account.used = row.tokens if is_tokens else row.requests
-                    account.reserved = row.reserved_tokens if is_tokens else row.reserved_requests
+                    used, reserved = LEDGER_COLUMNS[account.rule.dimension]  # type: ignore[index]
+                    account.used, account.reserved = getattr(row, used), getattr(row, reserved)
                     account.exhausted_at = row.exhausted_at
         return budgets
 
@@ -155,39 +182,48 @@ class Budgets:
         a statement the caller runs anyway: `fill` takes them back. Saves the ledger's round trip."""
         columns = {}
         for i, account in enumerate(self.accounts):
-            used, reserved = (
-                ("tokens", "reserved_tokens")
-                if account.rule.dimension == Dimension.TOKENS
-                else ("requests", "reserved_requests")
-            )
+            used, reserved = LEDGER_COLUMNS[account.rule.dimension]  # type: ignore[index]
             scope, subject, window, start = account.key
             row = Usage.objects.filter(scope=scope, subject=subject, window=window, window_start=start)
             columns[f"budget_{i}_used"] = Subquery(row.values(used)[:1])
             columns[f"budget_{i}_reserved"] = Subquery(row.values(reserved)[:1])
         return columns
 
-    def fill(self, values: dict[str, int | None]) -> None:
+    def fill(self, values: dict[str, Any]) -> None:
         """Take back the `columns` read with some statement."""
         for i, account in enumerate(self.accounts):
             account.used = values[f"budget_{i}_used"] or 0
             account.reserved = values[f"budget_{i}_reserved"] or 0
 
+    @property
+    def has_money(self) -> bool:
+        """Whether some `ai.cost` budget is in force (else nobody needs a job's money estimate)."""
+        return any(account.is_money for account in self.accounts)
+
     def applicable(self, *, team_id: int, user_id: int, executor_id: int | None = None) -> list[Account]:
         return [a for a in self.accounts if a.rule.applies(team_id=team_id, user_id=user_id, executor_id=executor_id)]
 
-    def blocking(self, *, team_id: int, user_id: int, tokens: int, executor_id: int | None = None) -> Account | None:
-        """The first budget that cannot cover this job's estimate (and one request), if any. With
-        `executor_id`, only that executor's own budgets are considered."""
+    def blocking(
+        self,
+        *,
+        team_id: int,
+        user_id: int,
+        tokens: int,
+        executor_id: int | None = None,
+        money: Decimal = ZERO,
+    ) -> Account | None:
+        """The first budget that cannot cover this job's estimate (its tokens, one request, its
+        money estimate), if any. With `executor_id`, only that executor's own budgets are considered."""
         for account in self.applicable(team_id=team_id, user_id=user_id, executor_id=executor_id):
             if executor_id is not None and account.rule.scope != QuotaPolicy.Scope.EXECUTOR:
                 continue
-            if account.cost(tokens) > account.remaining:
+            if account.cost(tokens, money) > account.remaining:
                 self.refused[account.key] = account
                 return account
         return None
 
     def exhausted(self, scope: str) -> set[int]:
-        """Ids of team or user subjects with nothing left in some budget."""
+        """Ids of team or user subjects (a key scope: the key's user) with nothing left in some budget."""
         return {
             a.rule.subject_id
             for a in self.accounts
@@ -203,15 +239,23 @@ class Budgets:
         ends = [a.end for a in self.accounts if a.remaining <= 0] + [a.end for a in self.refused.values()]
         return min(ends, default=None)
 
-    def reserve(self, *, team_id: int, user_id: int, executor_id: int, tokens: int) -> dict[str, Any] | None:
+    def reserve(
+        self, *, team_id: int, user_id: int, executor_id: int, tokens: int, money: Decimal = ZERO
+    ) -> dict[str, Any] | None:
         """Count the estimate against every budget the job counts against, for the rest of this
         claim; returns the reservation to store on the job (None when no budget applies), which
-        `hold` writes to the ledger once the job is really started."""
+        `hold` writes to the ledger once the job is really started. `money`: the estimate priced
+        on the executor it is placed on, kept (as a decimal string) when a money budget applies."""
         keys = []
         for account in self.applicable(team_id=team_id, user_id=user_id, executor_id=executor_id):
-            account.reserved += account.cost(tokens)
+            account.reserved += account.cost(tokens, money)
             keys.append([*account.key[:3], account.start.isoformat(), account.rule.dimension])
-        return {"tokens": tokens, "keys": keys} if keys else None
+        if not keys:
+            return None
+        reservation: dict[str, Any] = {"tokens": tokens, "keys": keys}
+        if any(dimension == Dimension.COST for *_, dimension in keys):
+            reservation["cost"] = money_text(money)
+        return reservation
 
     def hold(self, reservations: Iterable[dict[str, Any] | None]) -> None:
         """Write reservations to the ledger."""
@@ -250,30 +294,50 @@ def admission_budgets(*, subjects: Iterable[tuple[int, int]], now: datetime, rul
     )
 
 
-def quota_check(*, team_id: int, user_id: int, tokens: int, now: datetime, budgets: Budgets | None = None) -> None:
-    """Admission: refuse a job that the remaining budget of its team, its user or the whole
-    installation cannot cover, with what ran out and when it resets. Executor budgets are
-    checked at placement, where the executor is known. `budgets` (admission_budgets, read) spares
-    the reads: the caller read them with a statement of its own, or checks several jobs."""
+def quota_check(
+    *,
+    team_id: int,
+    user_id: int,
+    tokens: int,
+    now: datetime,
+    budgets: Budgets | None = None,
+    money: Decimal = ZERO,
+) -> None:
+    """Admission: refuse a job that the remaining budget of its team, its user, its key or the
+    whole installation cannot cover, with what ran out and when it resets. Executor budgets are
+    checked at placement, where the executor is known. `money` is the job's money estimate (its
+    counted prompt at the input price, its max_tokens at the output price, on the dearest executor
+    that could take it). `budgets` (admission_budgets, read) spares the reads: the caller read them
+    with a statement of its own, or checks several jobs."""
     budgets = budgets if budgets is not None else Budgets.load(now=now)
-    account = budgets.blocking(team_id=team_id, user_id=user_id, tokens=tokens) if budgets.accounts else None
+    account = (
+        budgets.blocking(team_id=team_id, user_id=user_id, tokens=tokens, money=money) if budgets.accounts else None
+    )
     if account is None:
         return
+    left = account.show(max(account.remaining, 0))
     raise QuotaExceeded(
         f"The {account.rule.dimension} budget of {account.rule.scope} {account.rule.subject or ''}".rstrip()
-        + f" has {max(account.remaining, 0)} left per {account.rule.window}; this job needs {account.cost(tokens)}.",
+        + f" has {left} left per {account.rule.window}; this job needs {account.show(account.cost(tokens, money))}.",
         **account.describe(),
     )
 
 
 @dataclass(frozen=True)
 class Bill:
-    """One dispatch to bill: its actual tokens, for this team, user and executor."""
+    """One dispatch to bill: its actual tokens and cost, for this team, user and executor. `model`,
+    `key_id` and the token split feed the spend ledger (prompt and completion tokens, when the
+    split is known; `tokens` is the total billed either way)."""
 
     team_id: int
     user_id: int
     executor_id: int | None
     tokens: int
+    cost: Decimal = ZERO
+    model: str = ""
+    key_id: int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
 
 def quota_settle(
@@ -284,8 +348,9 @@ def quota_settle(
     rules: Iterable[Rule] | None = None,
 ) -> None:
     """Quota.record: release the reservations of ended attempts and bill each dispatch's actual
-    tokens and one request to the current window of every budget that counts it. `rules` (all
-    quota rules, as cached) spares reading them."""
+    tokens, one request and its cost to the current window of every budget that counts it, then
+    add what was spent to the spend ledger. `rules` (all quota rules, as cached) spares reading
+    them."""
     deltas = Deltas()
     for reservation in reservations:
         _add_reservation(deltas, reservation, sign=-1)
@@ -301,9 +366,12 @@ def quota_settle(
             for account in budgets.applicable(team_id=bill.team_id, user_id=bill.user_id, executor_id=bill.executor_id):
                 if account.rule.dimension == Dimension.TOKENS:
                     deltas.add(account.key, tokens=bill.tokens)
+                elif account.is_money:
+                    deltas.add(account.key, cost=bill.cost)
                 else:
                     deltas.add(account.key, requests=1)
     deltas.apply()
+    spend_add(bills=bills, day=now.astimezone(UTC).date())
 
 
 def _add_reservation(deltas: Deltas, reservation: dict[str, Any] | None, *, sign: int) -> None:
@@ -314,11 +382,13 @@ def _add_reservation(deltas: Deltas, reservation: dict[str, Any] | None, *, sign
         key = (scope, subject, window, datetime.fromisoformat(start))
         if dimension == Dimension.TOKENS:
             deltas.add(key, reserved_tokens=sign * reservation["tokens"])
+        elif dimension == Dimension.COST:
+            deltas.add(key, reserved_cost=sign * Decimal(reservation.get("cost") or 0))
         else:
             deltas.add(key, reserved_requests=sign)
 
 
-def ledger_add(rows: dict[LedgerKey, list[int]]) -> None:
+def ledger_add(rows: dict[LedgerKey, list[Amount]]) -> None:
     """Add to ledger rows, creating them as needed, in one statement, in key order (so concurrent
     writers lock rows in the same order)."""
     if not rows:
@@ -335,12 +405,52 @@ def ledger_add(rows: dict[LedgerKey, list[int]]) -> None:
         "requests",
         "reserved_tokens",
         "reserved_requests",
+        "cost",
+        "reserved_cost",
     ]
     params: list[Any] = []
     for (scope, subject, window, start), values in sorted(rows.items()):
         params += [scope, subject, window, start_field.get_db_prep_value(start, connection), *values]
     placeholders = ", ".join(["(" + ", ".join(["%s"] * len(columns)) + ")"] * len(rows))
     increments = ", ".join(f"{qn(c)} = {table}.{qn(c)} + excluded.{qn(c)}" for c in columns[4:])
+    sql = (
+        f"INSERT INTO {table} ({', '.join(qn(c) for c in columns)}) VALUES {placeholders} "
+        f"ON CONFLICT ({', '.join(qn(c) for c in columns[:4])}) DO UPDATE SET {increments}"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+
+
+SpendKey = tuple[date, int, int, str]  # day, team, user, model
+
+
+def spend_add(*, bills: Iterable[Bill], day: date) -> None:
+    """Add the bills that used tokens or cost money to the spend ledger, one row per day, team,
+    user and model, created as needed; one statement, rows in key order (so concurrent writers
+    lock them in the same order), after the usage rows (lock level 4)."""
+    rows: dict[SpendKey, list[Any]] = {}
+    for bill in bills:
+        if not bill.model or (bill.tokens <= 0 and bill.cost <= 0):
+            continue
+        row = rows.setdefault((day, bill.team_id, bill.user_id, bill.model), [bill.key_id, 0, 0, 0, 0, ZERO])
+        row[1] += 1
+        row[2] += bill.tokens
+        row[3] += bill.prompt_tokens
+        row[4] += bill.completion_tokens
+        row[5] += bill.cost
+    if not rows:
+        return
+    qn = connection.ops.quote_name
+    table = qn(Spend._meta.db_table)
+    columns = ["day", "team_id", "user_id", "model", "key_id", "requests", "tokens", "prompt_tokens"]
+    columns += ["completion_tokens", "cost"]
+    day_field, cost_field = Spend._meta.get_field("day"), Spend._meta.get_field("cost")
+    params: list[Any] = []
+    for (when, team_id, user_id, model), (key_id, *values) in sorted(rows.items()):
+        values[-1] = cost_field.get_db_prep_save(values[-1], connection)
+        params += [day_field.get_db_prep_value(when, connection), team_id, user_id, model, key_id, *values]
+    placeholders = ", ".join(["(" + ", ".join(["%s"] * len(columns)) + ")"] * len(rows))
+    increments = ", ".join(f"{qn(c)} = {table}.{qn(c)} + excluded.{qn(c)}" for c in columns[5:])
     sql = (
         f"INSERT INTO {table} ({', '.join(qn(c) for c in columns)}) VALUES {placeholders} "
         f"ON CONFLICT ({', '.join(qn(c) for c in columns[:4])}) DO UPDATE SET {increments}"

@@ -3,6 +3,7 @@ all of them loaded at once for the claim and admission."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from django.contrib.auth import get_user_model
@@ -10,24 +11,33 @@ from django.db.models import QuerySet
 
 from executors.models import Executor
 from quotas.models import QuotaPolicy
+from telemachus.keys.models import ApiKey
 from telemachus.models import Team
 
 Scope, Dimension = QuotaPolicy.Scope, QuotaPolicy.Dimension
-SUBJECT_HINTS: dict[str, str] = {Scope.EXECUTOR: "executor name", Scope.TEAM: "team slug", Scope.USER: "username"}
+SUBJECT_HINTS: dict[str, str] = {
+    Scope.EXECUTOR: "executor name",
+    Scope.TEAM: "team slug",
+    Scope.USER: "username",
+    Scope.KEY: "API key id",
+}
 
-# For each scope with subjects: its rows, and the field that names one.
-SubjectSource = tuple[Callable[[], QuerySet[Any]], str]
+# For each scope with subjects: its rows, the field that names one, and the field whose value a
+# job is matched on. A key rule counts the jobs of the key's own user (an API key acts as a user of
+# its own: telemachus/keys/), so its slots and budgets are that user's.
+SubjectSource = tuple[Callable[[], QuerySet[Any]], str, str]
 _subjects: dict[str, SubjectSource] = {
-    Scope.EXECUTOR: (Executor.objects.all, "name"),
-    Scope.TEAM: (Team.objects.all, "slug"),
-    Scope.USER: (lambda: get_user_model().objects.all(), "username"),
+    Scope.EXECUTOR: (Executor.objects.all, "name", "pk"),
+    Scope.TEAM: (Team.objects.all, "slug", "pk"),
+    Scope.USER: (lambda: get_user_model().objects.all(), "username", "pk"),
+    Scope.KEY: (lambda: ApiKey.objects.filter(principal__isnull=False), "pk", "principal_id"),
 }
 
 
 def subject_exists(scope: str, subject: str) -> bool:
-    if scope not in _subjects:
+    if scope not in _subjects or (scope == Scope.KEY and not (subject.isascii() and subject.isdigit())):
         return False
-    rows, field = _subjects[scope]
+    rows, field, _ = _subjects[scope]
     return rows().filter(**{field: subject}).exists()
 
 
@@ -57,13 +67,14 @@ def quota_rule_errors(
 
 @dataclass(frozen=True)
 class Rule:
-    """A quota rule with its subject resolved to an id (team, user or executor), for matching jobs."""
+    """A quota rule with its subject resolved to an id (team, user or executor; for a key, the
+    key's user), for matching jobs. `limit` is an int, an amount (Decimal) for `ai.cost`."""
 
     pk: int
     scope: str
     subject: str
     dimension: str
-    limit: int
+    limit: Any  # int, or Decimal for ai.cost
     window: str
     subject_id: int | None
 
@@ -73,7 +84,7 @@ class Rule:
             return True
         if self.scope == Scope.TEAM:
             return self.subject_id == team_id
-        if self.scope == Scope.USER:
+        if self.scope in (Scope.USER, Scope.KEY):
             return self.subject_id == user_id
         return executor_id is not None and self.subject_id == executor_id
 
@@ -90,11 +101,18 @@ def quota_rules(
         rules = rules.filter(dimension__in=dimensions)
     rows = list(rules.values_list("pk", "scope", "subject", "dimension", "limit", "window"))
     ids: dict[str, dict[str, int]] = dict(known or {})
-    for scope, (subjects, field) in _subjects.items():
+    for scope, (subjects, field, matched) in _subjects.items():
         names = {row[2] for row in rows if row[1] == scope}
+        if scope == Scope.KEY:
+            names = {name for name in names if name.isascii() and name.isdigit()}
         if names and scope not in ids:
-            ids[scope] = dict(subjects().filter(**{f"{field}__in": names}).values_list(field, "pk"))
+            found = subjects().filter(**{f"{field}__in": names}).values_list(field, matched)
+            ids[scope] = {str(name): pk for name, pk in found}
     return [
-        Rule(pk, scope, subject, dimension, limit, window, ids.get(scope, {}).get(subject))
+        Rule(pk, scope, subject, dimension, _limit(dimension, limit), window, ids.get(scope, {}).get(subject))
         for pk, scope, subject, dimension, limit, window in rows
     ]
+
+
+def _limit(dimension: str, stored: Decimal) -> int | Decimal:
+    return Decimal(stored) if dimension == Dimension.COST else int(stored)

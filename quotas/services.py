@@ -2,7 +2,7 @@ from typing import Any
 
 from django.db import transaction
 
-from quotas.models import QuotaPolicy
+from quotas.models import QuotaPolicy, limit_text
 from telemachus.control.audit import Actor, audit_record, changed_fields
 
 AUDITED = ("scope", "subject", "dimension", "limit", "window")
@@ -11,7 +11,10 @@ AUDITED = ("scope", "subject", "dimension", "limit", "window")
 def _view(policy: QuotaPolicy) -> dict[str, Any]:
     """The rule as the API shows it: no subject and no window are null."""
     view = {name: getattr(policy, name) for name in AUDITED}
-    return {**view, "subject": view["subject"] or None, "window": view["window"] or None}
+    limit: int | str = limit_text(policy.dimension, policy.limit)
+    if policy.dimension != QuotaPolicy.Dimension.COST:
+        limit = int(limit)
+    return {**view, "subject": view["subject"] or None, "window": view["window"] or None, "limit": limit}
 
 
 def quota_policy_create(*, by: Actor = None, **fields: Any) -> QuotaPolicy:

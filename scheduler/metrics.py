@@ -6,9 +6,10 @@ one consistent picture without a shared directory or a scrape of every process:
 * What the database knows is derived from it at scrape time, in one consistent read
   (`DatabaseCollector`): queue depth per team and priority, running jobs and slots per scope
   against their caps, executors' health and breaker state, budgets left, jobs finished by outcome,
-  tokens billed per team, and the queue-wait histogram (submitted to started, per team). Any API
-  server answers for the whole cluster, and the numbers are exact the moment a job changes.
-  Counters and the histogram are totals over the jobs the database keeps.
+  tokens billed per team, money billed per team and model, and the queue-wait histogram
+  (submitted to started, per team). Any API server answers for the whole cluster, and the
+  numbers are exact the moment a job changes. Counters and the histogram are totals over the
+  jobs (and the spend ledger's days) the database keeps.
 * What only a process sees (how long each claim transaction takes, how long executors take to
   answer a dispatch) is observed in that process with prometheus_client histograms. With
   PROMETHEUS_MULTIPROC_DIR set (bin/run sets it), every process on the host writes there and any
@@ -25,6 +26,7 @@ from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from datetime import timedelta
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
 from django.utils import timezone
@@ -34,6 +36,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 
 from executors.models import Executor
+from quotas.models import Spend
 from scheduler.live.snapshot import Cluster, consistent_read
 from scheduler.models import Job
 from telemachus.models import Team
@@ -209,8 +212,8 @@ class DatabaseCollector:
         for account in cluster.budgets.accounts:
             rule = account.rule
             labels = [rule.scope, rule.subject, rule.dimension, rule.window]
-            remaining.add_metric(labels, max(account.remaining, 0))
-            limit.add_metric(labels, rule.limit)
+            remaining.add_metric(labels, float(max(account.remaining, 0)))
+            limit.add_metric(labels, float(rule.limit))
         yield remaining
         yield limit
 
@@ -236,6 +239,17 @@ class DatabaseCollector:
         ):
             billed.add_metric([teams.get(team_id, str(team_id))], tokens)
         yield billed
+
+        spent = CounterMetricFamily(
+            "telemachus_cost",
+            "Money billed for tokens (tokens x the executors' prices), by team and model, in the currency named.",
+            labels=["team", "model", "currency"],
+        )
+        for team_id, model, cost in (
+            Spend.objects.order_by().values_list("team_id", "model").annotate(cost=Sum("cost")).filter(cost__gt=0)
+        ):
+            spent.add_metric([teams.get(team_id, str(team_id)), model, settings.TELEMACHUS_CURRENCY], float(cost))
+        yield spent
         yield self._wait_histogram(teams)
 
     def _wait_histogram(self, teams: dict[int, str]) -> HistogramMetricFamily:

@@ -7,7 +7,8 @@ from django.db.models import Q
 from django.utils import timezone
 
 from executors.models import Executor
-from telemachus.models import Team
+from quotas.models import ZERO, money_field
+from telemachus.models import ApiKey, Team
 
 
 class Job(models.Model):
@@ -50,6 +51,15 @@ class Job(models.Model):
     model = models.CharField(max_length=200)
     executor = models.ForeignKey(Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
     cost_estimate = models.PositiveBigIntegerField(default=0)
+    # The estimate split for pricing: the prompt's counted tokens, and the completion's (max_tokens,
+    # or what est_tokens leaves after the prompt). With the executor's prices it is the money
+    # reserved against `ai.cost` budgets (scheduler/core/money.py).
+    est_prompt_tokens = models.PositiveBigIntegerField(default=0)
+    est_completion_tokens = models.PositiveBigIntegerField(default=0)
+    # What its attempts cost, all told (tokens x the executor's prices), in TELEMACHUS_CURRENCY.
+    cost = money_field(default=ZERO)
+    # The app key that submitted it (its `user` is then the key's own user): telemachus/keys/.
+    key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
     parent_flow = models.ForeignKey("self", null=True, blank=True, on_delete=models.CASCADE, related_name="children")
     submitted_at = models.DateTimeField(default=timezone.now)
     # Its place in line within a priority: when it became ready to run. Set at submit; a flow's
@@ -152,7 +162,17 @@ class Job(models.Model):
         return f"round {self.current_round}" + (" next" if self.status == self.Status.QUEUED and self.rounds else "")
 
     # Fields `end` changes, for the callers' saves and bulk updates.
-    END_FIELDS = ("status", "result", "error", "finished_at", "tokens_used", "lease", "lease_expires_at", "reservation")
+    END_FIELDS = (
+        "status",
+        "result",
+        "error",
+        "finished_at",
+        "tokens_used",
+        "cost",
+        "lease",
+        "lease_expires_at",
+        "reservation",
+    )
 
     def end(
         self, *, status: str, at: datetime, result: dict[str, Any] | None = None, error: str = "", tokens: int = 0

@@ -9,11 +9,12 @@ from django.contrib.staticfiles import finders
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
-from rest_framework.authentication import SessionAuthentication, TokenAuthentication
-from rest_framework.exceptions import AuthenticationFailed
+from rest_framework.authentication import SessionAuthentication
+from rest_framework.exceptions import AuthenticationFailed, Throttled
 from rest_framework.request import Request
 
 from scheduler.metrics import metrics_exposition
+from telemachus.keys.authentication import CredentialAuthentication
 from telemachus.teams import rbac
 
 
@@ -40,8 +41,8 @@ def metrics(request: HttpRequest) -> HttpResponse:
     """GET /metrics: Prometheus text, for operators (token or session). For a scraper without a
     token, a worker serves the same on TELEMACHUS_METRICS_BIND."""
     try:
-        user = Request(request, authenticators=[TokenAuthentication(), SessionAuthentication()]).user
-    except AuthenticationFailed:
+        user = Request(request, authenticators=[CredentialAuthentication(), SessionAuthentication()]).user
+    except (AuthenticationFailed, Throttled):
         user = None
     if user is None or not user.is_authenticated:
         return JsonResponse(

@@ -27,6 +27,10 @@ class MembershipInline(admin.TabularInline):
     extra = 1
     autocomplete_fields = ["user"]
 
+    def get_queryset(self, request: HttpRequest):
+        # API keys' users are the keys' to manage (the API keys page), not the team form's.
+        return super().get_queryset(request).exclude(user__username__startswith=rbac.KEY_PRINCIPAL_PREFIX)
+
 
 @admin.register(Team)
 class TeamAdmin(admin.ModelAdmin):
@@ -61,7 +65,7 @@ class TeamAdmin(admin.ModelAdmin):
             if row.cleaned_data.get("user") and not row.cleaned_data.get("DELETE")
         }
         for membership in team.memberships.select_related("user"):
-            if membership.user not in wanted:
+            if membership.user not in wanted and not rbac.is_key_principal(membership.user):
                 team_member_remove(team=team, user=membership.user, by=request.user)
         for user, role in wanted.items():
             team_member_set(team=team, username=user.get_username(), role=role, by=request.user)
@@ -146,3 +150,6 @@ class FeatureSwitchAdmin(admin.ModelAdmin):
     def delete_queryset(self, request: HttpRequest, queryset) -> None:
         for switch in queryset.select_related("team"):
             self.delete_model(request, switch)
+
+
+from telemachus.keys import admin as keys_admin  # noqa: E402,F401  (registers API keys and personal tokens)

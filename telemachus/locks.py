@@ -4,7 +4,8 @@ that disagree on order are how deadlocks happen.
 
     0. configuration rows an operator's write or a submit starts from: team rows in ascending id
        (a submit's admission counts each team's queue under its row; team deletes and membership
-       writes), feature switch rows.
+       writes), feature switch rows, an API key's row (its revoke, which then cancels the key's
+       queued jobs: level 3).
     1. the claim lock: the QueuePolicy singleton row. Every transaction that creates slots (claim,
        acquire) takes it first, so slot creation is serialized cluster-wide and the in-use counts a
        claim reads cannot change under it except downwards (finish, cancel and recovery only
@@ -12,8 +13,8 @@ that disagree on order are how deadlocks happen.
     2. executor rows, in ascending id (breaker and probe updates; the claim's move of a breaker to
        half open).
     3. job rows, in ascending id.
-    4. usage ledger rows (quotas.Usage), in key order: taken by the UPDATE that applies a
-       settlement (quotas/budget.py), not by a SELECT.
+    4. usage ledger rows (quotas.Usage), in key order, then spend ledger rows (quotas.Spend), in
+       key order: taken by the upserts that apply a settlement (quotas/budget.py), not by a SELECT.
     5. team share rows (scheduler.TeamShare), in ascending team id: taken by the upsert that
        charges fair share (scheduler/services/shares.py).
 
@@ -53,12 +54,19 @@ class Level(IntEnum):
 
 
 def rows_lock(
-    rows: "QuerySet[M] | BaseManager[M]", *, level: Level, skip_locked: bool = False, of: Sequence[str] = ()
+    rows: "QuerySet[M] | BaseManager[M]",
+    *,
+    level: Level,
+    skip_locked: bool = False,
+    of: Sequence[str] = (),
+    no_key: bool = False,
 ) -> "QuerySet[M]":
     """`rows` locking them FOR UPDATE (SKIP LOCKED when the caller would rather pass a row
-    another transaction holds than wait for it). `level` names the row's place in the order above:
-    the call site says which lock it takes, and every lock of the project is found from here."""
-    return rows.all().select_for_update(skip_locked=skip_locked, of=tuple(of))
+    another transaction holds than wait for it; FOR NO KEY UPDATE with `no_key`, for a write that
+    changes no key, so inserts of rows that reference it are not held up). `level` names the row's
+    place in the order above: the call site says which lock it takes, and every lock of the
+    project is found from here."""
+    return rows.all().select_for_update(skip_locked=skip_locked, of=tuple(of), no_key=no_key)
 
 
 def for_update_sql(*, level: Level, of: str, skip_locked: bool = False) -> str:

@@ -131,3 +131,9 @@ class FeatureSwitch(models.Model):
 
     def __str__(self) -> str:
         return f"{self.feature} {'on' if self.enabled else 'off'} for {self.team or 'everyone'}"
+
+
+# Credentials live in a module of their own; imported here so Django registers them with this app.
+from telemachus.keys.models import ApiKey, PersonalToken  # noqa: E402
+
+__all__ = ["ApiKey", "AuditEvent", "ConfigVersion", "FeatureSwitch", "Membership", "PersonalToken", "Team"]

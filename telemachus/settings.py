@@ -60,6 +60,9 @@ if not SECRET_KEY:
     if not DEBUG:
         raise ImproperlyConfigured("SECRET_KEY must be set when DEBUG is off")
     SECRET_KEY = "dev-insecure-telemachus-key-only-for-local-runs"
+# Earlier SECRET_KEYs, comma-separated, while rotating: API keys and tokens (stored as digests keyed
+# by it, telemachus/keys/digests.py), sessions and signatures made under them keep working.
+SECRET_KEY_FALLBACKS = env_list("SECRET_KEY_FALLBACKS", [])
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 CSRF_FAILURE_VIEW = "telemachus.http.errors.csrf_failure"
@@ -73,7 +76,6 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
-    "rest_framework.authtoken",
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "guardian",
@@ -231,10 +233,14 @@ STORAGES = {
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.TokenAuthentication",
+        # Apps' API keys and people's tokens, stored as digests (telemachus/keys/).
+        "telemachus.keys.authentication.CredentialAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
-    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PERMISSION_CLASSES": [
+        "rest_framework.permissions.IsAuthenticated",
+        "telemachus.keys.authentication.ApiKeysWhereAllowed",
+    ],
     "DEFAULT_PARSER_CLASSES": ["telemachus.http.parsers.BoundedJSONParser"],
     "DEFAULT_RENDERER_CLASSES": [
         "rest_framework.renderers.JSONRenderer",
@@ -326,6 +332,12 @@ TELEMACHUS_SUBMIT_RATE = os.environ.get("TELEMACHUS_SUBMIT_RATE", "100/s")
 TELEMACHUS_LOGIN_FAILURES_PER_USERNAME = env_int("TELEMACHUS_LOGIN_FAILURES_PER_USERNAME", 5)
 TELEMACHUS_LOGIN_FAILURES_PER_ADDRESS = env_int("TELEMACHUS_LOGIN_FAILURES_PER_ADDRESS", 20)
 TELEMACHUS_LOGIN_WINDOW_SECONDS = env_int("TELEMACHUS_LOGIN_WINDOW_SECONDS", 900)
+# Requests with a key or token that matches nothing, allowed per client address within the window
+# (from the first failure); past it, 429 with Retry-After until the window ends (telemachus/keys/).
+TELEMACHUS_AUTH_FAILURES_PER_ADDRESS = env_int("TELEMACHUS_AUTH_FAILURES_PER_ADDRESS", 20)
+TELEMACHUS_AUTH_FAILURE_WINDOW_SECONDS = env_int("TELEMACHUS_AUTH_FAILURE_WINDOW_SECONDS", 60)
+# The currency of executors' prices, jobs' `cost`, `ai.cost` budgets and /api/spend/ (one for all).
+TELEMACHUS_CURRENCY = os.environ.get("TELEMACHUS_CURRENCY", "USD")
 # The live dashboard re-reads when the database changes; between changes it sends a heartbeat this
 # often, so the page's "updated" stamp stays honest.
 TELEMACHUS_DASHBOARD_HEARTBEAT_SECONDS = env_float("TELEMACHUS_DASHBOARD_HEARTBEAT_SECONDS", 5)

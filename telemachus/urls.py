@@ -6,6 +6,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitVie
 
 from executors import api as executors_api
 from quotas import api as quotas_api
+from quotas.spend import SpendApi
 from scheduler import views as pages
 from scheduler.api import views as scheduler_views
 from scheduler.api.history import QueueHistoryApi
@@ -13,6 +14,7 @@ from scheduler.api.policy import PolicyApi
 from telemachus.control.audit_api import AuditListApi
 from telemachus.control.features_api import FeatureApi
 from telemachus.http.health import healthz, readyz
+from telemachus.keys.api import ApiKeyDetailApi, ApiKeyListCreateApi
 from telemachus.teams import api as teams_api
 from telemachus.teams.signin import attempts_limited
 from telemachus.teams.users_api import UserListCreateApi
@@ -34,6 +36,9 @@ api = [
     path("quota-policies/", quotas_api.QuotaPolicyListCreateApi.as_view(), name="quota-policy-list"),
     path("quota-policies/<int:policy_id>/", quotas_api.QuotaPolicyDetailApi.as_view(), name="quota-policy-detail"),
     path("usage/", quotas_api.UsageApi.as_view(), name="usage"),
+    path("spend/", SpendApi.as_view(), name="spend"),
+    path("keys/", ApiKeyListCreateApi.as_view(), name="key-list"),
+    path("keys/<int:key_id>/", ApiKeyDetailApi.as_view(), name="key-detail"),
     path("audit/", AuditListApi.as_view(), name="audit"),
     path("features/", FeatureApi.as_view(), name="features"),
     path("users/", UserListCreateApi.as_view(), name="user-list"),

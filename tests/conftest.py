@@ -4,7 +4,6 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.core.cache import cache
 from django.db import connection
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from executors.models import Executor
@@ -12,6 +11,7 @@ from telemachus.control.config import config_cache_clear
 from telemachus.models import Team
 from telemachus.teams import rbac
 from telemachus.teams.services import team_create, team_member_set
+from tests.credentials import token_for
 from tests.processes import Processes
 
 _names = itertools.count(1)
@@ -88,8 +88,7 @@ def api():
     def client(user=None) -> APIClient:
         c = APIClient()
         if user is not None:
-            token, _ = Token.objects.get_or_create(user=user)
-            c.credentials(HTTP_AUTHORIZATION=f"Token {token.key}")
+            c.credentials(HTTP_AUTHORIZATION=f"Token {token_for(user)}")
         return c
 
     return client

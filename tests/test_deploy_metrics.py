@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from rest_framework.authtoken.models import Token
 
 from quotas.models import QuotaPolicy
 from tests.conftest import chat_body
+from tests.credentials import token_for
 from tests.processes import ROOT, free_port, wait_until
 
 DASHBOARD = ROOT / "deploy/grafana/telemachus.json"
@@ -155,7 +155,7 @@ def live_app(processes, tmp_path, make_user, make_team, make_executor) -> Live:
     make_executor("deploy-sim", models=["m"], max_concurrency=2, meta={"latency_ms": 20})
     make_executor("deploy-slow", models=["slow"], max_concurrency=2, meta={"latency_ms": 60_000})
     QuotaPolicy.objects.create(scope="team", subject="deploy", dimension="ai.tokens", limit=100_000, window="day")
-    alice_token, operator_token = (Token.objects.create(user=user).key for user in (alice, operator))
+    alice_token, operator_token = (token_for(user) for user in (alice, operator))
     multiproc = tmp_path / "prometheus"
     multiproc.mkdir()
     base = processes.daphne(PROMETHEUS_MULTIPROC_DIR=str(multiproc))

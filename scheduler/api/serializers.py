@@ -4,6 +4,7 @@ from rest_framework import serializers
 
 from executors.contract import CHAT_API, EMBEDDINGS_API
 from executors.tokens import embedding_inputs
+from quotas.models import money_text
 from scheduler.models import Job, JobEvent
 from scheduler.services.rounds import DEFAULT_MAX_ROUNDS, MAX_ROUNDS
 from scheduler.services.submit import MAX_BULK
@@ -90,6 +91,7 @@ SUBMITTABLE_TYPES = [(value, label) for value, label in Job.Type.choices if valu
 
 class JobSubmitInput(StrictSerializer):
     type = serializers.ChoiceField(choices=SUBMITTABLE_TYPES)
+    # Required, except with an app's API key (context `key`), whose team is the job's.
     team = serializers.SlugField(max_length=64)
     priority = serializers.IntegerField(min_value=Job.PRIORITY_MIN, max_value=Job.PRIORITY_MAX, default=0)
     requirements = RequirementsInput()
@@ -98,6 +100,8 @@ class JobSubmitInput(StrictSerializer):
 
     def get_fields(self) -> dict[str, serializers.Field]:
         fields = super().get_fields()
+        if self.context.get("key") is not None:
+            fields["team"] = serializers.SlugField(max_length=64, required=False)
         data = getattr(self, "initial_data", None)
         if isinstance(data, dict) and data.get("type") == Job.Type.TOOL:
             # A tool job runs on no executor: it needs no model.
@@ -134,6 +138,12 @@ class JobOutput(serializers.ModelSerializer):
     team = serializers.SlugRelatedField(slug_field="slug", read_only=True)  # type: ignore[var-annotated]
     user = serializers.SlugRelatedField(slug_field="username", read_only=True)  # type: ignore[var-annotated]
     executor = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)  # type: ignore[var-annotated]
+    cost = serializers.SerializerMethodField(
+        help_text="What its attempts cost (tokens x the executor's prices), a decimal string in TELEMACHUS_CURRENCY."
+    )
+
+    def get_cost(self, job: Job) -> str:
+        return money_text(job.cost)
 
     class Meta:
         model = Job
@@ -150,6 +160,8 @@ class JobOutput(serializers.ModelSerializer):
             "started_at",
             "finished_at",
             "tokens_used",
+            "cost",
+            "key",
             "attempts",
             "rounds",
             "input",

@@ -26,6 +26,16 @@ from scheduler.services.submit import JobSpec, job_submit, jobs_submit
 from telemachus.errors import NotFound, ValidationFailed
 from telemachus.http.pagination import OldestFirstCursorPagination
 from telemachus.http.throttles import SubmitRateThrottle
+from telemachus.keys.authentication import request_api_key
+from telemachus.keys.models import ApiKey
+
+
+def submit_team(data: dict, key: ApiKey | None) -> dict:
+    """A submission's fields with its team: the one it names, else (an app's API key may leave
+    it out) the key's team."""
+    if data.get("team") or key is None:
+        return data
+    return {**data, "team": key.team.slug}
 
 
 def visible_job(request: Request, job_id: int) -> Job:
@@ -41,6 +51,7 @@ class JobListCreateApi(ListAPIView):
     serializer_class = JobOutput
     filter_serializer = JobListFilter
     throttle_classes = [SubmitRateThrottle]
+    serves_api_keys = True
 
     @extend_schema(
         parameters=[
@@ -66,9 +77,10 @@ class JobListCreateApi(ListAPIView):
 
     @extend_schema(request=JobSubmitInput, responses={201: JobOutput})
     def post(self, request: Request) -> Response:
-        submission = JobSubmitInput(data=request.data)
+        key = request_api_key(request)
+        submission = JobSubmitInput(data=request.data, context={"key": key})
         submission.is_valid(raise_exception=True)
-        job = job_submit(user=request.user, **submission.validated_data)
+        job = job_submit(user=request.user, key=key, **submit_team(submission.validated_data, key))
         return Response(JobOutput(job).data, status=status.HTTP_201_CREATED)
 
 
@@ -78,12 +90,17 @@ class JobBulkSubmitApi(APIView):
     written unless every job is accepted. A refusal is the error single submit gives, with
     `index`: the position of the first failing job in `jobs`."""
 
+    serves_api_keys = True
+
     @extend_schema(request=JobBulkSubmitInput, responses={201: JobBulkOutput})
     def post(self, request: Request) -> Response:
-        bulk = JobBulkSubmitInput(data=request.data)
+        key = request_api_key(request)
+        bulk = JobBulkSubmitInput(data=request.data, context={"key": key})
         if not bulk.is_valid():
             raise _first_failing_job(bulk.errors)
-        jobs = jobs_submit(user=request.user, jobs=[JobSpec(**job) for job in bulk.validated_data["jobs"]])
+        jobs = jobs_submit(
+            user=request.user, jobs=[JobSpec(**submit_team(job, key)) for job in bulk.validated_data["jobs"]], key=key
+        )
         return Response(JobBulkOutput({"jobs": jobs}).data, status=status.HTTP_201_CREATED)
 
 
@@ -103,12 +120,16 @@ def _first_failing_job(errors: dict) -> ValidationFailed:
 
 
 class JobDetailApi(APIView):
+    serves_api_keys = True
+
     @extend_schema(responses=JobOutput)
     def get(self, request: Request, job_id: int) -> Response:
         return Response(JobOutput(visible_job(request, job_id)).data)
 
 
 class JobCancelApi(APIView):
+    serves_api_keys = True
+
     @extend_schema(request=None, responses=JobOutput)
     def post(self, request: Request, job_id: int) -> Response:
         require_cancel(request.user, visible_job(request, job_id))
@@ -128,6 +149,7 @@ class JobRequeueApi(APIView):
 class JobEventListApi(ListAPIView):
     serializer_class = JobEventOutput
     pagination_class = OldestFirstCursorPagination
+    serves_api_keys = True
 
     def get_queryset(self) -> QuerySet[JobEvent]:
         job = visible_job(self.request, self.kwargs["job_id"])

@@ -126,6 +126,10 @@ FINISH_READS = (
     "reservation",
     "started_at",
     "cost_estimate",
+    # What an attempt's cost is priced and recorded by (scheduler/services/attempts.py).
+    "model",
+    "key_id",
+    "cost",
 )
 
 

@@ -9,6 +9,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime
+from decimal import Decimal
 
 from django.db.models import Sum
 
@@ -17,9 +18,10 @@ from executors.models import Executor
 from executors.registry import kind_chats
 from quotas.budget import Budgets
 from quotas.concurrency import ConcurrencyCaps, SlotCounts, executor_limit
-from quotas.models import QuotaPolicy
+from quotas.models import ZERO, QuotaPolicy
 from scheduler.core.configuration import configuration
 from scheduler.core.jobtypes import MODEL_CALL_TYPES
+from scheduler.core.money import job_money_estimate
 from scheduler.core.selectors import slot_counts
 from scheduler.models import Job, QueuePolicy, Slot
 from telemachus.control.config import config_at, config_snapshot
@@ -183,7 +185,12 @@ class ClaimState:
         return self.capped_teams() | self.budgets.exhausted(QuotaPolicy.Scope.TEAM)
 
     def blocked_users(self) -> set[int]:
-        return self.capped_users() | self.budgets.exhausted(QuotaPolicy.Scope.USER)
+        """Users (an API key: its own user) at their slot cap or out of budget."""
+        return (
+            self.capped_users()
+            | self.budgets.exhausted(QuotaPolicy.Scope.USER)
+            | self.budgets.exhausted(QuotaPolicy.Scope.KEY)
+        )
 
     def placeable_models(self, team_id: int) -> set[str]:
         """Models that some executor usable by the team could take a job for right now."""
@@ -198,8 +205,22 @@ class ClaimState:
         return self.global_free() > 0 and self.team_free(job.team_id) > 0 and self.user_free(job.user_id) > 0
 
     def over_budget(self, job: Job):
-        """The global, team or user budget that cannot cover the job's estimate, if any."""
-        return self.budgets.blocking(team_id=job.team_id, user_id=job.user_id, tokens=job.cost_estimate)
+        """The global, team, user or key budget that cannot cover the job's estimate, if any (its
+        money estimate: on the dearest executor that could take it, as the executor is not chosen yet)."""
+        return self.budgets.blocking(
+            team_id=job.team_id, user_id=job.user_id, tokens=job.cost_estimate, money=self.money(job)
+        )
+
+    def money(self, job: Job, view: ExecutorView | None = None) -> Decimal:
+        """The job's money estimate on `view`'s executor, or on the dearest placeable one usable by
+        its team; nothing to price (0) when no money budget is in force."""
+        if not self.budgets.has_money:
+            return ZERO
+        if view is not None:
+            return job_money_estimate(job, [view.executor])
+        return job_money_estimate(
+            job, [v.executor for v in self.executors if v.usable_by(job.team_id) and v.matches(job)]
+        )
 
     def candidates(self, job: Job) -> list[ExecutorView]:
         """Executors that fit the job, have a free slot and whose own budget covers its estimate."""
@@ -210,7 +231,11 @@ class ClaimState:
             and v.usable_by(job.team_id)
             and v.matches(job)
             and self.budgets.blocking(
-                team_id=job.team_id, user_id=job.user_id, tokens=job.cost_estimate, executor_id=v.pk
+                team_id=job.team_id,
+                user_id=job.user_id,
+                tokens=job.cost_estimate,
+                executor_id=v.pk,
+                money=self.money(job, v),
             )
             is None
         ]
@@ -225,5 +250,9 @@ class ClaimState:
         if self._running_tokens is not None:
             self._running_tokens[job.team_id] += job.cost_estimate
         job.reservation = self.budgets.reserve(
-            team_id=job.team_id, user_id=job.user_id, executor_id=view.pk, tokens=job.cost_estimate
+            team_id=job.team_id,
+            user_id=job.user_id,
+            executor_id=view.pk,
+            tokens=job.cost_estimate,
+            money=self.money(job, view),
         )

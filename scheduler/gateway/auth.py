@@ -1,38 +1,40 @@
-"""Who is calling. The same credentials as the REST API: a DRF token (`Authorization: Bearer KEY`,
-as OpenAI SDKs send it, or `Authorization: Token KEY`, as the REST API documents it) and, for
-the job API's paths, the session cookie of a signed-in user. Run on a database thread."""
+"""Who is calling. The same credentials as the REST API (telemachus/keys/): an app's API key or a
+person's token, as `Authorization: Bearer SECRET` (as OpenAI SDKs send it) or `Token SECRET`,
+and, for the job API's paths, the session cookie of a signed-in user. Bad credentials count
+against the client's address; past the limit its requests get 429 with Retry-After. Run on a
+database thread."""
 
 from importlib import import_module
 from types import SimpleNamespace
+from typing import Any
 
 from django.conf import settings
 from django.contrib.auth import get_user
-from rest_framework.authentication import TokenAuthentication
-from rest_framework.exceptions import AuthenticationFailed
 
+from telemachus.keys.authentication import Credential, TooManyFailures, credential_authenticate, secret_from_header
 from telemachus.teams import rbac
 
-KEYWORDS = ("bearer", "token")
+__all__ = ["Credential", "TooManyFailures", "client_address", "credential_for", "user_for_session"]
 
 
-def token_key(authorization: str | None) -> str | None:
-    """The key of an `Authorization: Bearer KEY` or `Token KEY` header, if that is what it is."""
-    if not authorization:
+def client_address(scope: dict[str, Any]) -> str:
+    """The client's address, as telemachus/teams/signin.py reads it from a Django request: the peer,
+    or behind a TLS proxy (BEHIND_TLS_PROXY) the last entry of X-Forwarded-For."""
+    if settings.SECURE_PROXY_SSL_HEADER:
+        for name, value in scope.get("headers") or ():
+            if name.lower() == b"x-forwarded-for":
+                return value.decode("latin1").split(",")[-1].strip()
+    client = scope.get("client")
+    return str(client[0]) if client else "unknown"
+
+
+def credential_for(*, authorization: str | None, address: str) -> Credential | None:
+    """The key or token of an Authorization header, or None (no usable header, or it matches
+    nothing live). Raises TooManyFailures while the address is over its limit."""
+    secret = secret_from_header(authorization)
+    if secret is None:
         return None
-    keyword, _, key = authorization.strip().partition(" ")
-    key = key.strip()
-    if keyword.lower() not in KEYWORDS or not key or " " in key:
-        return None
-    return key
-
-
-def user_for_token(*, key: str) -> rbac.Principal | None:
-    """The active user the token belongs to, or None (unknown token, inactive user)."""
-    try:
-        user, _ = TokenAuthentication().authenticate_credentials(key)
-    except AuthenticationFailed:
-        return None
-    return user
+    return credential_authenticate(secret=secret, address=address)
 
 
 def user_for_session(*, session_key: str) -> rbac.Principal | None:

@@ -19,15 +19,17 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
 
 from executors.contract import EMBEDDINGS_API
+from quotas.models import ZERO, money_text
 from scheduler.core.configuration import configuration
 from scheduler.gateway import shapes
 from scheduler.gateway.asgi import Reply, Request
-from scheduler.gateway.auth import token_key, user_for_token
+from scheduler.gateway.auth import TooManyFailures, client_address, credential_for
 from scheduler.gateway.database import db
 from scheduler.gateway.feed import Delta, JobFeed, Relay, ToolPiece, Watch
 from scheduler.models import Job, JobEvent
@@ -36,11 +38,12 @@ from scheduler.services.submit import job_submit
 from telemachus import errors
 from telemachus.control.config import config_current, config_snapshot
 from telemachus.control.features import OPENAI, feature_require
-from telemachus.models import Team
+from telemachus.models import ApiKey, Team
 from telemachus.teams import rbac
 
 log = logging.getLogger("telemachus.gateway")
 TEAM_HEADER, PRIORITY_HEADER, JOB_HEADER = "x-telemachus-team", "x-telemachus-priority", "x-telemachus-job"
+COST_HEADER, CURRENCY_HEADER = "x-telemachus-cost", "x-telemachus-currency"
 KEEPALIVE_SECONDS = 15.0
 SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
 GatewayError = shapes.OpenAIError  # the gateway's errors, rendered in each protocol's shape by its dialect
@@ -185,20 +188,35 @@ def sse(data: Any, event: str | None = None) -> bytes:
 class Caller:
     user: rbac.Principal
     team: Team
+    key: ApiKey | None = None
+
+    def may_call(self, model: str) -> bool:
+        """Whether the caller's key (if it came with one) lets it call the model."""
+        return self.key is None or not self.key.allowed_models or model in self.key.allowed_models
 
 
-def caller_for(*, authorization: str | None, team: str | None, confirm: bool) -> Caller:
-    """Authenticate the token, find the team the call acts for and refuse the call (403
+def caller_for(*, authorization: str | None, team: str | None, confirm: bool, address: str) -> Caller:
+    """Authenticate the key or token, find the team the call acts for and refuse the call (403
     feature_disabled) if the `openai` switch is off for that team or for everyone: the one point
     every /v1/ call passes once its caller and team are known. The switches are the cached ones;
     with `confirm` False, those this process last used, unconfirmed (no query), for a submit,
     which confirms its configuration and checks the switch again. A refusal is believed only
-    from a confirmed read."""
-    key = token_key(authorization)
-    user = user_for_token(key=key) if key else None
-    if user is None:
+    from a confirmed read. Too many bad credentials from `address`: 429 with Retry-After."""
+    try:
+        credential = credential_for(authorization=authorization, address=address)
+    except TooManyFailures as exc:
+        raise shapes.OpenAIError(
+            429,
+            str(exc),
+            type="rate_limit_error",
+            code="too_many_authentication_failures",
+            headers={"retry-after": str(exc.retry_after)},
+            retry=exc.retry_after <= 60,
+        ) from None
+    if credential is None:
         raise shapes.not_authenticated()
-    caller = Caller(user=user, team=team_of(user, team))
+    user = credential.user
+    caller = Caller(user=user, team=team_of(user, team), key=credential.key)
     snapshot, fresh = (config_snapshot(), True) if confirm else config_current()
     try:
         feature_require(feature=OPENAI, team=caller.team, switches=configuration(snapshot).features)
@@ -244,9 +262,10 @@ def _submit(
     priority: str | None,
     body: bytes,
     dialect: Dialect,
+    address: str,
 ) -> tuple[Caller, Job, shapes.ModelCall]:
     """Authenticate, translate and check the body, submit: one trip to the database threads."""
-    caller = caller_for(authorization=authorization, team=team, confirm=False)
+    caller = caller_for(authorization=authorization, team=team, confirm=False, address=address)
     data = shapes.parse_body(body)
     call = dialect.translate(data)
     requirements = {"model": call.model, "est_tokens": call.est_tokens}
@@ -261,6 +280,7 @@ def _submit(
         priority=_priority(priority),
         meta={"via": dialect.via},
         features=(OPENAI,),
+        key=caller.key,
     )
     return caller, job, call
 
@@ -289,6 +309,7 @@ class Ending:
     error: str
     upstream_status: int | None = None
     timed_out: bool = False
+    cost: Decimal = ZERO
 
     def failure(self) -> GatewayError:
         return shapes.failure(
@@ -298,11 +319,11 @@ class Ending:
 
 def _ending(*, job_id: int) -> Ending | None:
     """The job's end, or None while it has not ended."""
-    row = Job.objects.filter(pk=job_id).values("status", "result", "error").first()
+    row = Job.objects.filter(pk=job_id).values("status", "result", "error", "cost").first()
     if row is None or row["status"] not in Job.TERMINAL:
         return None
     if row["status"] != Job.Status.FAILED:
-        return Ending(status=row["status"], result=row["result"], error=row["error"])
+        return Ending(status=row["status"], result=row["result"], error=row["error"], cost=row["cost"])
     meta = (
         JobEvent.objects.filter(job_id=job_id, event=JobEvent.Type.FAILED)
         .order_by("-id")
@@ -392,6 +413,7 @@ async def model_call(request: Request, reply: Reply, *, dialect: Dialect) -> Non
         priority=request.header(PRIORITY_HEADER),
         body=request.body,
         dialect=dialect,
+        address=client_address(request.scope),
     )
     with feed.watch(job.pk, deltas=call.stream, since=mark) as watch:
         if call.stream:
@@ -416,7 +438,11 @@ async def model_call(request: Request, reply: Reply, *, dialect: Dialect) -> Non
         body = dialect.answer(job_id=job.pk, created=created, call=call, result=ending.result or {})
     except shapes.OpenAIError as exc:
         return await respond_error(reply, dialect, exc, job.pk)
-    await reply.json(200, body, {JOB_HEADER: str(job.pk)})
+    await reply.json(
+        200,
+        body,
+        {JOB_HEADER: str(job.pk), COST_HEADER: money_text(ending.cost), CURRENCY_HEADER: settings.TELEMACHUS_CURRENCY},
+    )
 
 
 async def _relay(reply: Reply, watch: Watch, caller: Caller, dialect: Dialect, writer: StreamWriter) -> None:

@@ -23,7 +23,7 @@ from rest_framework.utils.encoders import JSONEncoder
 
 from scheduler.api.serializers import JobEventOutput, JobOutput
 from scheduler.gateway.asgi import Reply, Request, api_error
-from scheduler.gateway.auth import token_key, user_for_session, user_for_token
+from scheduler.gateway.auth import TooManyFailures, client_address, credential_for, user_for_session
 from scheduler.gateway.database import db
 from scheduler.gateway.feed import Delta, JobFeed, Relay
 from scheduler.models import Job, JobEvent
@@ -40,9 +40,19 @@ async def serve(request: Request, reply: Reply, job_id: str, action: str) -> Non
         return await reply.json(
             405, api_error(405, "method_not_allowed", f'Method "{request.method}" not allowed.'), {"allow": "GET"}
         )
-    user = await db(
-        _user, authorization=request.header("authorization"), session_key=request.cookie(settings.SESSION_COOKIE_NAME)
-    )
+    try:
+        user = await db(
+            _user,
+            authorization=request.header("authorization"),
+            session_key=request.cookie(settings.SESSION_COOKIE_NAME),
+            address=client_address(request.scope),
+        )
+    except TooManyFailures as exc:
+        return await reply.json(
+            429,
+            {**api_error(429, "throttled", str(exc)), "retry_after": exc.retry_after},
+            {"retry-after": str(exc.retry_after)},
+        )
     if user is None:
         return await reply.json(
             401,
@@ -55,12 +65,12 @@ async def serve(request: Request, reply: Reply, job_id: str, action: str) -> Non
         await job_stream(request, reply, user=user, job_id=int(job_id))
 
 
-def _user(*, authorization: str | None, session_key: str | None) -> rbac.Principal | None:
-    """The token's user; or, with no Authorization header, the session's. A bad token is refused
-    even when a session cookie came along."""
+def _user(*, authorization: str | None, session_key: str | None, address: str) -> rbac.Principal | None:
+    """The key's or token's user; or, with no Authorization header, the session's. A bad token is
+    refused even when a session cookie came along."""
     if authorization:
-        key = token_key(authorization)
-        return user_for_token(key=key) if key else None
+        credential = credential_for(authorization=authorization, address=address)
+        return credential.user if credential is not None else None
     return user_for_session(session_key=session_key) if session_key else None
 
 

@@ -188,7 +188,8 @@ async def model_detail(request: Request, reply: Reply, model: str) -> None:
     await reply.json(200, shapes.model_object(model))
 
 
-def _models(*, authorization: str | None, team: str | None) -> list[str]:
-    """The models of the enabled executors the caller's team may use that answer model calls."""
-    caller = caller_for(authorization=authorization, team=team, confirm=True)
-    return sorted(models_usable_by([caller.team.pk], chat=True)[caller.team.pk])
+def _models(*, authorization: str | None, team: str | None, address: str) -> list[str]:
+    """The models of the enabled executors the caller's team may use that answer model calls (and
+    that its key, if it came with one, may call)."""
+    caller = caller_for(authorization=authorization, team=team, confirm=True, address=address)
+    return sorted(m for m in models_usable_by([caller.team.pk], chat=True)[caller.team.pk] if caller.may_call(m))

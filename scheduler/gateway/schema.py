@@ -229,7 +229,7 @@ def gateway_paths(result: dict[str, Any], generator: Any, request: Any, public: 
     schemes["bearerAuth"] = {
         "type": "http",
         "scheme": "bearer",
-        "description": "An API token (the same as `Authorization: Token KEY`).",
+        "description": "An app's API key (tm-...) or a person's API token (the same as `Authorization: Token KEY`).",
     }
     schemes["apiKeyAuth"] = {
         "type": "apiKey",

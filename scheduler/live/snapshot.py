@@ -30,7 +30,7 @@ from scheduler.live.jobs import PAGE_SIZE, JobView, jobs_page
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
 from scheduler.services.policy import EDITABLE
 from telemachus.control.features import feature_states
-from telemachus.models import Team
+from telemachus.models import ApiKey, Team
 from telemachus.teams import rbac
 
 RECENT_JOBS = PAGE_SIZE
@@ -111,7 +111,11 @@ def wait_reasons(cluster: Cluster, *, team_id: int, model: str, user_id: int) ->
     if team_id in caps.team and slots.team[team_id] >= caps.team[team_id]:
         add("team_cap", "at team cap", cap=caps.team[team_id])
     if user_id in caps.user and slots.user[user_id] >= caps.user[user_id]:
-        add("user_cap", "at user cap", cap=caps.user[user_id])
+        key_id = next((k for k, u in caps.key_users.items() if u == user_id), None)
+        if key_id is not None:  # an API key acts as a user of its own: its cap is that user's
+            add("key_cap", "at API key cap", cap=caps.user[user_id], key=key_id)
+        else:
+            add("user_cap", "at user cap", cap=caps.user[user_id])
     if caps.global_cap is not None and slots.total >= caps.global_cap:
         add("global_cap", "at global cap", cap=caps.global_cap)
     for account in cluster.budgets.applicable(team_id=team_id, user_id=user_id):
@@ -257,7 +261,13 @@ def _queue_snapshot(*, user: rbac.Principal, cluster: Cluster) -> dict[str, Any]
         return reasons
 
     executors = [e for e in cluster.executors if operator or e.team_id is None or e.team_id in {t.pk for t in teams}]
-    user_ids = set(caps.user) | set(slots.user) if operator else {user.pk}
+    keys = list(
+        ApiKey.objects.filter(team__in=[t.pk for t in teams], revoked_at__isnull=True)
+        .select_related("team")
+        .order_by("team__slug", "name")
+    )
+    key_users = {key.principal_id for key in keys} | set(caps.key_users.values())
+    user_ids = (set(caps.user) | set(slots.user)) - key_users if operator else {user.pk}
     usernames = dict(get_user_model().objects.filter(pk__in=user_ids).values_list("pk", "username"))  # type: ignore[misc]
     team_rows = []
     for team in teams:
@@ -286,6 +296,21 @@ def _queue_snapshot(*, user: rbac.Principal, cluster: Cluster) -> dict[str, Any]
         "users": [
             {"user": usernames[uid], "in_use": slots.user[uid], "cap": caps.user.get(uid)}
             for uid in sorted(usernames, key=usernames.get)  # type: ignore[arg-type]
+        ],
+        # Apps' API keys of the teams shown: each acts as a user of its own, whose slots are the key's.
+        "keys": [
+            {
+                "id": key.pk,
+                "name": key.name,
+                "prefix": key.prefix,
+                "team": key.team.slug,
+                "models": list(key.allowed_models),
+                "expires_at": key.expires_at,
+                "last_used_at": key.last_used_at,
+                "in_use": slots.user[key.principal_id] if key.principal_id else 0,
+                "cap": caps.key.get(key.pk),
+            }
+            for key in keys
         ],
         "executors": [
             {

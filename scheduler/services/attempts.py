@@ -9,7 +9,9 @@ its claim. When it ends, in the transaction that writes its job's new state:
   slot          deleted, which frees the capacity at every scope (in-use counts are counted from
                 slots); the workers are told when the caller asks (`wake`).
   budgets       the reservation released, and, when the model's work is known (`tokens` not
-                None), the tokens and one request billed to every budget that counts them.
+                None), the tokens, one request and their cost billed to every budget that counts
+                them, and added to the spend ledger. The cost is priced when the end is made
+                (`AttemptEnd.of`: tokens x the executor's prices) and added to the job's `cost`.
   fair share    the team charged what the attempt really cost (slot-seconds or tokens, per the
                 queue policy) less the entry penalty already charged; not when the outcome is
                 unknown (`charge` False: a worker vanished, or gave the job back unstarted).
@@ -19,12 +21,16 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 from django.db import connection
 
+from executors.models import Executor
 from quotas.budget import Bill, quota_settle
+from quotas.models import ZERO
 from quotas.rules import Rule
+from scheduler.core.money import attempt_price
 from scheduler.models import Job, QueuePolicy, Slot
 from scheduler.services.shares import team_shares_charge
 from telemachus.control import notify
@@ -41,10 +47,45 @@ class AttemptEnd:
     reservation: dict[str, Any] | None
     tokens: int | None
     charge: bool = True
+    # What the tokens cost (Decimal, in TELEMACHUS_CURRENCY), and how many were prompt and
+    # completion, as priced by `of`.
+    cost: Decimal = ZERO
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
     @classmethod
-    def of(cls, job: Job, *, tokens: int | None, charge: bool = True) -> "AttemptEnd":
-        return cls(job=job, reservation=job.reservation, tokens=tokens, charge=charge)
+    def of(
+        cls,
+        job: Job,
+        *,
+        tokens: int | None,
+        charge: bool = True,
+        executor: Executor | None = None,
+        prompt_tokens: int | None = None,
+        completion_tokens: int | None = None,
+        cost: Decimal | None = None,
+    ) -> "AttemptEnd":
+        """The end of the job's attempt. With `tokens`, prices them on `executor` (the prompt and
+        completion split as reported; tokens without one count as completion), or takes `cost`
+        as given (a canceled attempt: what its reservation held), and adds it to the job's
+        `cost` (not saved: the caller writes the job's row, `Job.END_FIELDS` includes it)."""
+        price, prompt, completion = ZERO, 0, 0
+        if tokens is not None:
+            price, prompt, completion = attempt_price(
+                executor, job.model, tokens=tokens, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
+            )
+            if cost is not None:
+                price = cost
+            job.cost += price
+        return cls(
+            job=job,
+            reservation=job.reservation,
+            tokens=tokens,
+            charge=charge,
+            cost=price,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+        )
 
 
 def attempts_end(
@@ -69,7 +110,17 @@ def attempts_end(
     if wake and started:
         notify.notify_workers(notify.FREED)
     bills = [
-        Bill(team_id=end.job.team_id, user_id=end.job.user_id, executor_id=end.job.executor_id, tokens=end.tokens)
+        Bill(
+            team_id=end.job.team_id,
+            user_id=end.job.user_id,
+            executor_id=end.job.executor_id,
+            tokens=end.tokens,
+            cost=end.cost,
+            model=end.job.model,
+            key_id=end.job.key_id,
+            prompt_tokens=end.prompt_tokens,
+            completion_tokens=end.completion_tokens,
+        )
         for end in ends
         if end.tokens is not None
     ]

@@ -1,8 +1,11 @@
+from decimal import Decimal
 from typing import Any
 
 from django.db import transaction
 
+from executors.models import Executor
 from executors.tokens import count_prompt_tokens
+from quotas.models import money_text
 from scheduler.core.configuration import policy_record
 from scheduler.core.locks import lock_job
 from scheduler.models import Job, JobEvent
@@ -12,6 +15,7 @@ from telemachus.control import notify
 from telemachus.control.audit import Actor, audit_record
 from telemachus.control.config import config_snapshot
 from telemachus.errors import Conflict, NotFound
+from telemachus.models import ApiKey
 
 
 def job_cancel(*, job_id: int, by: Actor = None, reason: str = "", bill: bool = True) -> Job:
@@ -27,7 +31,9 @@ def job_cancel(*, job_id: int, by: Actor = None, reason: str = "", bill: bool = 
     A running attempt on an executor has already had the model work: the model server's usage of
     an aborted call is never reported back, so the attempt is billed its estimate (the tokens its
     budget reservation held: prompt + max_tokens as submitted, or the prompt's counted tokens when
-    the job gave no estimate) and one request, added to `tokens_used`, and fair share is charged
+    the job gave no estimate) and one request, added to `tokens_used`, and what they cost (the
+    money its reservation held, else those tokens at the executor's prices), added to `cost`;
+    fair share is charged
     the attempt's cost, as a finish would. `bill` False: the caller knows no model call was made
     (a governed slot withdrawn before it was handed out)."""
     with transaction.atomic():
@@ -40,7 +46,7 @@ def job_cancel(*, job_id: int, by: Actor = None, reason: str = "", bill: bool = 
         billed = bill and was == Job.Status.RUNNING and job.executor_id is not None
         tokens = _attempt_estimate(job) if billed else 0
         who = by.get_username() if by is not None else None
-        end = AttemptEnd.of(job, tokens=tokens if billed else None, charge=billed)
+        end = _attempt_end(job, tokens=tokens) if billed else AttemptEnd.of(job, tokens=None, charge=False)
         job.end(
             status=Job.Status.CANCELED,
             at=now,
@@ -49,6 +55,8 @@ def job_cancel(*, job_id: int, by: Actor = None, reason: str = "", bill: bool = 
         )
         job.save(update_fields=Job.END_FIELDS)
         billing: dict[str, Any] = {"tokens": tokens, "billed": "estimate"} if billed else {}
+        if end.cost:
+            billing["cost"] = money_text(end.cost)
         event_record(job=job, event=JobEvent.Type.CANCELED, at=now, was=was, by=who, reason=job.error, **billing)
         if by is not None:
             audit_record(
@@ -65,6 +73,38 @@ def job_cancel(*, job_id: int, by: Actor = None, reason: str = "", bill: bool = 
         # Slots, then ledger rows (lock level 4) and team shares (level 5), last.
         attempts_end(ends=[end], now=now, record=policy_record(config_snapshot()), wake=was == Job.Status.RUNNING)
     return job
+
+
+def key_jobs_cancel(key: ApiKey, by: Actor) -> None:
+    """A revoked key's queued jobs are canceled (in the revoking transaction): nothing it asked for
+    starts after it was revoked. Its running jobs finish. Locks each job row (level 3), ascending."""
+    queued = Job.objects.filter(key=key, status=Job.Status.QUEUED).order_by("pk").values_list("pk", flat=True)
+    for job_id in list(queued):
+        try:
+            job_cancel(job_id=job_id, by=by, reason=f"API key {key.prefix}… was revoked")
+        except Conflict:  # it started or ended meanwhile
+            continue
+
+
+def _attempt_end(job: Job, *, tokens: int) -> AttemptEnd:
+    """A canceled attempt's end, billed its estimate: the money its reservation held, else its
+    billed tokens priced on its executor (the estimate's prompt part at the input price, the rest
+    at the output price)."""
+    reserved = (job.reservation or {}).get("cost")
+    executor = (
+        Executor.objects.filter(pk=job.executor_id).only("prices").first()
+        if reserved is None and job.executor_id is not None
+        else None
+    )
+    prompt = min(job.est_prompt_tokens, tokens)
+    return AttemptEnd.of(
+        job,
+        tokens=tokens,
+        executor=executor,
+        prompt_tokens=prompt,
+        completion_tokens=tokens - prompt,
+        cost=Decimal(reserved) if reserved is not None else None,
+    )
 
 
 def _attempt_estimate(job: Job) -> int:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from django.conf import settings
 from django.db import transaction
 
+from quotas.models import money_text
 from scheduler.core.bulk import update_rows
 from scheduler.core.configuration import configuration, policy_record
 from scheduler.core.locks import lock_jobs_to_finish
@@ -79,6 +80,7 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
         first = next(iter(held.values()))
         now, snapshot = first.db_now, config_at(first.config_version)
         record = policy_record(snapshot)
+        executors = {e.pk: e for e in configuration(snapshot).executors}
         finished: list[Job] = []
         retrying: list[dict[str, Any]] = []
         events, refused, ends = [], [], []
@@ -99,7 +101,16 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
                     )
                 continue
             meta = {"tokens": outcome.tokens_used, **outcome.meta}
-            ends.append(AttemptEnd.of(job, tokens=outcome.tokens_used or 0))
+            end = AttemptEnd.of(
+                job,
+                tokens=outcome.tokens_used or 0,
+                executor=executors.get(job.executor_id) if job.executor_id is not None else None,
+                prompt_tokens=outcome.meta.get("prompt_tokens"),
+                completion_tokens=outcome.meta.get("completion_tokens"),
+            )
+            ends.append(end)
+            if end.cost:
+                meta["cost"] = money_text(end.cost)
             if not outcome.ok and outcome.retryable and job.attempts < record.max_attempts:
                 delay = retry_delay(attempt=job.attempts, retry_after=outcome.retry_after)
                 retrying.append(
@@ -111,6 +122,7 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
                         "lease_expires_at": None,
                         "error": outcome.error,
                         "tokens_used": (job.tokens_used or 0) + (outcome.tokens_used or 0),
+                        "cost": job.cost,
                         "run_after": job.db_now + timedelta(seconds=delay),
                         "avoid_executor": job.executor_id,
                         "reservation": None,

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 
+from executors.models import Executor
 from executors.tools import ToolOutcome
 from scheduler.core.locks import lock_job
 from scheduler.core.selectors import queue_policy
@@ -172,7 +173,13 @@ def round_finish(
     with transaction.atomic(durable=True):
         job = _held(job_id, lease, rounds=round - 1)
         now = job.db_now
-        attempt = AttemptEnd.of(job, tokens=tokens)
+        attempt = AttemptEnd.of(
+            job,
+            tokens=tokens,
+            executor=Executor.objects.filter(pk=job.executor_id).only("prices").first() if job.executor_id else None,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+        )
         total = (job.tokens_used or 0) + tokens
         job.rounds = round
         calls = list((message or {}).get("tool_calls") or []) if job.type == Job.Type.FLOW else []
@@ -190,7 +197,7 @@ def round_finish(
                 **(meta or {}),
             )
         ]
-        fields = ["tokens_used", "rounds", "reservation"]
+        fields = ["tokens_used", "cost", "rounds", "reservation"]
         if job.type == Job.Type.FLOW:
             job.conversation = [*job.conversation, message]
             fields.append("conversation")

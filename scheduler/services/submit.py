@@ -19,9 +19,12 @@ from django.db import transaction
 from django.utils import timezone
 
 from executors.contract import EMBEDDINGS_API
+from executors.models import Executor
 from quotas.budget import Budgets, admission_budgets, quota_check
+from quotas.models import ZERO
 from scheduler.core.configuration import Configuration, configuration, grants, policy_record
 from scheduler.core.jobtypes import MODEL_CALL_TYPES, job_input_check
+from scheduler.core.money import job_money_estimate, token_split_estimate
 from scheduler.core.policy import Admission, AdmissionState, policy_for
 from scheduler.models import Job, JobEvent, QueuePolicy
 from scheduler.rbac import JOB_TYPE_PERMISSION
@@ -38,7 +41,7 @@ from telemachus.control.config import (
 from telemachus.control.features import feature_require
 from telemachus.errors import DomainError, TryLater, UnknownModel, ValidationFailed
 from telemachus.locks import Level, rows_lock
-from telemachus.models import Team
+from telemachus.models import ApiKey, Team
 from telemachus.teams import rbac
 
 # The most jobs one bulk submit may carry.
@@ -72,6 +75,7 @@ def job_submit(
     meta: dict[str, Any] | None = None,
     run_after: datetime | None = None,
     features: tuple[str, ...] = (),
+    key: ApiKey | None = None,
 ) -> Job:
     """Admit a job and persist it `queued` with its `queued` event, in one transaction.
 
@@ -86,7 +90,11 @@ def job_submit(
     Nothing is written when a check fails. Locks the team's row while it counts the queue, so
     concurrent submits cannot overfill it. Wakes the workers on commit. With `run_after` (an aware
     datetime) the job waits in the queue, counted against the depth cap, and no claim takes it
-    before then (the same not-before time a retry waits on)."""
+    before then (the same not-before time a retry waits on).
+
+    `key`: the app key the caller authenticated with (`user` is then the key's own user). The job
+    records it, and a model the key may not call is refused like one no executor offers (400
+    unknown_model naming it; 404 model_not_found on /v1/)."""
     spec = JobSpec(
         team=team,
         type=type,
@@ -97,18 +105,18 @@ def job_submit(
         run_after=run_after,
         features=features,
     )
-    (job,) = _submit(user=user, specs=[spec])
+    (job,) = _submit(user=user, specs=[spec], key=key)
     return job
 
 
-def jobs_submit(*, user: rbac.Principal, jobs: Sequence[JobSpec]) -> list[Job]:
+def jobs_submit(*, user: rbac.Principal, jobs: Sequence[JobSpec], key: ApiKey | None = None) -> list[Job]:
     """Submit up to MAX_BULK jobs at once, all or nothing: each is checked as `job_submit` checks
     it, and the queue depth cap counts the whole batch (a team's queued jobs plus those of the
     batch before each one). One transaction; team rows locked in ascending id. A refusal names
     the failing job's position in `index` and nothing is written."""
     if not 1 <= len(jobs) <= MAX_BULK:
         raise ValidationFailed({"jobs": [f"Between 1 and {MAX_BULK} jobs."]})
-    return _submit(user=user, specs=jobs, indexed=True)
+    return _submit(user=user, specs=jobs, indexed=True, key=key)
 
 
 class _StaleConfiguration(Exception):
@@ -124,9 +132,13 @@ class _Admitted:
     requested: int
     allowed: int
     source: str
+    # The executors that could take it (for its money estimate against `ai.cost` budgets).
+    executors: list[Executor] = field(default_factory=list)
 
 
-def _submit(*, user: rbac.Principal, specs: Sequence[JobSpec], indexed: bool = False) -> list[Job]:
+def _submit(
+    *, user: rbac.Principal, specs: Sequence[JobSpec], indexed: bool = False, key: ApiKey | None = None
+) -> list[Job]:
     """Check against the configuration this process last read; confirm its version under the team
     locks. A refusal from configuration that may be stale is checked again on a fresh read
     before it is believed."""
@@ -134,7 +146,7 @@ def _submit(*, user: rbac.Principal, specs: Sequence[JobSpec], indexed: bool = F
     while True:
         try:
             with transaction.atomic():
-                return _admit(user=user, specs=specs, snapshot=snapshot, indexed=indexed)
+                return _admit(user=user, specs=specs, snapshot=snapshot, indexed=indexed, key=key)
         except _StaleConfiguration as stale:
             # The same version with different rows can only be a rolled-back or flushed database.
             same = (stale.version or 0) == snapshot.version
@@ -145,11 +157,14 @@ def _submit(*, user: rbac.Principal, specs: Sequence[JobSpec], indexed: bool = F
             snapshot, fresh = config_snapshot(), True
 
 
-def _admit(*, user: rbac.Principal, specs: Sequence[JobSpec], snapshot: ConfigSnapshot, indexed: bool) -> list[Job]:
+def _admit(
+    *, user: rbac.Principal, specs: Sequence[JobSpec], snapshot: ConfigSnapshot, indexed: bool, key: ApiKey | None
+) -> list[Job]:
     conf, record, who = configuration(snapshot), policy_record(snapshot), grants(snapshot, user)
     now = timezone.now()
     admitted = [
-        _check(conf, record, who, user, spec, now, index=i if indexed else None) for i, spec in enumerate(specs)
+        _check(conf, record, who, user, spec, now, index=i if indexed else None, key=key)
+        for i, spec in enumerate(specs)
     ]
     teams = sorted({item.job.team_id for item in admitted})
     budgets = admission_budgets(
@@ -204,6 +219,7 @@ def _check(
     now: datetime,
     *,
     index: int | None,
+    key: ApiKey | None = None,
 ) -> _Admitted:
     """The configuration checks of one job, in job_submit's order; the job, unsaved."""
     try:
@@ -218,7 +234,15 @@ def _check(
         model = "" if spec.type == Job.Type.TOOL else spec.requirements["model"]
         embeddings = spec.requirements.get("api") == EMBEDDINGS_API
         chat = spec.type in MODEL_CALL_TYPES
-        if model and not conf.executors_usable_by(team_id=team.pk, model=model, embeddings=embeddings, chat=chat):
+        if key is not None and model and key.allowed_models and model not in key.allowed_models:
+            raise UnknownModel(
+                f"This API key may not call model {model!r}; it may call {', '.join(map(repr, key.allowed_models))}.",
+                model=model,
+            )
+        usable = (
+            conf.executors_usable_by(team_id=team.pk, model=model, embeddings=embeddings, chat=chat) if model else []
+        )
+        if model and not usable:
             offers = f"embeddings of model {model!r}" if embeddings else f"model {model!r}"
             offers += " for model calls" if chat and not embeddings else ""
             raise UnknownModel(f"No enabled executor available to team {team.slug!r} offers {offers}.", model=model)
@@ -229,6 +253,10 @@ def _check(
         raise _at(exc, index) from None
     # A job deferred to `run_after` enters the line, and starts ageing, when it may run.
     ready = max(now, spec.run_after) if spec.run_after else now
+    estimate = spec.requirements.get("est_tokens", 0)
+    prompt, completion = token_split_estimate(
+        type=spec.type, requirements=spec.requirements, input=spec.input, estimate=estimate
+    )
     job = Job(
         type=spec.type,
         user=rbac.signed_in(user),
@@ -236,7 +264,10 @@ def _check(
         priority=min(spec.priority, allowed),
         requirements=spec.requirements,
         model=model,
-        cost_estimate=spec.requirements.get("est_tokens", 0),
+        cost_estimate=estimate,
+        est_prompt_tokens=prompt,
+        est_completion_tokens=completion,
+        key=key,
         input=spec.input,
         meta=spec.meta,
         submitted_at=now,
@@ -244,7 +275,7 @@ def _check(
         ready_at=ready,
         queued_at=ready,
     )
-    return _Admitted(job=job, requested=spec.priority, allowed=allowed, source=source)
+    return _Admitted(job=job, requested=spec.priority, allowed=allowed, source=source, executors=usable)
 
 
 def _within_budgets(budgets: Budgets, admitted: list[_Admitted], now: datetime, *, indexed: bool) -> None:
@@ -259,6 +290,7 @@ def _within_budgets(budgets: Budgets, admitted: list[_Admitted], now: datetime, 
                 tokens=item.job.cost_estimate,
                 now=now,
                 budgets=budgets,
+                money=job_money_estimate(item.job, item.executors) if budgets.has_money else ZERO,
             )
         except DomainError as exc:
             raise _at(exc, i if indexed else None) from None

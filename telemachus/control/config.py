@@ -146,13 +146,19 @@ def install_bump_function() -> RunPython:
 
 
 def watch_config(
-    model: str, *, m2m: str | None = None, only: Iterable[str] | None = None, ignore: Iterable[str] = ()
+    model: str,
+    *,
+    m2m: str | None = None,
+    only: Iterable[str] | None = None,
+    ignore: Iterable[str] = (),
+    replace: bool = False,
 ) -> RunPython:
     """A migration operation: every insert and delete on the table of `model` (or of its `m2m`
     field's through table) bumps the configuration version, and so does every update, or, with
     `only` or `ignore`, an update that changes one of those columns (field names), as they are at
     this migration. A later migration that adds a column to a table watched with `only` or
-    `ignore` must watch it again."""
+    `ignore` must watch it again, and so must one that alters a column of a watched table (SQLite
+    rebuilds the table, losing its triggers): `replace` drops the table's triggers first."""
     only, ignore = (tuple(only) if only is not None else None), tuple(ignore)
 
     def target(apps) -> tuple[str, list[str] | None]:
@@ -166,6 +172,9 @@ def watch_config(
 
     def forwards(apps, schema_editor) -> None:
         table, columns = target(apps)
+        if replace:
+            for sql in _drop_sql(schema_editor.connection, table):
+                schema_editor.execute(sql)
         for sql in _trigger_sql(schema_editor.connection, table, columns):
             schema_editor.execute(sql)
 

@@ -33,6 +33,14 @@ CHAT, TOOLS, FLOWS = "chat:use", "tools:invoke", "flows:run"
 PERMISSIONS = {CHAT: "use_chat", TOOLS: "invoke_tools", FLOWS: "run_flows"}
 
 Principal = User | AnonymousUser
+# An app's API key acts through a user of its own named `key:<id>` (telemachus/keys/). Usernames
+# people can choose never contain a colon (Django's username validator), so none can pose as one.
+KEY_PRINCIPAL_PREFIX = "key:"
+
+
+def is_key_principal(user: Principal) -> bool:
+    """The user an API key acts as (not a person): its membership is the key's to manage."""
+    return user.is_authenticated and user.get_username().startswith(KEY_PRINCIPAL_PREFIX)
 
 
 def is_operator(user: Principal) -> bool:
@@ -112,6 +120,8 @@ def member_candidate(user: Principal, username: str) -> User:
             is_active=True, memberships__team__in=Membership.objects.filter(user=signed_in(user)).values("team")
         )
     candidate = candidates.first()
+    if candidate is not None and is_key_principal(candidate):
+        raise ValidationFailed({"username": [f"{username!r} is an API key's user: create or revoke keys instead."]})
     if candidate is None or (not is_operator(user) and is_operator(candidate)):
         reason = "" if is_operator(user) else " that you can add (managers add members of their own teams)"
         raise ValidationFailed({"username": [f"No user {username!r}{reason}."]})

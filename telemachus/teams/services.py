@@ -179,7 +179,9 @@ def team_delete(*, team: Team, by: Actor = None) -> None:
 def team_member_set(*, team: Team, username: str, role: str, by: Actor = None) -> Membership:
     """Add a member or change the role of an existing one. Locks the team. Audited:
     `team.member_add`, or `team.member_role` with the role before and after; nothing when nothing
-    changes."""
+    changes. An API key's user is the key's to manage (telemachus/keys/services.py)."""
+    if username.startswith(rbac.KEY_PRINCIPAL_PREFIX):
+        raise ValidationFailed({"username": [f"{username!r} is an API key's user: create or revoke keys instead."]})
     with transaction.atomic():
         membership, was = _member_set(team=team, username=username, role=role)
         if was != role:
@@ -213,9 +215,19 @@ def _member_set(*, team: Team, username: str, role: str) -> tuple[Membership, st
     return membership, was
 
 
+def team_key_principal_join(*, team: Team, user: User) -> Membership:
+    """Make an API key's user a plain member of the key's team (its group too, so the team's
+    grants apply). Called by api_key_create, which audits the key; locks the team."""
+    membership, _ = _member_set(team=team, username=user.get_username(), role=Membership.Role.MEMBER)
+    return membership
+
+
 def team_member_remove(*, team: Team, user: User, by: Actor = None) -> None:
     """Remove a member (role and group). Locks the team; NotFound when it or the membership is
-    gone. Audited (`team.member_remove`, with the role the member had)."""
+    gone. Audited (`team.member_remove`, with the role the member had). An API key's user leaves
+    only with its team: revoke the key instead."""
+    if rbac.is_key_principal(user):
+        raise Conflict(f"{user.get_username()!r} is an API key's user: revoke the key instead.")
     with transaction.atomic():
         team = team_lock(team=team)
         role = Membership.objects.filter(team=team, user=user).values_list("role", flat=True).first()

@@ -5,10 +5,10 @@ from django.contrib.auth.models import Permission, User
 from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import ValidationError
 from django.db import transaction
-from rest_framework.authtoken.models import Token
 
 from telemachus.control.audit import Actor, audit_record
 from telemachus.errors import ValidationFailed
+from telemachus.keys.services import personal_token_issue
 
 
 def user_create(
@@ -36,7 +36,7 @@ def user_create(
         user = User.objects.create_user(username=username, email=email, password=password)
         if operator:
             user.user_permissions.add(Permission.objects.get(content_type__app_label="scheduler", codename="manage"))
-        key = Token.objects.create(user=user).key if token else None
+        key = personal_token_issue(user=user, name="api", by=by)[1] if token else None
         audit_record(
             by=by,
             action="user.create",

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 from django.contrib.auth import get_user_model
-from rest_framework.authtoken.models import Token
 
 from telemachus.teams.services import team_create, team_member_set
+from tests.credentials import token_for
 from tests.processes import ROOT, answers, free_port, wait_until
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -60,7 +60,7 @@ def server(processes, make_executor):
     team_member_set(team=team_create(slug="a", name="Team A"), username="alice", role="member")
     team_create(slug="b", name="Team B")
     executor = make_executor("shared", models=["m"])
-    token = Token.objects.create(user=User.objects.get(username="root")).key
+    token = token_for(User.objects.get(username="root"))
     port = free_port()
     processes.spawn("daphne", "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "telemachus.asgi:application")
     base = f"http://127.0.0.1:{port}"
@@ -149,7 +149,7 @@ def test_live_updates_leave_a_field_being_edited_alone(server):
     arriving (a member's script submits a job every 150 ms): what they type, where the caret is
     and the focus survive every push, and the rest of the page still updates."""
     base, token, executor_id = server
-    member_token = Token.objects.create(user=get_user_model().objects.get(username="alice")).key
+    member_token = token_for(get_user_model().objects.get(username="alice"))
     errors: list[str] = []
     stop = threading.Event()
 

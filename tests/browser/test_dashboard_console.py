@@ -14,9 +14,9 @@ import urllib.request
 
 import pytest
 from django.contrib.auth import get_user_model
-from rest_framework.authtoken.models import Token
 
 from tests.browser.test_dashboard_browser import CHROMIUM, FLAGS, api_get, sync_api
+from tests.credentials import token_for
 from tests.processes import ROOT, wait_until
 
 ARTIFACTS = ROOT / "var" / "artifacts"
@@ -65,7 +65,7 @@ def busy(processes, make_user, make_team, make_executor):
     make_executor("gpu-1", models=["m"], max_concurrency=4, meta=knobs)
     make_executor("gpu-2", models=["m"], max_concurrency=2, meta=knobs)
     make_executor("spare", models=["m"], max_concurrency=2, enabled=False, meta=knobs)
-    tokens = {u.username: Token.objects.create(user=u).key for u in User.objects.all()}
+    tokens = {u.username: token_for(u) for u in User.objects.all()}
     env = {"TELEMACHUS_HISTORY_BUCKET_SECONDS": BUCKET}
     base = processes.daphne(**env)
     processes.worker("w1", concurrency=16, **env)

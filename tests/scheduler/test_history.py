@@ -3,6 +3,7 @@ history.py), what the charts read back (scheduler/live/history.py, GET /api/queu
 a real worker process recording it on its own."""
 
 from datetime import timedelta
+from decimal import Decimal
 
 import pytest
 from django.utils import timezone
@@ -26,7 +27,7 @@ def closed_bucket(settings):
     return bucket_start(timezone.now()) - 2 * SIZE
 
 
-def ended_job(user, team, *, start, tokens, status=Job.Status.DONE, waited=5.0, ran=10.0):
+def ended_job(user, team, *, start, tokens, status=Job.Status.DONE, waited=5.0, ran=10.0, cost="0"):
     """A job that waited `waited` s and ran `ran` s, both inside the bucket that begins at `start`."""
     submitted = start + timedelta(seconds=1)
     started = submitted + timedelta(seconds=waited)
@@ -41,6 +42,7 @@ def ended_job(user, team, *, start, tokens, status=Job.Status.DONE, waited=5.0, 
         started_at=started,
         finished_at=finished,
         tokens_used=tokens,
+        cost=Decimal(cost),
         attempts=1,
     )
     JobEvent.objects.create(job=job, event=JobEvent.Type.STARTED, at=started)
@@ -62,9 +64,9 @@ class TestRecord:
         for _ in range(3):
             submit(alice, team_a)
         job_claim(worker="w", limit=1)
-        ended_job(alice, team_a, start=closed_bucket, tokens=30, waited=2.0)
-        ended_job(alice, team_a, start=closed_bucket, tokens=20, waited=4.0, status=Job.Status.FAILED)
-        ended_job(bob, team_b, start=closed_bucket, tokens=100, waited=10.0)
+        ended_job(alice, team_a, start=closed_bucket, tokens=30, waited=2.0, cost="0.5")
+        ended_job(alice, team_a, start=closed_bucket, tokens=20, waited=4.0, status=Job.Status.FAILED, cost="0.25")
+        ended_job(bob, team_b, start=closed_bucket, tokens=100, waited=10.0, cost="1")
         # Outside the bucket: a job that ended a minute later counts in the next bucket, not this one.
         ended_job(bob, team_b, start=closed_bucket + SIZE, tokens=999)
 
@@ -79,6 +81,7 @@ class TestRecord:
             "finished": 2,
             "failed": 1,
             "tokens": 150.0,
+            "cost": 1.75,
             "started": 3,
             "wait_p50": 4.0,
             "wait_p95": 9.4,
@@ -90,6 +93,7 @@ class TestRecord:
             "finished": 1,
             "failed": 1,
             "tokens": 50.0,
+            "cost": 0.75,
             "started": 2,
             "wait_p50": 3.0,
             "wait_p95": 3.9,

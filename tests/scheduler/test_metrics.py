@@ -14,7 +14,6 @@ from django.db import connection
 from django.db.migrations.loader import MigrationLoader
 from django.db.migrations.recorder import MigrationRecorder
 from prometheus_client.parser import text_string_to_metric_families
-from rest_framework.authtoken.models import Token
 
 from executors.models import Executor
 from quotas.models import QuotaPolicy
@@ -32,6 +31,7 @@ from scheduler.services.cancel import job_cancel
 from scheduler.services.submit import job_submit
 from scheduler.worker.runner import Worker
 from telemachus.http import health
+from tests.credentials import token_for
 from tests.processes import free_port, wait_until
 
 
@@ -239,7 +239,7 @@ def test_a_dead_workers_last_beat_stays_and_a_stopped_one_goes(processes, tmp_pa
     base = processes.daphne(PROMETHEUS_MULTIPROC_DIR=str(multiproc))
     stopped = processes.worker("stopped", PROMETHEUS_MULTIPROC_DIR=str(multiproc))
     killed = processes.worker("killed", PROMETHEUS_MULTIPROC_DIR=str(multiproc))
-    token = Token.objects.create(user=operator).key
+    token = token_for(operator)
 
     def beats() -> dict[str, float]:
         request = urllib.request.Request(f"{base}/metrics", headers={"Authorization": f"Token {token}"})

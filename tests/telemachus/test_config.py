@@ -34,6 +34,7 @@ CONFIGURED = {
     "weight": 5,
     "transport": {"timeout": 3},
     "meta": {"k": 1},
+    "prices": {"x": {"input": "1", "output": "2"}},
     "breaker": "open",
     "breaker_until": timezone.now() + timedelta(seconds=5),
 }

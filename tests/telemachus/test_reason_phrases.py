@@ -8,10 +8,10 @@ import json
 from urllib.parse import urlsplit
 
 import pytest
-from rest_framework.authtoken.models import Token
 
 from quotas.models import QuotaPolicy
 from tests.conftest import chat_body
+from tests.credentials import token_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -35,7 +35,7 @@ def test_a_429_says_too_many_requests_from_django_and_from_the_gateway(processes
     # Given team a's daily token budget, too small for any job...
     alice, *_ = member_setup
     QuotaPolicy.objects.create(scope="team", subject="a", dimension="ai.tokens", limit=1, window="day")
-    key = Token.objects.create(user=alice).key
+    key = token_for(alice)
     base = processes.daphne()
 
     # When alice submits through the job API (Django) and the OpenAI endpoint (the gateway)...

@@ -42,6 +42,7 @@ from scheduler.gateway import shapes
 from scheduler.gateway.anthropic.answer import MessagesWriter, anthropic_error, error_body, message_object
 from scheduler.gateway.anthropic.request import translate
 from scheduler.gateway.asgi import Reply, Request
+from scheduler.gateway.auth import client_address
 from scheduler.gateway.calls import (
     TEAM_HEADER,
     Dialect,
@@ -104,15 +105,21 @@ async def create(request: Request, reply: Reply) -> None:
 async def count_tokens(request: Request, reply: Reply) -> None:
     """POST /v1/messages/count_tokens: the prompt's tokens by the budget estimate's count; no job."""
     counted = await db(
-        _count, authorization=MESSAGES.authorization(request), team=request.header(TEAM_HEADER), body=request.body
+        _count,
+        authorization=MESSAGES.authorization(request),
+        team=request.header(TEAM_HEADER),
+        body=request.body,
+        address=client_address(request.scope),
     )
     await reply.json(200, {"input_tokens": counted})
 
 
-def _count(*, authorization: str | None, team: str | None, body: bytes) -> int:
-    caller = caller_for(authorization=authorization, team=team, confirm=True)
+def _count(*, authorization: str | None, team: str | None, body: bytes, address: str) -> int:
+    caller = caller_for(authorization=authorization, team=team, confirm=True, address=address)
     call = translate(shapes.parse_body(body), counting=True)
-    if call.model not in models_usable_by([caller.team.pk], chat=True)[caller.team.pk]:
+    if call.model not in models_usable_by([caller.team.pk], chat=True)[caller.team.pk] or not caller.may_call(
+        call.model
+    ):
         raise shapes.OpenAIError(
             404, f"The model {call.model!r} does not exist or your team may not use it.", code="model_not_found"
         )

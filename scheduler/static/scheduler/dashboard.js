@@ -197,6 +197,11 @@
     fill($("users"), ["user", ["slots", "num"]],
       q.users.map((u) => [[u.user], [cap(u.in_use, u.cap), u.cap !== null && u.in_use >= u.cap ? "num full" : "num"]]),
       "no one holds a slot or has a cap");
+    // Apps' API keys of the teams shown, read-only (made and revoked through /api/keys/ or the admin).
+    fill($("keys"), ["key", "name", "team", "models", ["slots", "num"], "last used"],
+      (q.keys || []).map((k) => [[`${k.prefix}…`], [k.name], [k.team], [k.models.join(", ") || "all", "wrap"],
+        [cap(k.in_use, k.cap), k.cap !== null && k.in_use >= k.cap ? "num full" : "num"], [k.last_used_at || "never"]]),
+      "no API keys");
   }
 
   // --- executors -------------------------------------------------------------------------------

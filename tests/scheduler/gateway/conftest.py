@@ -12,10 +12,10 @@ from urllib.parse import urlparse
 import pytest
 from django.contrib.auth.models import Permission
 from django.db import connection
-from rest_framework.authtoken.models import Token
 
 from executors.models import Executor
 from telemachus.teams import rbac
+from tests.credentials import token_for
 from tests.processes import Processes, http_json
 
 _prefixes = itertools.count(1)
@@ -66,7 +66,8 @@ def may_chat(user):
 
 
 def token(user) -> str:
-    return Token.objects.get_or_create(user=user)[0].key
+    """A new API token of the user."""
+    return token_for(user)
 
 
 def redis_url() -> str | None:
@@ -103,7 +104,8 @@ def servers(django_db_setup, django_db_blocker, tmp_path_factory):
                 slow=processes.simllm(latency_ms=5000, models="m", output_tokens=8),
                 trickle=processes.simllm(latency_ms=50, models="m", output_tokens=8, tokens_per_s=8),
                 faults=processes.faultserver(),
-                base=processes.daphne(),
+                # Serves a whole module: bad-credential counts of one test must not throttle the next.
+                base=processes.daphne(TELEMACHUS_AUTH_FAILURES_PER_ADDRESS="1000"),
             )
     finally:
         processes.stop_all()
