@@ -17,6 +17,7 @@ from typing import Any
 from executors.selectors import models_usable_by
 from scheduler.gateway import responses, shapes
 from scheduler.gateway.asgi import Reply, Request
+from scheduler.gateway.auth import client_address
 from scheduler.gateway.calls import (
     TEAM_HEADER,
     Dialect,
@@ -171,12 +172,22 @@ EMBEDDINGS = EmbeddingsDialect()
 
 
 async def models(request: Request, reply: Reply) -> None:
-    offered = await db(_models, authorization=request.header("authorization"), team=request.header(TEAM_HEADER))
+    offered = await db(
+        _models,
+        authorization=request.header("authorization"),
+        team=request.header(TEAM_HEADER),
+        address=client_address(request.scope),
+    )
     await reply.json(200, shapes.model_list(offered))
 
 
 async def model_detail(request: Request, reply: Reply, model: str) -> None:
-    offered = await db(_models, authorization=request.header("authorization"), team=request.header(TEAM_HEADER))
+    offered = await db(
+        _models,
+        authorization=request.header("authorization"),
+        team=request.header(TEAM_HEADER),
+        address=client_address(request.scope),
+    )
     if model not in offered:
         raise shapes.OpenAIError(
             404,
