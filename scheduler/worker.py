@@ -55,6 +55,7 @@ from scheduler.metrics import CLAIM_SECONDS, dispatch_observe
 from scheduler.models import Job
 from scheduler.probes import heartbeat_check, probe_serve
 from scheduler.services.claim import Claim, job_claim
+from scheduler.services.events import job_step_record
 from scheduler.services.finish import FinishReport, Outcome, jobs_finish
 from scheduler.services.lease import jobs_release, leases_renew
 from scheduler.services.recover import jobs_recover
@@ -328,7 +329,7 @@ class Worker:
                 request = job_request(job)
                 on_delta = broadcast.DeltaStream(job.pk, attempt=job.attempts) if request.stream else None
                 assert flight.driver is not None  # only tool jobs run without an executor
-                result = await flight.driver.execute(request, on_delta)
+                result = await flight.driver.execute(request, on_delta, partial(self._step_record, flight))
                 dispatch_observe(executor=flight.claim.executor, outcome="ok", seconds=time.perf_counter() - started)
                 outcome = Outcome(
                     job_id=job.pk,
@@ -370,6 +371,14 @@ class Worker:
         if on_delta is not None:
             await on_delta.flush()  # the output goes out before the end that the finish announces
         await self.outcomes.put(outcome)
+
+    async def _step_record(self, flight: InFlight, meta: dict[str, Any]) -> None:
+        """What the driver reported during the dispatch (a batch job's id): a `step` event."""
+        claim = flight.claim
+        executor_id = claim.executor.pk if claim.executor is not None else None
+        await self.held_db(
+            job_step_record, job_id=claim.job.pk, executor_id=executor_id, attempt=claim.job.attempts, **meta
+        )
 
     def _abort(self, job_id: int, reason: str) -> None:
         flight = self.inflight.get(job_id)
