@@ -47,6 +47,7 @@ responding): down; some of them unable: degraded; else ok.
 import asyncio
 import json
 import logging
+import os
 import re
 import secrets
 import shlex
@@ -171,7 +172,7 @@ class SlurmPartitionDriver(ExecutorDriver):
             "job_id": request.job_id,
             "executor": self.executor.name,
             "model": request.model,
-            "settings": settings.SETTINGS_MODULE,
+            "settings": getattr(settings, "SETTINGS_MODULE", None) or os.environ["DJANGO_SETTINGS_MODULE"],
             "input": request.input,
             "result": str(workdir / "result.json"),
         }
