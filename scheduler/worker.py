@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from django.conf import settings
-from django.db import DatabaseError, InterfaceError, OperationalError, close_old_connections, connection
+from django.db import DatabaseError, InterfaceError, InternalError, OperationalError, close_old_connections, connection
 
 from executors.contract import DispatchError, ExecutorDriver, Probe
 from executors.health import DispatchReport, ExecutorEvent, breaker_record, probe_record, probes_due
@@ -488,7 +488,9 @@ class Worker:
         while True:
             try:
                 return await self.held_db(fn, **kwargs)
-            except (OperationalError, InterfaceError) as exc:
+            except DatabaseError as exc:
+                if not database_outage(exc):
+                    raise
                 log.warning("%s failed (%s); retrying in %.1fs", fn.__name__, exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
@@ -633,6 +635,16 @@ def _persistent_connection() -> None:
 
 def _close_connection() -> None:
     connection.close()
+
+
+def database_outage(exc: DatabaseError) -> bool:
+    """Whether the error says the connection failed (retry on a new one), not that the data was
+    refused. Behind a transaction pooler (PgBouncer) a server connection terminated while idle in
+    the pool answers the next client's BEGIN or COMMIT with its FATAL error and the command's own
+    result, which psycopg reports as InternalError "received 2 results from command 'BEGIN'"."""
+    if isinstance(exc, OperationalError | InterfaceError):
+        return True
+    return isinstance(exc, InternalError) and "results from command" in str(exc)
 
 
 def _db_call(fn: Callable[..., T], kwargs: dict[str, Any]) -> T:
