@@ -65,12 +65,18 @@ SLOTS_PER_CLIENT, MAX_CLIENTS = 32, 32
 
 def strict_json(text: str | bytes) -> Any:
     """JSON as servers should send it: NaN and Infinity, which Python accepts and the database's
-    JSON does not, are malformed."""
+    JSON does not, are malformed, and so is a number that overflows to infinity (`1e999`)."""
 
     def refuse(constant: str) -> None:
         raise ValueError(f"{constant} is not JSON")
 
-    return json.loads(text, parse_constant=refuse)
+    def finite(literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):
+            raise ValueError(f"{literal} is out of range")
+        return value
+
+    return json.loads(text, parse_constant=refuse, parse_float=finite)
 
 
 class LocalModelDriver(ExecutorDriver):

@@ -11,11 +11,11 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from executors.contract import EMBEDDINGS_API
-from executors.drivers.openai import EMBEDDING_OPTIONS, PASSTHROUGH_OPTIONS, strict_json
+from executors.drivers.openai import EMBEDDING_OPTIONS, PASSTHROUGH_OPTIONS
 from executors.tokens import count_prompt_tokens, embedding_inputs
 from scheduler.models import Job
 from telemachus import errors
-from telemachus.http.parsers import MAX_DEPTH, json_problem
+from telemachus.http.parsers import MAX_DEPTH, json_parse, json_problem
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # Bounds that keep a request's numbers storable and its budget estimate meaningful.
@@ -111,10 +111,11 @@ def _flat(messages: Any) -> list[Any]:
 
 def parse_body(raw: bytes) -> Any:
     """The body as JSON that the database can store, refused as the REST API's parser refuses it
-    (telemachus/http/parsers.py): no NaN or Infinity (Python's json accepts them), nothing nested deeper
-    than MAX_DEPTH, no NUL character or unpaired surrogate in any key or string."""
+    (telemachus/http/parsers.py), naming the JSON path (`logit_bias.50256`) in `param`: no number
+    that is not finite (NaN, Infinity, or `1e999`, which Python's json reads as infinity), nothing
+    nested deeper than MAX_DEPTH, no NUL character or unpaired surrogate in any key or string."""
     try:
-        data = strict_json(raw)
+        data = json_parse(raw)
     except RecursionError:
         raise bad_request(f"The body is nested deeper than {MAX_DEPTH} levels.") from None
     except ValueError:

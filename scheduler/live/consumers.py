@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from importlib import import_module
 from typing import Any
@@ -39,6 +40,7 @@ from scheduler.notify import broadcast
 from scheduler.notify.listener import Listener, Subscription
 from telemachus.control import notify
 from telemachus.errors import ValidationFailed
+from telemachus.http.parsers import json_parse, json_problem
 
 log = logging.getLogger("telemachus.dashboard")
 NOT_AUTHENTICATED = 4401
@@ -101,7 +103,13 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         """An action: `{"id": <anything>, "action": "...", ...}`; the reply echoes `id`. Members
         (and anyone signed out since) are refused with 403 forbidden, as by the API. A view
-        (`{"id": ..., "view": {...}}`) changes what this socket's pushes list, nothing else."""
+        (`{"id": ..., "view": {...}}`) changes what this socket's pushes list, nothing else. A
+        message the API's parser would refuse (a number that is not finite, text PostgreSQL
+        cannot store, nesting past its limit) is answered with its validation error, naming the
+        JSON path."""
+        if isinstance(content, Unparsable):
+            await self.send_json({"reply": None, "ok": False, "error": content.error})
+            return
         if isinstance(content, dict) and "view" in content:
             await self._view_set(content)
             return
@@ -171,15 +179,29 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
 
     @classmethod
     async def decode_json(cls, text_data: str) -> Any:
-        """Malformed JSON is an invalid action (answered), not a reason to drop the connection."""
+        """The message as the API's parser reads a body (telemachus/http/parsers.py). Malformed
+        JSON is an invalid action (answered), not a reason to drop the connection; so is JSON the
+        API refuses, which comes back as `Unparsable`."""
         try:
-            return json.loads(text_data)
-        except ValueError:
+            content = json_parse(text_data)
+        except (ValueError, RecursionError):
             return None
+        problem = json_problem(content)
+        if problem is None:
+            return content
+        path, message = problem
+        return Unparsable(ValidationFailed({path or "message": [message]}).body())
 
     @classmethod
     async def encode_json(cls, content: Any) -> str:
         return json.dumps(content, cls=DjangoJSONEncoder, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class Unparsable:
+    """A message refused before any action looks at it, and the error to answer it with."""
+
+    error: dict[str, Any]
 
 
 def _next_deadline(state: dict[str, Any]) -> float | None:

@@ -105,3 +105,49 @@ def test_a_body_over_the_limit_is_a_413(api, member_setup):
 def test_past_djangos_own_limit_it_is_a_413_too(api, member_setup, size):
     response = post_raw(api(member_setup[0]), "/api/jobs/", b"x" * size)
     assert response.status_code == 413 and response.json()["error"] == "payload_too_large"
+
+
+# A literal past float range parses to infinity, which PostgreSQL's JSON cannot store (it was a
+# 500); NaN and Infinity are not JSON at all. Each is refused with the JSON path of the number.
+NOT_FINITE = ["1e999", "-1e999", "NaN", "Infinity", "-Infinity"]
+
+
+@pytest.mark.parametrize("number", NOT_FINITE)
+def test_a_number_that_is_not_finite_in_a_job_is_a_400_naming_it(api, member_setup, number):
+    body = json.dumps(chat_body("a")).replace('"max_tokens": 16', f'"max_tokens": 16, "temperature": {number}')
+    response = post_raw(api(member_setup[0]), "/api/jobs/", body)
+    assert response.status_code == 400, response.content
+    assert response.json()["error"] == "validation_error"
+    assert list(response.json()["fields"]) == ["input.temperature"]
+    assert not Job.objects.exists()
+
+
+@pytest.mark.parametrize("number", NOT_FINITE)
+def test_a_number_that_is_not_finite_in_a_bulk_is_a_400_naming_the_job(api, member_setup, number):
+    jobs = [json.dumps(chat_body("a")) for _ in range(4)]
+    jobs[3] = jobs[3].replace('"content": "hello"}', f'"content": "hello", "weight": [1, {number}]}}')
+    response = post_raw(api(member_setup[0]), "/api/jobs/bulk/", '{"jobs": [' + ", ".join(jobs) + "]}")
+    assert response.status_code == 400, response.content
+    assert list(response.json()["fields"]) == ["jobs[3].input.messages[0].weight[1]"]
+    assert not Job.objects.exists()
+
+
+@pytest.mark.parametrize("number", NOT_FINITE)
+@pytest.mark.parametrize("field", ["capabilities", "meta", "transport"])
+def test_a_number_that_is_not_finite_in_an_executor_is_a_400_naming_it(api, operator, number, field):
+    body = {"name": "e1", "kind": "sim", "capabilities": {"models": ["m"]}, "meta": {}, "transport": {}}
+    raw = json.dumps(body).replace(f'"{field}": {{', f'"{field}": {{"x": {number}, ')
+    raw = raw.replace(", }", "}")
+    response = post_raw(api(operator), "/api/executors/", raw)
+    assert response.status_code == 400, response.content
+    assert list(response.json()["fields"]) == [f"{field}.x"]
+    assert not Executor.objects.exists()
+
+
+def test_large_finite_numbers_are_still_fine(api, member_setup):
+    body = json.dumps(chat_body("a", meta={"big": 1e308, "small": -1e-308, "int": 10**30}))
+    response = post_raw(api(member_setup[0]), "/api/jobs/", body)
+    assert response.status_code == 201, response.content
+    meta = Job.objects.get().meta
+    # (PostgreSQL's jsonb keeps 1e308 as the exact decimal, which Python reads back as an int.)
+    assert float(meta["big"]) == 1e308 and meta["small"] == -1e-308 and meta["int"] == 10**30

@@ -229,18 +229,18 @@ class TestErrors:
         [
             ('{"model": "m", "messages": ' + "[" * 1000 + "]" * 1000 + "}", None),
             ('{"model": "m", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}", None),
-            ('{"model": "m", "messages": ' + "[" * 70 + "]" * 70 + "}", "messages.0.0"),
+            ('{"model": "m", "messages": ' + "[" * 70 + "]" * 70 + "}", "messages[0][0]"),
             (
                 '{"model": "m", "input": ["x"], "messages": [{"role": "user", "content": "\\ud800"}]}',
-                "messages.0.content",
+                "messages[0].content",
             ),
             (
                 '{"model": "m", "input": ["x"], "messages": [{"role": "user", "content": "a\\u0000b"}]}',
-                "messages.0.content",
+                "messages[0].content",
             ),
             (
                 '{"model": "m", "input": ["x"], "messages": [{"role": "user", "content": "x", "\\udfff": 1}]}',
-                "messages.0",
+                "messages[0]",
             ),
         ],
         ids=["deep", "deeper", "past-the-limit", "surrogate", "nul", "surrogate-key"],
