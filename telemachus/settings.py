@@ -47,6 +47,17 @@ def env_float(name: str, default: float) -> float:
         raise ImproperlyConfigured(f"{name} must be a number, got {raw!r}") from None
 
 
+def env_counts(name: str) -> dict[str, int]:
+    """`key=N,key=N` as a mapping to positive integers."""
+    counts = {}
+    for entry in env_list(name, []):
+        key, sep, raw = entry.rpartition("=")
+        if not sep or not key.strip() or not raw.strip().isdigit() or int(raw) < 1:
+            raise ImproperlyConfigured(f"{name} entries must be name=N with N a positive integer, got {entry!r}")
+        counts[key.strip()] = int(raw)
+    return counts
+
+
 def env_list(name: str, default: list[str]) -> list[str]:
     raw = os.environ.get(name)
     if raw is None:
@@ -370,6 +381,11 @@ TELEMACHUS_MAX_BODY_BYTES = env_int("TELEMACHUS_MAX_BODY_BYTES", 1_048_576)
 # is canceled; database threads per API process shared by its waiting requests (scheduler/gateway/).
 TELEMACHUS_GATEWAY_TIMEOUT_SECONDS = env_float("TELEMACHUS_GATEWAY_TIMEOUT_SECONDS", 600)
 TELEMACHUS_GATEWAY_DB_THREADS = env_int("TELEMACHUS_GATEWAY_DB_THREADS", 8)
+# A job submitted without `requirements.est_tokens` is estimated (scheduler/core/estimates.py):
+# its prompt's tokens plus its `max_tokens`, or, without max_tokens, the completion its model is
+# expected to write: per model (`model=N,...`), else the default. Budgets reserve the estimate.
+TELEMACHUS_COMPLETION_ESTIMATE = env_int("TELEMACHUS_COMPLETION_ESTIMATE", 256)
+TELEMACHUS_COMPLETION_ESTIMATES = env_counts("TELEMACHUS_COMPLETION_ESTIMATES")
 # Dotted path of a custom QueuePolicy class; empty means the record's choice or the default.
 TELEMACHUS_QUEUE_POLICY = os.environ.get("TELEMACHUS_QUEUE_POLICY", "")
 # Extra executor drivers, `kind=dotted.path.Class` comma-separated, added to the built-in registry.

@@ -31,7 +31,9 @@ class MessageInput(serializers.Serializer):
 
 class RequirementsInput(StrictSerializer):
     model = serializers.CharField(max_length=200)
-    est_tokens = serializers.IntegerField(min_value=0, max_value=10**12, default=0)
+    # Without it the submit estimates the job (scheduler/core/estimates.py): budgets always reserve
+    # a real estimate.
+    est_tokens = serializers.IntegerField(min_value=0, max_value=10**12, required=False)
     # The model API a chat job calls: completions (the default) or embeddings of `input.input`.
     api = serializers.ChoiceField(choices=(CHAT_API, EMBEDDINGS_API), required=False)
     # `class` is a Python keyword; the field is declared under its JSON name below.

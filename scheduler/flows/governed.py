@@ -96,13 +96,15 @@ class governed_slot:
         user: User,
         team: str,
         model: str,
-        est_tokens: int = 0,
+        est_tokens: int | None = None,
         priority: int = 0,
         timeout: float | None = None,
         requirements: dict[str, Any] | None = None,
     ) -> None:
         self.user, self.team, self.priority, self.timeout = user, team, priority, timeout
-        self.requirements = {**(requirements or {}), "model": model, "est_tokens": est_tokens}
+        # Without est_tokens the submit estimates the slot's model call (scheduler/core/estimates.py).
+        given = {"est_tokens": est_tokens} if est_tokens is not None else {}
+        self.requirements = {**(requirements or {}), "model": model, **given}
         self.job_id: int | None = None
         self.slot: GovernedSlot | None = None
         self._stop = threading.Event()

@@ -13,6 +13,7 @@ from django.utils.dateparse import parse_datetime
 from executors.contract import EMBEDDINGS_API
 from executors.drivers.openai import EMBEDDING_OPTIONS, PASSTHROUGH_OPTIONS
 from executors.tokens import count_prompt_tokens, embedding_inputs
+from scheduler.core.estimates import completion_estimate
 from scheduler.models import Job
 from telemachus import errors
 from telemachus.http.parsers import MAX_DEPTH, json_parse, json_problem
@@ -20,8 +21,6 @@ from telemachus.http.parsers import MAX_DEPTH, json_parse, json_problem
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # Bounds that keep a request's numbers storable and its budget estimate meaningful.
 MAX_TOKENS_LIMIT, MAX_DIMENSIONS = 10_000_000, 65_536
-# The completion a request without max_tokens is expected to need, for its budget estimate.
-DEFAULT_COMPLETION_ESTIMATE = 256
 MAX_MODEL_LENGTH = 200
 
 
@@ -198,7 +197,7 @@ def chat_call(body: Any) -> ModelCall:
         if body.get(name) is not None:
             options[name] = body[name]
     options = {k: v for k, v in options.items() if k in PASSTHROUGH_OPTIONS}
-    estimate = count_prompt_tokens(messages) + options.get("max_tokens", DEFAULT_COMPLETION_ESTIMATE)
+    estimate = count_prompt_tokens(messages) + completion_estimate(model=model, max_tokens=options.get("max_tokens"))
     job_input = {"messages": messages, **options, **({"stream": True} if stream else {})}
     return ModelCall(
         model=model,

@@ -32,7 +32,9 @@ from django.db import transaction
 
 from executors.models import Executor
 from executors.tools import ToolOutcome
+from scheduler.core.estimates import round_estimate
 from scheduler.core.locks import lock_job
+from scheduler.core.money import token_split_estimate
 from scheduler.core.selectors import queue_policy
 from scheduler.models import Job, JobEvent, QueuePolicy
 from scheduler.services.attempts import AttemptEnd, attempts_end
@@ -299,12 +301,23 @@ def round_requeue(*, job_id: int, lease: uuid.UUID, round: int, results: list[To
             return str(job.status)
         job.return_to_queue()
         job.attempts, job.error, job.run_after, job.avoid_executor = 0, "", None, None
+        # The next round's prompt holds the whole conversation: its budgets reserve that.
+        job.cost_estimate = round_estimate(job)
+        job.est_prompt_tokens, job.est_completion_tokens = token_split_estimate(
+            type=job.type,
+            requirements=job.requirements,
+            input={**job.input, "messages": [*(job.input.get("messages") or ()), *job.conversation]},
+            estimate=job.cost_estimate,
+        )
         job.queued_at = now
         if record.flow_rounds == QueuePolicy.FlowRounds.REQUEUE:
             job.ready_at = now
         job.save(
             update_fields=[
                 "conversation",
+                "cost_estimate",
+                "est_prompt_tokens",
+                "est_completion_tokens",
                 *Job.REQUEUE_FIELDS,
                 "error",
                 "run_after",

@@ -23,6 +23,7 @@ from executors.models import Executor
 from quotas.budget import Budgets, admission_budgets, quota_check
 from quotas.models import ZERO
 from scheduler.core.configuration import Configuration, configuration, grants, policy_record
+from scheduler.core.estimates import job_estimate
 from scheduler.core.jobtypes import MODEL_CALL_TYPES, job_input_check
 from scheduler.core.money import job_money_estimate, token_split_estimate
 from scheduler.core.policy import Admission, AdmissionState, policy_for
@@ -253,7 +254,8 @@ def _check(
         raise _at(exc, index) from None
     # A job deferred to `run_after` enters the line, and starts ageing, when it may run.
     ready = max(now, spec.run_after) if spec.run_after else now
-    estimate = spec.requirements.get("est_tokens", 0)
+    # The submitter's est_tokens, else a real estimate (scheduler/core/estimates.py), never 0.
+    estimate = job_estimate(type=spec.type, model=model, requirements=spec.requirements, input=spec.input)
     prompt, completion = token_split_estimate(
         type=spec.type, requirements=spec.requirements, input=spec.input, estimate=estimate
     )

@@ -104,7 +104,9 @@ class TestPricing:
         job_claim(worker="w")
         job_cancel(job_id=job.pk)
         job.refresh_from_db()
-        assert (job.cost, job.tokens_used) == (ESTIMATE, 5)  # the reserved money; the counted prompt
+        # The reserved money; the reserved tokens (a job without est_tokens is estimated at its
+        # prompt, 5, plus its max_tokens, 16).
+        assert (job.cost, job.tokens_used) == (ESTIMATE, 5 + 16)
         row = Usage.objects.get(scope="global")
         assert (row.cost, row.reserved_cost) == (ESTIMATE, 0)
 

@@ -73,7 +73,7 @@ class TestEnqueue:
 
         job = Job.objects.get(pk=int(result.id))
         assert (job.type, job.status, job.user, job.team.slug) == ("task", "queued", alice, "a")
-        assert job.requirements == {"model": "cpu", "est_tokens": 0}
+        assert job.requirements == {"model": "cpu"}
         assert job.input == {
             "callable": "tests.scheduler.declared_tasks.add",
             "args": [2],
@@ -135,7 +135,7 @@ class TestEnqueue:
         assert (job.priority, job.run_after, job.meta["queue_name"]) == (7, later, "big")
         # Its place in line and its ageing start when it may run, not when it was enqueued.
         assert job.ready_at == job.queued_at == later
-        assert job.requirements == {"model": "cpu", "memory_mb": 8192, "est_tokens": 0}
+        assert job.requirements == {"model": "cpu", "memory_mb": 8192}
         assert JobEvent.objects.get(job=job, event="queued").meta["run_after"] == later.isoformat()
         read = add.get_result(result.id)
         assert (read.task.priority, read.task.run_after, read.task.queue_name) == (7, later, "big")

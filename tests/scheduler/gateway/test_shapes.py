@@ -41,8 +41,10 @@ class TestChatCall:
         }, "max_completion_tokens becomes max_tokens; options model servers do not share are dropped"
         assert (call.est_tokens, call.stream, call.include_usage) == (6 + 20, True, True)
 
-    def test_without_max_tokens_the_estimate_assumes_a_default_completion(self):
-        assert shapes.chat_call({"model": "m", "messages": HELLO}).est_tokens == 6 + shapes.DEFAULT_COMPLETION_ESTIMATE
+    def test_without_max_tokens_the_estimate_assumes_a_default_completion(self, settings):
+        settings.TELEMACHUS_COMPLETION_ESTIMATE, settings.TELEMACHUS_COMPLETION_ESTIMATES = 256, {"big": 4000}
+        assert shapes.chat_call({"model": "m", "messages": HELLO}).est_tokens == 6 + 256
+        assert shapes.chat_call({"model": "big", "messages": HELLO}).est_tokens == 6 + 4000
 
     def test_a_tool_conversation_is_accepted(self):
         call = shapes.chat_call(
