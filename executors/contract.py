@@ -140,6 +140,10 @@ class ExecutorDriver(ABC):
     # driver that does not (cpu-node: task jobs only) lists in `capabilities.models` name its
     # task queues, not chat models: the OpenAI-compatible endpoint neither lists nor accepts them.
     chat: ClassVar[bool] = True
+    # Whether it runs task jobs (`input = {"callable", "args", "kwargs"}`: cpu-node, a batch
+    # system). A task job goes only to such a kind; a model server would take its input for a
+    # chat completion.
+    tasks: ClassVar[bool] = False
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor

@@ -63,6 +63,15 @@ def kind_chats(kind: str) -> bool:
         return True
 
 
+def kind_runs_tasks(kind: str) -> bool:
+    """Whether executors of this kind run task jobs (ExecutorDriver.tasks). A kind whose driver
+    this process cannot import is taken at its word, as by `kind_chats`."""
+    try:
+        return driver_class(kind).tasks
+    except ImproperlyConfigured:
+        return True
+
+
 def driver_for(executor: Executor) -> ExecutorDriver:
     """A fresh driver for one-off use outside a worker (probes from the API, capability sync)."""
     return driver_class(executor.kind)(executor)

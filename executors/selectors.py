@@ -53,10 +53,11 @@ def usable_executors(
     model: str | None = None,
     embeddings: bool = False,
     chat: bool = False,
+    tasks: bool = False,
 ) -> list[Executor]:
     """Of `executors`, the enabled ones the team may use that offer `model` (and embeddings; with
-    `chat`, that answer model calls at all)."""
-    from executors.registry import kind_chats  # the registry imports the contract, which imports this
+    `chat`, that answer model calls at all; with `tasks`, that run task jobs)."""
+    from executors.registry import kind_chats, kind_runs_tasks  # the registry imports the contract, which imports this
 
     return [
         e
@@ -65,6 +66,7 @@ def usable_executors(
         and executor_serves(e, team_id, teams)
         and executor_offers(e, model, embeddings=embeddings)
         and (not chat or kind_chats(e.kind))
+        and (not tasks or kind_runs_tasks(e.kind))
     ]
 
 

@@ -60,6 +60,7 @@ TASK_INPUT_SHAPE = '{"callable": "<task name>", "args": [...], "kwargs": {...}}'
 class CpuNodeDriver(ExecutorDriver):
     kind = "cpu-node"
     chat = False
+    tasks = True
 
     def __init__(self, executor: Executor) -> None:
         super().__init__(executor)

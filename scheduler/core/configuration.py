@@ -43,12 +43,18 @@ class Configuration:
         return self.teams[team_id] if team_id is not None else None
 
     def executors_usable_by(
-        self, *, team_id: int, model: str, embeddings: bool = False, chat: bool = False
+        self, *, team_id: int, model: str, embeddings: bool = False, chat: bool = False, tasks: bool = False
     ) -> list[Executor]:
         """As executors.selectors.executors_usable_by, from the cached configuration (with `chat`,
-        only executors that answer model calls)."""
+        only executors that answer model calls; with `tasks`, only those that run tasks)."""
         return usable_executors(
-            self.executors, team_id=team_id, teams=self.executor_teams, model=model, embeddings=embeddings, chat=chat
+            self.executors,
+            team_id=team_id,
+            teams=self.executor_teams,
+            model=model,
+            embeddings=embeddings,
+            chat=chat,
+            tasks=tasks,
         )
 
 

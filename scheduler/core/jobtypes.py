@@ -19,6 +19,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 
 from executors.contract import DispatchRequest
+from executors.registry import kind_chats, kind_runs_tasks
 from executors.tools import Tool, ToolError, UnknownTool, tool_arguments_check, tool_resolve
 from scheduler.models import Job
 from telemachus.errors import Forbidden, ValidationFailed
@@ -30,8 +31,23 @@ TRANSLATE_SYSTEM = (
     "Reply with the translation only: no notes, no quotes, no explanation."
 )
 # The job types that call a model, on an executor whose driver answers model calls
-# (ExecutorDriver.chat); a cpu-node's models name task queues and take none of them.
-MODEL_CALL_TYPES = frozenset({Job.Type.CHAT, Job.Type.TRANSLATE, Job.Type.FLOW})
+# (ExecutorDriver.chat: local-model, remote-model, sim); a cpu-node's models name task queues and
+# take none of them. A governed slot is app code's own model call.
+MODEL_CALL_TYPES = frozenset({Job.Type.CHAT, Job.Type.TRANSLATE, Job.Type.FLOW, Job.Type.GOVERNED})
+# The job types that run on an executor whose driver runs tasks (ExecutorDriver.tasks: cpu-node);
+# a model server would take a task's input for a chat completion.
+TASK_TYPES = frozenset({Job.Type.TASK})
+
+
+def kind_serves(kind: str, job_type: str) -> bool:
+    """Whether an executor of this kind may run a job of this type (a tool job runs on none)."""
+    if job_type in MODEL_CALL_TYPES:
+        return kind_chats(kind)
+    if job_type in TASK_TYPES:
+        return kind_runs_tasks(kind)
+    return False
+
+
 # Input keys that steer the scheduler, never sent to a model server.
 FLOW_ONLY = ("messages", "tools", "max_rounds", "return_tool_errors", "stream")
 TRANSLATE_ONLY = ("text", "target_lang", "source_lang", "messages", "stream")

@@ -15,12 +15,11 @@ from django.db.models import Sum
 
 from executors.contract import EMBEDDINGS_API
 from executors.models import Executor
-from executors.registry import kind_chats
 from quotas.budget import Budgets
 from quotas.concurrency import ConcurrencyCaps, SlotCounts, executor_limit
 from quotas.models import ZERO, QuotaPolicy
 from scheduler.core.configuration import configuration
-from scheduler.core.jobtypes import MODEL_CALL_TYPES
+from scheduler.core.jobtypes import kind_serves
 from scheduler.core.money import job_money_estimate
 from scheduler.core.selectors import slot_counts
 from scheduler.models import Job, QueuePolicy, Slot
@@ -57,13 +56,13 @@ class ExecutorView:
         return self.teams is None or team_id in self.teams
 
     def matches(self, job: Job) -> bool:
-        """Offers the model (and serves embeddings, for an embeddings step; answers model calls at
-        all, for a job that makes one) and satisfies the optional `class` and `memory_mb`
-        requirements."""
+        """Offers the model, is of a kind that runs the job's type (model calls on model executors,
+        tasks on executors that run tasks), serves embeddings for an embeddings step, and
+        satisfies the optional `class` and `memory_mb` requirements."""
         capabilities = self.executor.capabilities
         if job.model not in (capabilities.get("models") or ()):
             return False
-        if job.type in MODEL_CALL_TYPES and not kind_chats(self.executor.kind):
+        if not kind_serves(self.executor.kind, job.type):
             return False
         if job.requirements.get("api") == EMBEDDINGS_API and not capabilities.get("embeddings"):
             return False

@@ -24,7 +24,7 @@ from quotas.budget import Budgets, admission_budgets, quota_check
 from quotas.models import ZERO
 from scheduler.core.configuration import Configuration, configuration, grants, policy_record
 from scheduler.core.estimates import job_estimate
-from scheduler.core.jobtypes import MODEL_CALL_TYPES, job_input_check
+from scheduler.core.jobtypes import MODEL_CALL_TYPES, TASK_TYPES, job_input_check
 from scheduler.core.money import job_money_estimate, token_split_estimate
 from scheduler.core.policy import Admission, AdmissionState, policy_for
 from scheduler.models import Job, JobEvent, QueuePolicy
@@ -233,20 +233,14 @@ def _check(
         )
         # A tool job runs in a worker's tool threads, on no executor: it names no model.
         model = "" if spec.type == Job.Type.TOOL else spec.requirements["model"]
-        embeddings = spec.requirements.get("api") == EMBEDDINGS_API
-        chat = spec.type in MODEL_CALL_TYPES
         if key is not None and model and key.allowed_models and model not in key.allowed_models:
             raise UnknownModel(
                 f"This API key may not call model {model!r}; it may call {', '.join(map(repr, key.allowed_models))}.",
                 model=model,
             )
         usable = (
-            conf.executors_usable_by(team_id=team.pk, model=model, embeddings=embeddings, chat=chat) if model else []
+            _placeable(conf, team=team, type=spec.type, model=model, requirements=spec.requirements) if model else []
         )
-        if model and not usable:
-            offers = f"embeddings of model {model!r}" if embeddings else f"model {model!r}"
-            offers += " for model calls" if chat and not embeddings else ""
-            raise UnknownModel(f"No enabled executor available to team {team.slug!r} offers {offers}.", model=model)
         allowed, source = priority_ceiling(record, who=who, team=team)
         if spec.priority > allowed and record.priority_over_limit == QueuePolicy.OverLimit.REJECT:
             raise ValidationFailed({"priority": [f"At most {allowed} for you in team {team.slug!r} ({source})."]})
@@ -278,6 +272,38 @@ def _check(
         queued_at=ready,
     )
     return _Admitted(job=job, requested=spec.priority, allowed=allowed, source=source, executors=usable)
+
+
+def _placeable(
+    conf: Configuration, *, team: Team, type: str, model: str, requirements: dict[str, Any]
+) -> list[Executor]:
+    """The enabled executors the team may use that offer the model and are of a kind that runs
+    jobs of this type: model calls (chat, translate, flow) on model executors, tasks on executors
+    that run tasks. Refuses a model nothing offers (400 unknown_model), and a model offered only
+    by executors of the wrong kind (400 naming the type and the model): a task job naming a chat
+    model would otherwise run as a chat completion."""
+    embeddings = requirements.get("api") == EMBEDDINGS_API
+    chat, tasks = type in MODEL_CALL_TYPES, type in TASK_TYPES
+    usable = conf.executors_usable_by(team_id=team.pk, model=model, embeddings=embeddings, chat=chat, tasks=tasks)
+    if usable:
+        return usable
+    offering = conf.executors_usable_by(team_id=team.pk, model=model, embeddings=embeddings)
+    if offering and tasks:
+        kinds = ", ".join(sorted({e.kind for e in offering}))
+        raise ValidationFailed(
+            {
+                "type": [
+                    f"{type!r} jobs cannot use model {model!r}: the executors available to team {team.slug!r} "
+                    f"that offer it (kind {kinds}) do not run tasks."
+                ]
+            },
+            detail=f"No executor runs {type} jobs for model {model!r}.",
+        )
+    # A model call naming what only a cpu-node offers (a task queue): not a model, as far as model
+    # calls go (the OpenAI-compatible endpoint answers 404 model_not_found).
+    offers = f"embeddings of model {model!r}" if embeddings else f"model {model!r}"
+    offers += f" for {type} jobs" if offering else ""
+    raise UnknownModel(f"No enabled executor available to team {team.slug!r} offers {offers}.", model=model, type=type)
 
 
 def _within_budgets(budgets: Budgets, admitted: list[_Admitted], now: datetime, *, indexed: bool) -> None:

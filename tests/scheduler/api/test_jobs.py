@@ -7,10 +7,12 @@ from django.test import Client, override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from executors.models import Executor
 from scheduler.models import Job, JobEvent, TeamShare
 from scheduler.services.claim import job_claim
 from scheduler.services.finish import job_finish
 from scheduler.services.submit import job_submit
+from telemachus.control.features import feature_set
 from tests.conftest import chat_body, job_body
 
 pytestmark = pytest.mark.django_db
@@ -122,6 +124,31 @@ class TestSubmit:
         (claim,) = job_claim(worker="w", limit=1).claims
         assert claim.executor.pk == member_setup[4].pk != cpu.pk
 
+    def test_a_task_job_naming_a_chat_model_is_refused_even_with_chat_switched_off(self, api, member_setup, operator):
+        # Given chat switched off for team a, whose only executor for model m is a sim (a model server)...
+        feature_set(feature="chat", team=member_setup[2], enabled=False, by=operator)
+        task = {"type": "task", "team": "a", "requirements": {"model": "m"}, "input": {"callable": "telemachus.add"}}
+        # ...a task job naming m would run as a chat completion: it is refused, naming type and model.
+        response = submit(api(member_setup[0]), task)
+        assert response.status_code == 400, response.content
+        assert response.json()["error"] == "validation_error"
+        (message,) = response.json()["fields"]["type"]
+        assert "'task'" in message and "'m'" in message and "sim" in message
+        assert not Job.objects.exists()
+
+    def test_a_task_job_is_never_placed_on_a_model_executor(self, api, member_setup, make_executor):
+        # Given model m offered by a cpu-node and by the sim, and a task job admitted for the cpu-node...
+        cpu = make_executor("cpu", models=["m"], kind="cpu-node", max_concurrency=1)
+        task = {"type": "task", "team": "a", "requirements": {"model": "m"}, "input": {"callable": "telemachus.add"}}
+        assert submit(api(member_setup[0]), task).status_code == 201
+        assert submit(api(member_setup[0]), task).status_code == 201
+        # When the claim places both, the cpu-node's one slot is all they may use.
+        claims = job_claim(worker="w", limit=2).claims
+        assert [c.executor.pk for c in claims] == [cpu.pk]
+        Executor.objects.filter(pk=cpu.pk).update(enabled=False)
+        assert job_claim(worker="w", limit=2).claims == []
+        assert Job.objects.filter(status="queued").count() == 1
+
     def test_team_owned_executor_serves_its_team(self, api, member_setup, make_executor):
         _, bob, _, team_b, _ = member_setup
         make_executor("b-only", models=["private"], team=team_b)
@@ -192,8 +219,9 @@ class TestSubmit:
         assert response.status_code == 201
         assert Job.objects.get().input["temperature"] == 0.2
 
-    def test_task_jobs_need_no_messages(self, api, member_setup):
-        body = chat_body("a", type="task", input={"callable": "demo.add", "args": [1, 2]})
+    def test_task_jobs_need_no_messages(self, api, member_setup, make_executor):
+        make_executor("cpu", models=["q"], kind="cpu-node")
+        body = chat_body("a", model="q", type="task", input={"callable": "demo.add", "args": [1, 2]})
         assert submit(api(member_setup[0]), body).status_code == 201
 
 
