@@ -193,12 +193,32 @@ TELEMACHUS_LISTEN_DATABASE_URL = os.environ.get("TELEMACHUS_LISTEN_DATABASE_URL"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = os.environ.get("REDIS_URL", "")
+# The channel layer receives with a blocking read that Redis answers after 5 s when nothing came
+# (RedisChannelLayer.brpop_timeout). redis-py's own socket timeout defaults to 5 s too (redis-py
+# 6+), so an idle receive raced it and lost: every idle dashboard socket closed with 1011 within a
+# minute and the job feed logged a timeout every few seconds. The socket timeout must exceed the
+# blocking read; a dead server is still noticed, by the health check before a command on a
+# connection idle that long and by TCP keepalive.
+REDIS_SOCKET_TIMEOUT = env_float("REDIS_SOCKET_TIMEOUT", 30)
+CHANNEL_LAYER_BLOCKING_READ_SECONDS = 5
+if REDIS_SOCKET_TIMEOUT <= CHANNEL_LAYER_BLOCKING_READ_SECONDS:
+    raise ImproperlyConfigured(
+        f"REDIS_SOCKET_TIMEOUT must exceed the channel layer's {CHANNEL_LAYER_BLOCKING_READ_SECONDS} s blocking read"
+    )
 if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
             "CONFIG": {
-                "hosts": [REDIS_URL],
+                "hosts": [
+                    {
+                        "address": REDIS_URL,
+                        "socket_timeout": REDIS_SOCKET_TIMEOUT,
+                        "socket_connect_timeout": 5,
+                        "socket_keepalive": True,
+                        "health_check_interval": REDIS_SOCKET_TIMEOUT,
+                    }
+                ],
                 # Deployments (or test runs) that share one Redis keep apart by prefix.
                 "prefix": os.environ.get("REDIS_PREFIX", "telemachus"),
                 # One channel per API process receives the output of every stream it relays.
