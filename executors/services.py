@@ -8,7 +8,7 @@ from executors.contract import DispatchError
 from executors.models import Executor
 from executors.registry import driver_for
 from telemachus.control.audit import Actor, audit_record, changed_fields
-from telemachus.errors import Conflict, ExecutorUnreachable
+from telemachus.errors import Conflict, ExecutorUnreachable, ValidationFailed, unique_or
 
 # What the audit log keeps of an executor (the runtime state, health and breaker, is not an edit).
 AUDITED = (
@@ -33,9 +33,14 @@ def executor_audit_view(executor: Executor) -> dict[str, Any]:
     }
 
 
+def _name_taken(name: Any) -> ValidationFailed:
+    return ValidationFailed({"name": [f"An executor named {name!r} already exists."]})
+
+
 def executor_create(*, by: Actor = None, **fields: Any) -> Executor:
-    """Register an executor; audited (`executor.create`)."""
-    with transaction.atomic():
+    """Register an executor; audited (`executor.create`). A name taken meanwhile by a concurrent
+    create is refused as the API's check refuses it (400)."""
+    with unique_or(_name_taken(fields.get("name"))), transaction.atomic():
         executor = Executor.objects.create(**fields)
         audit_record(
             by=by,
@@ -61,7 +66,7 @@ def executor_update(
     was, now = changed_fields(before, executor_audit_view(executor))
     if not now:
         return executor
-    with transaction.atomic():
+    with unique_or(_name_taken(fields.get("name"))), transaction.atomic():
         executor.save(update_fields=[*fields, "updated_at"])
         audit_record(
             by=by,

@@ -4,8 +4,14 @@ from django.db import transaction
 
 from quotas.models import QuotaPolicy, limit_text
 from telemachus.control.audit import Actor, audit_record, changed_fields
+from telemachus.errors import ValidationFailed, unique_or
 
 AUDITED = ("scope", "subject", "dimension", "limit", "window")
+
+
+def _rule_exists() -> ValidationFailed:
+    """As the API's check answers a rule that exists (quotas/rules.py), for one created meanwhile."""
+    return ValidationFailed({"non_field_errors": ["A rule for this scope, subject, dimension and window exists."]})
 
 
 def _view(policy: QuotaPolicy) -> dict[str, Any]:
@@ -19,7 +25,7 @@ def _view(policy: QuotaPolicy) -> dict[str, Any]:
 
 def quota_policy_create(*, by: Actor = None, **fields: Any) -> QuotaPolicy:
     """A new rule; the next claim and submit apply it. Audited (`quota_policy.create`)."""
-    with transaction.atomic():
+    with unique_or(_rule_exists()), transaction.atomic():
         policy = QuotaPolicy.objects.create(**fields)
         audit_record(
             by=by,
@@ -42,7 +48,7 @@ def quota_policy_update(*, policy: QuotaPolicy, by: Actor = None, **fields: Any)
     was, now = changed_fields(before, _view(policy))
     if not now:
         return policy
-    with transaction.atomic():
+    with unique_or(_rule_exists()), transaction.atomic():
         policy.save(update_fields=[*fields, "updated_at"])
         audit_record(
             by=by,

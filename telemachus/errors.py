@@ -2,7 +2,11 @@
 exception handler (telemachus/http/exception_handler.py) turns them into the API's JSON shape: a
 machine-readable `error` code, a human `detail`, and sometimes more (per-field errors, reset_at)."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+
+from django.db import IntegrityError
 
 
 class DomainError(Exception):
@@ -112,3 +116,23 @@ class FeatureDisabled(DomainError):
     code = "feature_disabled"
     status = 403
     default_detail = "This feature is switched off."
+
+
+def unique_violation(exc: IntegrityError) -> bool:
+    """Whether the database refused a row for breaking a unique constraint (PostgreSQL's SQLSTATE
+    23505, SQLite's "UNIQUE constraint failed"), as opposed to any other integrity error."""
+    return getattr(exc.__cause__, "sqlstate", None) == "23505" or "UNIQUE constraint failed" in str(exc)
+
+
+@contextmanager
+def unique_or(error: DomainError) -> Iterator[None]:
+    """A write whose check for an existing row raced an identical concurrent write: both saw no
+    row, and the database's unique constraint refused the second insert (IntegrityError, a 500).
+    That becomes `error`, the answer the check gives a request that comes a moment later. Wrap
+    the whole atomic block, so the transaction is rolled back first."""
+    try:
+        yield
+    except IntegrityError as exc:
+        if not unique_violation(exc):
+            raise
+        raise error from None

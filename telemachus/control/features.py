@@ -7,11 +7,11 @@ is refused the same way everywhere: 403 `feature_disabled`."""
 
 from collections.abc import Iterable, Mapping
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import Q
 
 from telemachus.control.audit import Actor, audit_record
-from telemachus.errors import FeatureDisabled, ValidationFailed
+from telemachus.errors import FeatureDisabled, ValidationFailed, unique_violation
 from telemachus.locks import Level, rows_lock
 from telemachus.models import FeatureSwitch, Team
 
@@ -86,6 +86,18 @@ def feature_set(*, feature: str, team: Team | None, enabled: bool | None, by: Ac
         raise ValidationFailed({"feature": [f"Unknown feature; known: {', '.join(FEATURES)}."]})
     if team is None and enabled is None:
         raise ValidationFailed({"enabled": ["The global switch is on or off (true or false)."]})
+    try:
+        _feature_write(feature=feature, team=team, enabled=enabled, by=by)
+    except IntegrityError as exc:
+        # A concurrent set created the switch's row after this one found none (there was no row
+        # to lock). Setting a switch is idempotent: do it again, now updating that row, as if
+        # this request had come a moment later.
+        if not unique_violation(exc):
+            raise
+        _feature_write(feature=feature, team=team, enabled=enabled, by=by)
+
+
+def _feature_write(*, feature: str, team: Team | None, enabled: bool | None, by: Actor) -> None:
     with transaction.atomic():
         switches = FeatureSwitch.objects.filter(feature=feature, team=team).order_by("pk")
         row = rows_lock(switches, level=Level.CONFIGURATION).first()

@@ -5,12 +5,13 @@ import math
 from django.conf import settings
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.core.exceptions import RequestDataTooBig
+from django.db import IntegrityError
 from django.http import Http404
 from rest_framework import exceptions as drf
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from telemachus.errors import DomainError, PayloadTooLarge
+from telemachus.errors import Conflict, DomainError, PayloadTooLarge, unique_violation
 
 _DRF_CODES = {
     drf.NotAuthenticated: "not_authenticated",
@@ -30,6 +31,11 @@ def exception_handler(exc: Exception, context: dict) -> Response | None:
         # DRF reads the whole body through Django, which refuses past DATA_UPLOAD_MAX_MEMORY_SIZE.
         limit = settings.TELEMACHUS_MAX_BODY_BYTES
         exc = PayloadTooLarge(f"Request body exceeds {limit} bytes.", limit=limit)
+    if isinstance(exc, IntegrityError) and unique_violation(exc):
+        # A write that raced an identical one past the checks its service makes: the row exists
+        # now. The services that create rows say which field (telemachus.errors.unique_or); this
+        # is the net under any other.
+        exc = Conflict("It was created or changed by another request meanwhile; read it again.")
     if isinstance(exc, DomainError):
         return Response(exc.body(), status=exc.status, headers=exc.headers())
     if isinstance(exc, Http404):

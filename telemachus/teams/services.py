@@ -9,7 +9,7 @@ from django.db.models import ProtectedError
 from guardian.shortcuts import assign_perm, get_perms, get_users_with_perms, remove_perm
 
 from telemachus.control.audit import Actor, audit_record
-from telemachus.errors import Conflict, NotFound, ValidationFailed
+from telemachus.errors import Conflict, NotFound, ValidationFailed, unique_or
 from telemachus.locks import Level, rows_lock
 from telemachus.models import Membership, Team
 from telemachus.teams import rbac
@@ -25,9 +25,10 @@ def team_create(
 ) -> Team:
     """A team and its group; by default the team grants its members chat:use, nothing more.
     Audited as one `team.create` with the members and grants it starts with."""
-    with transaction.atomic():
+    exists = ValidationFailed({"slug": [f"A team {slug!r} already exists."]})
+    with unique_or(exists), transaction.atomic():
         if Team.objects.filter(slug=slug).exists():
-            raise ValidationFailed({"slug": [f"A team {slug!r} already exists."]})
+            raise exists
         team = Team.objects.create(group=team_group(slug=slug), slug=slug, name=name)
         _grants_set(team=team, team_grants=list(grants))
         for member in members or []:

@@ -7,7 +7,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from telemachus.control.audit import Actor, audit_record
-from telemachus.errors import ValidationFailed
+from telemachus.errors import ValidationFailed, unique_or
 from telemachus.keys.services import personal_token_issue
 
 
@@ -32,7 +32,8 @@ def user_create(
             validate_password(password, User(username=username, email=email))
         except ValidationError as exc:
             raise ValidationFailed({"password": list(exc.messages)}) from None
-    with transaction.atomic():
+    exists = ValidationFailed({"username": [f"A user {username!r} already exists."]})
+    with unique_or(exists), transaction.atomic():
         user = User.objects.create_user(username=username, email=email, password=password)
         if operator:
             user.user_permissions.add(Permission.objects.get(content_type__app_label="scheduler", codename="manage"))

@@ -75,3 +75,20 @@ def test_nul_outside_the_api_is_a_plain_400(operator):
     browser.force_login(operator)
     response = browser.get("/admin/auth/user/%00/change/")
     assert response.status_code == 400
+
+
+def test_a_unique_violation_no_service_guards_is_a_409_conflict(make_team):
+    # Given a write that breaks a unique constraint past every check (here a raw update)...
+    from django.db import IntegrityError, transaction
+
+    from telemachus.http.exception_handler import exception_handler
+    from telemachus.models import Team
+
+    make_team("lab")
+    other = make_team("other")
+    with pytest.raises(IntegrityError) as raised, transaction.atomic():
+        Team.objects.filter(pk=other.pk).update(slug="lab")
+    # ...the API's one handler answers it as a conflict, in the API's shape, not a 500.
+    answer = exception_handler(raised.value, {})
+    assert answer is not None and answer.status_code == 409
+    assert answer.data["error"] == "conflict"
