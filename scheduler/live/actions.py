@@ -1,6 +1,10 @@
 """What an operator does from the live dashboard: the same services, permission checks and input
 serializers as the API, reached over the dashboard's WebSocket instead of HTTP (the socket's
-Origin check and session stand in for the CSRF token of a form). Members' sockets get 403."""
+Origin check and session stand in for the CSRF token of a form). Members' sockets get 403.
+
+A message has been through the API's body checks already (scheduler/live/consumers.py: nesting,
+storable text, finite numbers); each action's own fields (ids, changes) are checked by serializers
+as the API checks its input, so a bad one is a validation error, never a database error."""
 
 from typing import Any
 
@@ -18,11 +22,16 @@ from telemachus.control.audit import audit_source
 from telemachus.control.features import feature_set
 from telemachus.control.features_api import FeatureSwitchInput
 from telemachus.errors import DomainError, NotFound, ValidationFailed
+from telemachus.http.serializers import StrictSerializer
 from telemachus.models import AuditEvent
 from telemachus.teams import rbac
 
 # What the dashboard may change on an executor; the rest is the API's and the admin's.
 EXECUTOR_FIELDS = {"max_concurrency", "enabled"}
+
+
+# Row ids are bigints: anything else names no row (and a larger number is a database error).
+ID_MAX = 2**63 - 1
 
 
 def _validated(serializer: serializers.Serializer) -> dict[str, Any]:
@@ -31,29 +40,45 @@ def _validated(serializer: serializers.Serializer) -> dict[str, Any]:
     return serializer.validated_data
 
 
-def _job_id(payload: dict[str, Any]) -> int:
-    job_id = payload.get("job")
-    if not isinstance(job_id, int) or isinstance(job_id, bool):
-        raise ValidationFailed({"job": ["A job id (an integer) is required."]})
-    return job_id
+class ActionInput(StrictSerializer):
+    """Every action's message: its name, and an `id` of the client's choosing that the reply
+    echoes. Strict, as the API's input is: a key the action does not take is refused."""
+
+    id = serializers.JSONField(required=False)
+    action = serializers.CharField()
+
+
+class JobActionInput(ActionInput):
+    job = serializers.IntegerField(min_value=1, max_value=ID_MAX)
+
+
+class ExecutorActionInput(ActionInput):
+    executor = serializers.IntegerField(min_value=1, max_value=ID_MAX)
+    changes = serializers.DictField()
+
+
+class ChangesActionInput(ActionInput):
+    changes = serializers.DictField()
 
 
 def _policy_update(user: rbac.Principal, payload: dict[str, Any]) -> None:
-    queue_policy_update(changes=dict(_validated(PolicyInput(data=payload.get("changes")))), by=user)
+    changes = _validated(ChangesActionInput(data=payload))["changes"]
+    queue_policy_update(changes=dict(_validated(PolicyInput(data=changes))), by=user)
 
 
 def _executor_update(user: rbac.Principal, payload: dict[str, Any]) -> None:
-    executor = Executor.objects.select_related("team").filter(pk=payload.get("executor")).first()  # type: ignore[misc]
+    message = _validated(ExecutorActionInput(data=payload))
+    executor = Executor.objects.select_related("team").filter(pk=message["executor"]).first()
     if executor is None:
-        raise NotFound(f"Executor {payload.get('executor')!r} not found.")
-    changes = payload.get("changes")
-    if not isinstance(changes, dict) or not changes or set(changes) - EXECUTOR_FIELDS:
+        raise NotFound(f"Executor {message['executor']} not found.")
+    changes = message["changes"]
+    if not changes or set(changes) - EXECUTOR_FIELDS:
         raise ValidationFailed({"changes": [f"Change one or more of: {', '.join(sorted(EXECUTOR_FIELDS))}."]})
     executor_update(executor=executor, by=user, **_validated(ExecutorInput(executor, data=changes, partial=True)))
 
 
 def _job_cancel(user: rbac.Principal, payload: dict[str, Any]) -> None:
-    job_id = _job_id(payload)
+    job_id = _validated(JobActionInput(data=payload))["job"]
     job = visible_jobs(user).filter(pk=job_id).select_related("team").first()
     if job is None:
         raise NotFound(f"Job {job_id} not found.")
@@ -62,11 +87,12 @@ def _job_cancel(user: rbac.Principal, payload: dict[str, Any]) -> None:
 
 
 def _job_requeue(user: rbac.Principal, payload: dict[str, Any]) -> None:
-    job_requeue(job_id=_job_id(payload), by=user)
+    job_requeue(job_id=_validated(JobActionInput(data=payload))["job"], by=user)
 
 
 def _feature_set(user: rbac.Principal, payload: dict[str, Any]) -> None:
-    data = _validated(FeatureSwitchInput(data=payload.get("changes")))
+    changes = _validated(ChangesActionInput(data=payload))["changes"]
+    data = _validated(FeatureSwitchInput(data=changes))
     feature_set(**{"team": None, **data}, by=user)
 
 
@@ -84,11 +110,12 @@ def dashboard_action(*, user: rbac.Principal, message: Any) -> dict[str, Any]:
     only. Returns the reply for the socket: `{"ok": true}` or `{"ok": false, "error": {...}}` in the
     API's error shape. Each service audits its change as coming from the dashboard."""
     try:
-        if not isinstance(message, dict) or message.get("action") not in ACTIONS:
+        action = message.get("action") if isinstance(message, dict) else None
+        if not isinstance(action, str) or action not in ACTIONS:
             raise ValidationFailed({"action": [f"One of: {', '.join(ACTIONS)}."]})
         rbac.require_operator(user)
         with audit_source(AuditEvent.Source.DASHBOARD):
-            ACTIONS[message["action"]](user, message)
+            ACTIONS[action](user, message)
     except DomainError as exc:
         return {"ok": False, "error": exc.body()}
     return {"ok": True}

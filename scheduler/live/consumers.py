@@ -119,10 +119,23 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
         if user is None:
             reply = {"ok": False, "error": {"error": "not_authenticated", "detail": "Sign in again."}}
         else:
-            reply = await database_sync_to_async(dashboard_action)(user=user, message=content)
+            try:
+                reply = await database_sync_to_async(dashboard_action)(user=user, message=content)
+            except Exception:
+                # A bug, not the operator's input: say so and keep the socket (and its pushes) open.
+                log.exception("dashboard action failed: %.200r", content)
+                reply = {"ok": False, "error": {"error": "server_error", "detail": "The action failed."}}
         await self.send_json({"reply": content.get("id") if isinstance(content, dict) else None, **reply})
         if reply["ok"]:
             await broadcast.dashboard_changed_send()
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any) -> None:
+        """Actions are JSON text frames; a binary or empty frame is answered as an invalid
+        action, where channels would raise and close the socket with 1011."""
+        if not text_data:
+            await self.receive_json(None)
+            return
+        await super().receive(text_data=text_data, **kwargs)
 
     async def _view_set(self, content: dict[str, Any]) -> None:
         data = content["view"]
