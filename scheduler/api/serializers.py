@@ -1,6 +1,7 @@
 from typing import Any
 
 from rest_framework import serializers
+from rest_framework.exceptions import ErrorDetail
 
 from executors.contract import CHAT_API, EMBEDDINGS_API
 from executors.tokens import embedding_inputs
@@ -91,12 +92,22 @@ TYPE_INPUTS: dict[str, type[serializers.Serializer]] = {
 SUBMITTABLE_TYPES = [(value, label) for value, label in Job.Type.choices if value != Job.Type.GOVERNED]
 
 
+REQUIRED = "This field is required."
+
+
+def _needs_requirements(data: dict[str, Any]) -> bool:
+    return "requirements" not in data and data.get("type") != Job.Type.TOOL
+
+
 class JobSubmitInput(StrictSerializer):
     type = serializers.ChoiceField(choices=SUBMITTABLE_TYPES)
     # Required, except with an app's API key (context `key`), whose team is the job's.
     team = serializers.SlugField(max_length=64)
     priority = serializers.IntegerField(min_value=Job.PRIORITY_MIN, max_value=Job.PRIORITY_MAX, default=0)
-    requirements = RequirementsInput()
+    # Required, except for a tool job, which runs on no executor and so needs no model. Checked in
+    # `validate`, which runs for each item of a bulk submit too (a field swapped in by looking at
+    # `initial_data` was seen by single submits only).
+    requirements = RequirementsInput(required=False)
     input = JobInput()
     meta = serializers.DictField(required=False)
 
@@ -104,14 +115,21 @@ class JobSubmitInput(StrictSerializer):
         fields = super().get_fields()
         if self.context.get("key") is not None:
             fields["team"] = serializers.SlugField(max_length=64, required=False)
-        data = getattr(self, "initial_data", None)
-        if isinstance(data, dict) and data.get("type") == Job.Type.TOOL:
-            # A tool job runs on no executor: it needs no model.
-            fields["requirements"] = RequirementsInput(required=False)
         return fields
+
+    def to_internal_value(self, data: Any) -> Any:
+        try:
+            return super().to_internal_value(data)
+        except serializers.ValidationError as exc:
+            # Report a missing `requirements` with the other fields' errors, as a required field is.
+            if isinstance(exc.detail, dict) and isinstance(data, dict) and _needs_requirements(data):
+                exc.detail.setdefault("requirements", [ErrorDetail(REQUIRED, code="required")])
+            raise
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         kind = attrs["type"]
+        if _needs_requirements(attrs):
+            raise serializers.ValidationError({"requirements": [REQUIRED]})
         attrs.setdefault("requirements", {})
         if attrs["requirements"].get("api") == EMBEDDINGS_API:
             if kind != Job.Type.CHAT:

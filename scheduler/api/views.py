@@ -1,3 +1,5 @@
+import re
+
 from django.db.models import QuerySet
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
@@ -94,14 +96,30 @@ class JobBulkSubmitApi(APIView):
 
     @extend_schema(request=JobBulkSubmitInput, responses={201: JobBulkOutput})
     def post(self, request: Request) -> Response:
+        try:
+            data = request.data
+        except ValidationFailed as exc:  # the parser's (text, nesting, numbers), at `jobs[i]...`
+            raise _naming_the_job(exc) from None
         key = request_api_key(request)
-        bulk = JobBulkSubmitInput(data=request.data, context={"key": key})
+        bulk = JobBulkSubmitInput(data=data, context={"key": key})
         if not bulk.is_valid():
             raise _first_failing_job(bulk.errors)
         jobs = jobs_submit(
             user=request.user, jobs=[JobSpec(**submit_team(job, key)) for job in bulk.validated_data["jobs"]], key=key
         )
         return Response(JobBulkOutput({"jobs": jobs}).data, status=status.HTTP_201_CREATED)
+
+
+BULK_ITEM = re.compile(r"^jobs\[(\d+)\]")
+
+
+def _naming_the_job(exc: ValidationFailed) -> ValidationFailed:
+    """A body error at `jobs[i]...` with the job's `index`, as every other bulk error has."""
+    found = next(filter(None, (BULK_ITEM.match(str(path)) for path in exc.extra.get("fields") or {})), None)
+    if found is not None:
+        exc.detail = f"Job {found.group(1)} is invalid."
+        exc.extra["index"] = int(found.group(1))
+    return exc
 
 
 def _first_failing_job(errors: dict) -> ValidationFailed:

@@ -1,5 +1,7 @@
 """POST /api/jobs/bulk/: up to 1,000 jobs, all or nothing, errors naming the failing job."""
 
+import json
+
 import pytest
 
 from quotas.models import QuotaPolicy
@@ -114,3 +116,33 @@ def test_it_is_in_the_openapi_schema(api, operator):
     post = schema["paths"]["/api/jobs/bulk/"]["post"]
     assert "201" in post["responses"]
     assert "JobBulkSubmitInput" in str(post["requestBody"])
+
+
+def test_a_tool_job_without_requirements_is_accepted_as_by_single_submit(api, member_setup):
+    tool = {"type": "tool", "team": "a", "input": {"tool": "echo", "arguments": {"say": "hi"}}}
+    client = api(member_setup[0])
+    assert client.post("/api/jobs/", tool, format="json").status_code == 201
+    response = bulk(client, [chat_body("a"), tool, tool])
+    assert response.status_code == 201, response.json()
+    assert [job["type"] for job in response.json()["jobs"]] == ["chat", "tool", "tool"]
+
+
+def test_other_jobs_still_need_requirements(api, member_setup):
+    body = chat_body("a")
+    del body["requirements"]
+    response = bulk(api(member_setup[0]), [chat_body("a"), body])
+    assert response.status_code == 400 and response.json()["index"] == 1
+    assert response.json()["fields"] == {"requirements": ["This field is required."]}
+
+
+@pytest.mark.parametrize("text", ["a\\u0000b", "\\ud800"])
+def test_unstorable_text_names_the_job_and_where_in_it(api, member_setup, text):
+    jobs = [json.dumps(chat_body("a")) for _ in range(5)]
+    jobs[3] = jobs[3].replace('"content": "hello"', f'"content": "{text}"')
+    raw = '{"jobs": [' + ", ".join(jobs) + "]}"
+    response = api(member_setup[0]).post("/api/jobs/bulk/", raw, content_type="application/json")
+    assert response.status_code == 400
+    body = response.json()
+    assert body["error"] == "validation_error" and body["index"] == 3 and body["detail"] == "Job 3 is invalid."
+    assert list(body["fields"]) == ["jobs[3].input.messages[0].content"]
+    assert not Job.objects.exists()
