@@ -16,6 +16,7 @@ from executors.services import executor_create, executor_delete, executor_sync, 
 from executors.simknobs import knob_problems
 from executors.slurmtransport import transport_problems
 from telemachus.errors import NotFound
+from telemachus.http.bounds import MEMORY_MB_MAX
 from telemachus.http.serializers import StrictSerializer
 from telemachus.models import Team
 from telemachus.teams import rbac
@@ -27,7 +28,7 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 class CapabilitiesInput(serializers.Serializer):
     models = serializers.ListField(child=serializers.CharField(max_length=200), allow_empty=True)
-    memory_mb = serializers.IntegerField(min_value=0, required=False)
+    memory_mb = serializers.IntegerField(min_value=0, max_value=MEMORY_MB_MAX, required=False)
     # The executor also answers embeddings requests (POST {endpoint}/embeddings) for its models.
     embeddings = serializers.BooleanField(required=False)
 

@@ -9,6 +9,7 @@ from quotas.models import money_text
 from scheduler.models import Job, JobEvent
 from scheduler.services.rounds import DEFAULT_MAX_ROUNDS, MAX_ROUNDS
 from scheduler.services.submit import MAX_BULK
+from telemachus.http.bounds import EST_TOKENS_MAX, MAX_TOKENS, MEMORY_MB_MAX
 from telemachus.http.serializers import StrictSerializer
 
 MESSAGE_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -34,11 +35,11 @@ class RequirementsInput(StrictSerializer):
     model = serializers.CharField(max_length=200)
     # Without it the submit estimates the job (scheduler/core/estimates.py): budgets always reserve
     # a real estimate.
-    est_tokens = serializers.IntegerField(min_value=0, max_value=10**12, required=False)
+    est_tokens = serializers.IntegerField(min_value=0, max_value=EST_TOKENS_MAX, required=False)
     # The model API a chat job calls: completions (the default) or embeddings of `input.input`.
     api = serializers.ChoiceField(choices=(CHAT_API, EMBEDDINGS_API), required=False)
     # `class` is a Python keyword; the field is declared under its JSON name below.
-    memory_mb = serializers.IntegerField(min_value=0, required=False)
+    memory_mb = serializers.IntegerField(min_value=0, max_value=MEMORY_MB_MAX, required=False)
 
     def get_fields(self) -> dict[str, serializers.Field]:
         fields = super().get_fields()
@@ -51,7 +52,9 @@ class JobInput(serializers.Serializer):
     through to the driver, which forwards only the options it knows."""
 
     messages = MessageInput(many=True, required=False)
-    max_tokens = serializers.IntegerField(min_value=1, required=False)
+    # Bounded as the OpenAI-compatible endpoint bounds them; either one sets the job's estimate.
+    max_tokens = serializers.IntegerField(min_value=1, max_value=MAX_TOKENS, required=False)
+    max_completion_tokens = serializers.IntegerField(min_value=1, max_value=MAX_TOKENS, required=False)
 
     def to_internal_value(self, data: Any) -> dict[str, Any]:
         if not isinstance(data, dict):

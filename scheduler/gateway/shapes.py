@@ -16,11 +16,12 @@ from executors.tokens import count_prompt_tokens, embedding_inputs
 from scheduler.core.estimates import completion_estimate
 from scheduler.models import Job
 from telemachus import errors
+from telemachus.http.bounds import DIMENSIONS_MAX, MAX_TOKENS
 from telemachus.http.parsers import MAX_DEPTH, json_parse, json_problem
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-# Bounds that keep a request's numbers storable and its budget estimate meaningful.
-MAX_TOKENS_LIMIT, MAX_DIMENSIONS = 10_000_000, 65_536
+# Bounds that keep a request's numbers storable and its budget estimate meaningful (the REST API's).
+MAX_TOKENS_LIMIT, MAX_DIMENSIONS = MAX_TOKENS, DIMENSIONS_MAX
 MAX_MODEL_LENGTH = 200
 
 

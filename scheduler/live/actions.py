@@ -22,16 +22,13 @@ from telemachus.control.audit import audit_source
 from telemachus.control.features import feature_set
 from telemachus.control.features_api import FeatureSwitchInput
 from telemachus.errors import DomainError, NotFound, ValidationFailed
+from telemachus.http.bounds import ID_MAX
 from telemachus.http.serializers import StrictSerializer
 from telemachus.models import AuditEvent
 from telemachus.teams import rbac
 
 # What the dashboard may change on an executor; the rest is the API's and the admin's.
 EXECUTOR_FIELDS = {"max_concurrency", "enabled"}
-
-
-# Row ids are bigints: anything else names no row (and a larger number is a database error).
-ID_MAX = 2**63 - 1
 
 
 def _validated(serializer: serializers.Serializer) -> dict[str, Any]:
