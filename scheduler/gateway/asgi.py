@@ -5,8 +5,10 @@ whose work is waiting.
 
 What Django's middleware would do for these paths is done here: the Host header is checked against
 ALLOWED_HOSTS, bodies are capped at TELEMACHUS_MAX_BODY_BYTES, plain HTTP is refused where
-SECURE_SSL_REDIRECT asks for HTTPS, and responses carry `X-Content-Type-Options: nosniff`. No
-cookies are set and no state changes on a GET, so there is nothing for CSRF protection to do."""
+SECURE_SSL_REDIRECT asks for HTTPS, and responses carry the headers SecurityMiddleware adds
+(`security_headers`: Strict-Transport-Security on a secure request when SECURE_HSTS_SECONDS is
+set, X-Content-Type-Options, Referrer-Policy, Cross-Origin-Opener-Policy). No cookies are set
+and no state changes on a GET, so there is nothing for CSRF protection to do."""
 
 import asyncio
 import json
@@ -54,11 +56,39 @@ class Request:
         return None
 
 
+def security_headers(scope: dict[str, Any]) -> dict[str, str]:
+    """The headers Django's SecurityMiddleware adds to a response to this request, from the same
+    settings (HSTS only on a secure request: HTTPS, or a TLS proxy's header when trusted)."""
+    headers = {}
+    if settings.SECURE_HSTS_SECONDS and _secure(scope):
+        value = f"max-age={settings.SECURE_HSTS_SECONDS}"
+        if settings.SECURE_HSTS_INCLUDE_SUBDOMAINS:
+            value += "; includeSubDomains"
+        if settings.SECURE_HSTS_PRELOAD:
+            value += "; preload"
+        headers["strict-transport-security"] = value
+    if settings.SECURE_CONTENT_TYPE_NOSNIFF:
+        headers["x-content-type-options"] = "nosniff"
+    policy = settings.SECURE_REFERRER_POLICY
+    if policy:
+        headers["referrer-policy"] = ",".join(
+            [v.strip() for v in policy.split(",")] if isinstance(policy, str) else policy
+        )
+    if settings.SECURE_CROSS_ORIGIN_OPENER_POLICY:
+        headers["cross-origin-opener-policy"] = settings.SECURE_CROSS_ORIGIN_OPENER_POLICY
+    return headers
+
+
+def _header_list(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(k.encode("latin1"), v.encode("latin1")) for k, v in headers.items()]
+
+
 class Reply:
     """The response side of one request, and whether its client is still there (`gone` is done
     once the client disconnected)."""
 
-    def __init__(self, receive: Callable, send: Callable) -> None:
+    def __init__(self, receive: Callable, send: Callable, scope: dict[str, Any]) -> None:
+        self._security = security_headers(scope)
         self._send = send
         self.started = False
         self.finished = False
@@ -74,14 +104,7 @@ class Reply:
     async def start(self, status: int, headers: dict[str, str]) -> None:
         self.started = True
         await self._send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (k.encode("latin1"), v.encode("latin1"))
-                    for k, v in {**headers, "x-content-type-options": "nosniff"}.items()
-                ],
-            }
+            {"type": "http.response.start", "status": status, "headers": _header_list({**headers, **self._security})}
         )
 
     async def write(self, data: bytes) -> None:
@@ -143,14 +166,14 @@ class GatewayRouter:
         refusal = _refusal(scope)
         if refusal is not None:
             status, code, message = refusal
-            return await _respond(send, status, errors(status, code, message))
+            return await _respond(scope, send, status, errors(status, code, message))
         body = await _read_body(receive)
         if body is None:
             return
         if len(body) > settings.TELEMACHUS_MAX_BODY_BYTES:
             message = f"Request body is larger than {settings.TELEMACHUS_MAX_BODY_BYTES} bytes."
-            return await _respond(send, 413, errors(413, "payload_too_large", message))
-        reply = Reply(receive, send)
+            return await _respond(scope, send, 413, errors(413, "payload_too_large", message))
+        reply = Reply(receive, send, scope)
         try:
             await handler(Request(scope, body), reply, **kwargs)
         except Exception:
@@ -203,17 +226,8 @@ async def _read_body(receive: Callable) -> bytes | None:
             return b"".join(chunks)
 
 
-async def _respond(send: Callable, status: int, body: dict[str, Any]) -> None:
+async def _respond(scope: dict[str, Any], send: Callable, status: int, body: dict[str, Any]) -> None:
     payload = json.dumps(body).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(payload)).encode()),
-                (b"x-content-type-options", b"nosniff"),
-            ],
-        }
-    )
+    headers = {"content-type": "application/json", "content-length": str(len(payload)), **security_headers(scope)}
+    await send({"type": "http.response.start", "status": status, "headers": _header_list(headers)})
     await send({"type": "http.response.body", "body": payload})
