@@ -1,5 +1,7 @@
+import base64
 from collections.abc import Iterable
 from typing import Any
+from urllib import parse
 
 from django.db.models import QuerySet
 from rest_framework.exceptions import NotFound
@@ -53,6 +55,11 @@ class NewestFirstCursorPagination(CursorPagination):
 
     def decode_cursor(self, request: Request) -> Cursor | None:
         invalid = ValidationFailed({self.cursor_query_param: ["Invalid cursor."]})
+        encoded = request.query_params.get(self.cursor_query_param)
+        if encoded is not None and not _cursor_shaped(encoded):
+            # DRF's decoding skips what is not base64 and reads nothing as the first page, so
+            # `?cursor=!!` would list from the start as if the client had asked for that.
+            raise invalid
         try:
             cursor = super().decode_cursor(request)
         except NotFound:
@@ -71,6 +78,23 @@ class NewestFirstCursorPagination(CursorPagination):
             if parameter["name"] == self.page_size_query_param:
                 parameter["schema"] = {"type": "integer", "minimum": 1, "maximum": self.max_page_size}
         return parameters
+
+
+def _cursor_shaped(encoded: str) -> bool:
+    """Whether `encoded` is a cursor as CursorPagination.encode_cursor writes them: strict base64
+    of a query string with nothing but its keys (`o` offset, `r` reverse, `p` position), each
+    once, and at least one of them (every cursor handed out says where, or which way, it goes)."""
+    try:
+        querystring = base64.b64decode(encoded.encode("ascii"), validate=True).decode("ascii")
+        tokens = parse.parse_qs(querystring, keep_blank_values=True, strict_parsing=True)
+    except (ValueError, UnicodeError):
+        return False
+    return (
+        bool(tokens)
+        and set(tokens) <= {"o", "r", "p"}
+        and all(len(values) == 1 for values in tokens.values())
+        and tokens.get("r", ["1"]) == ["1"]
+    )
 
 
 class OldestFirstCursorPagination(NewestFirstCursorPagination):

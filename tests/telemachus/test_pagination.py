@@ -42,6 +42,16 @@ def jobs(member_setup):
         "é",
         cursor("p=-"),
         cursor("o=-1"),
+        # Not a cursor at all: DRF read these as the first page.
+        "!!",
+        "",
+        "====",
+        cursor(""),
+        cursor("x=1"),
+        cursor("p=1&p=2"),
+        cursor("r=0"),
+        cursor("p=1") + "!",
+        "cD0xMg",  # "p=12" with its padding cut off
     ],
 )
 def test_a_crafted_cursor_is_a_400(api, operator, jobs, path, crafted):
@@ -55,6 +65,8 @@ def test_a_cursor_the_api_handed_out_still_works(api, operator, jobs):
     assert len(first["results"]) == 2 and first["next"]
     second = api(operator).get(first["next"]).json()
     assert [j["id"] for j in second["results"]] == [jobs[0].pk]
+    back = api(operator).get(second["previous"]).json()
+    assert [j["id"] for j in back["results"]] == [j["id"] for j in first["results"]]
 
 
 @pytest.mark.parametrize("path", LISTS)
