@@ -377,11 +377,17 @@ TELEMACHUS_BREAKER_COOLDOWN_SECONDS = env_float("TELEMACHUS_BREAKER_COOLDOWN_SEC
 TELEMACHUS_PROBE_INTERVAL_SECONDS = env_float("TELEMACHUS_PROBE_INTERVAL_SECONDS", 15)
 # Job submissions per user (POST /api/jobs/): "N/s", "N/min", "N/hour", "N/day"; empty turns it off.
 TELEMACHUS_SUBMIT_RATE = os.environ.get("TELEMACHUS_SUBMIT_RATE", "100/s")
-# Failed sign-ins (admin and dashboard) allowed per username and per client address within the
-# window (from the first failure); past either, the form answers 429 until the window ends.
+# Failed sign-ins (admin and dashboard) allowed per username from one client address, and per
+# client address, within the window (from the first failure); past either, the form answers 429 to
+# that address until the window ends (telemachus/teams/signin.py). A username's failures from
+# anywhere never refuse (anyone could lock its owner out): past SLOWDOWN_AFTER of them each attempt
+# on it waits, from SLOWDOWN_SECONDS doubling up to SLOWDOWN_MAX_SECONDS.
 TELEMACHUS_LOGIN_FAILURES_PER_USERNAME = env_int("TELEMACHUS_LOGIN_FAILURES_PER_USERNAME", 5)
 TELEMACHUS_LOGIN_FAILURES_PER_ADDRESS = env_int("TELEMACHUS_LOGIN_FAILURES_PER_ADDRESS", 20)
 TELEMACHUS_LOGIN_WINDOW_SECONDS = env_int("TELEMACHUS_LOGIN_WINDOW_SECONDS", 900)
+TELEMACHUS_LOGIN_SLOWDOWN_AFTER = env_int("TELEMACHUS_LOGIN_SLOWDOWN_AFTER", 5)
+TELEMACHUS_LOGIN_SLOWDOWN_SECONDS = env_float("TELEMACHUS_LOGIN_SLOWDOWN_SECONDS", 0.5)
+TELEMACHUS_LOGIN_SLOWDOWN_MAX_SECONDS = env_float("TELEMACHUS_LOGIN_SLOWDOWN_MAX_SECONDS", 4)
 # Requests with a key or token that matches nothing, allowed per client address within the window
 # (from the first failure); past it, 429 with Retry-After until the window ends (telemachus/keys/).
 TELEMACHUS_AUTH_FAILURES_PER_ADDRESS = env_int("TELEMACHUS_AUTH_FAILURES_PER_ADDRESS", 20)
