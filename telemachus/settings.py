@@ -373,6 +373,9 @@ TELEMACHUS_RETRY_MAX_SECONDS = env_float("TELEMACHUS_RETRY_MAX_SECONDS", 60)
 # the cooldown, then let one trial request decide.
 TELEMACHUS_BREAKER_THRESHOLD = env_int("TELEMACHUS_BREAKER_THRESHOLD", 5)
 TELEMACHUS_BREAKER_COOLDOWN_SECONDS = env_float("TELEMACHUS_BREAKER_COOLDOWN_SECONDS", 30)
+# PostgreSQL ends a worker's session idle this long inside a transaction (a worker frozen
+# mid-claim would hold the claim lock, and so every claim, until it resumed); 0 turns it off.
+TELEMACHUS_WORKER_IDLE_IN_TRANSACTION_SECONDS = env_float("TELEMACHUS_WORKER_IDLE_IN_TRANSACTION_SECONDS", 15)
 # Active health probe of each executor (GET {endpoint}/models), by one worker per interval.
 TELEMACHUS_PROBE_INTERVAL_SECONDS = env_float("TELEMACHUS_PROBE_INTERVAL_SECONDS", 15)
 # Job submissions per user (POST /api/jobs/): "N/s", "N/min", "N/hour", "N/day"; empty turns it off.

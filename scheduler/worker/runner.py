@@ -32,6 +32,7 @@ grace period running out): abort the dispatches and give their jobs back to the 
 
 import asyncio
 import logging
+import math
 import signal
 import time
 import uuid
@@ -618,9 +619,23 @@ def _database_thread(name: str) -> ThreadPoolExecutor:
 
 def _persistent_connection() -> None:
     """A worker's database thread keeps its connection (no per-call reconnect), its own rather
-    than one from the pool the API processes share."""
-    connection.settings_dict["OPTIONS"].pop("pool", None)
-    connection.settings_dict["CONN_MAX_AGE"] = None
+    than one from the pool the API processes share, with the worker's session settings."""
+    connection.settings_dict.update(worker_database_settings(connection.settings_dict))
+
+
+def worker_database_settings(settings_dict: dict[str, Any]) -> dict[str, Any]:
+    """A worker's connection settings, from the process's: no pool, kept open, and on PostgreSQL
+    `idle_in_transaction_session_timeout` (TELEMACHUS_WORKER_IDLE_IN_TRANSACTION_SECONDS). A
+    worker frozen mid-transaction (stopped, swapped out, stuck in a pause) would otherwise hold its
+    locks until it resumes, the claim lock included, and every claim on every host would wait; the
+    server ends such a session after the timeout, its transaction rolled back, and the worker's
+    next call reconnects. Transactions here never wait on anything but the database."""
+    options = {k: v for k, v in (settings_dict.get("OPTIONS") or {}).items() if k != "pool"}
+    timeout = settings.TELEMACHUS_WORKER_IDLE_IN_TRANSACTION_SECONDS
+    if settings_dict.get("ENGINE") == "django.db.backends.postgresql" and timeout > 0:
+        flag = f"-c idle_in_transaction_session_timeout={math.ceil(timeout * 1000)}"
+        options["options"] = f"{options.get('options', '')} {flag}".strip()
+    return {**settings_dict, "OPTIONS": options, "CONN_MAX_AGE": None}
 
 
 def _close_connection() -> None:

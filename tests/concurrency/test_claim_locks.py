@@ -4,11 +4,13 @@ import threading
 import time
 
 import pytest
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 
+from scheduler.core.locks import lock_claim
 from scheduler.models import Job
 from scheduler.services.claim import job_claim
 from scheduler.services.submit import job_submit
+from scheduler.worker.runner import worker_database_settings
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -49,3 +51,42 @@ def test_a_job_locked_elsewhere_is_skipped_not_waited_for(member_setup):
     assert waited < 5
     assert Job.objects.get(pk=held.pk).status == "queued"
     assert [claim.job.pk for claim in job_claim(worker="w", limit=2).claims] == [held.pk]
+
+
+def test_a_worker_frozen_holding_the_claim_lock_is_cut_off_and_claims_go_on(member_setup, settings):
+    # Given a worker's connection (the worker's own session settings, a 1 s idle-in-transaction
+    # bound) that takes the claim lock and then freezes, as a stopped worker would mid-claim...
+    settings.TELEMACHUS_WORKER_IDLE_IN_TRANSACTION_SECONDS = 1
+    job = job_submit(user=member_setup[0], team="a", type="chat", requirements={"model": "m"}, input={"messages": []})
+    locked, outcome = threading.Event(), []
+
+    def frozen_worker() -> None:
+        connection.settings_dict = worker_database_settings(connection.settings_dict)
+        try:
+            with transaction.atomic():
+                lock_claim()
+                locked.set()
+                time.sleep(8)  # frozen, far past the bound
+                Job.objects.count()  # what it does when it resumes
+            outcome.append("committed")
+        except DatabaseError as exc:
+            outcome.append(type(exc).__name__)
+        finally:
+            locked.set()
+            connection.close()
+
+    holder = threading.Thread(target=frozen_worker)
+    holder.start()
+    try:
+        assert locked.wait(10)
+        # When another worker claims...
+        started = time.monotonic()
+        (claim,) = job_claim(worker="w2", limit=1).claims
+        waited = time.monotonic() - started
+    finally:
+        holder.join(20)
+
+    # Then it waited for the bound, not for the frozen worker: the server ended that session (its
+    # transaction rolled back, its lock gone), and the frozen worker learns so when it resumes.
+    assert claim.job.pk == job.pk and waited < 5
+    assert outcome and outcome[0] != "committed"
