@@ -5,6 +5,7 @@ layer); production sets DATABASE_URL, REDIS_URL, SECRET_KEY, DEBUG=0 and ALLOWED
 """
 
 import os
+import re
 from pathlib import Path
 
 import dj_database_url
@@ -56,6 +57,14 @@ def env_counts(name: str) -> dict[str, int]:
             raise ImproperlyConfigured(f"{name} entries must be name=N with N a positive integer, got {entry!r}")
         counts[key.strip()] = int(raw)
     return counts
+
+
+def env_rate(name: str, default: str) -> str:
+    """A request rate, "N/s", "N/min", "N/hour" or "N/day" (empty: off)."""
+    raw = os.environ.get(name, default).strip()
+    if raw and not re.fullmatch(r"[1-9][0-9]*/(s|sec|second|m|min|minute|h|hour|d|day)", raw):
+        raise ImproperlyConfigured(f"{name} must be N/s, N/min, N/hour or N/day (or empty: off), got {raw!r}")
+    return raw
 
 
 def env_list(name: str, default: list[str]) -> list[str]:
@@ -378,8 +387,12 @@ TELEMACHUS_BREAKER_COOLDOWN_SECONDS = env_float("TELEMACHUS_BREAKER_COOLDOWN_SEC
 TELEMACHUS_WORKER_IDLE_IN_TRANSACTION_SECONDS = env_float("TELEMACHUS_WORKER_IDLE_IN_TRANSACTION_SECONDS", 15)
 # Active health probe of each executor (GET {endpoint}/models), by one worker per interval.
 TELEMACHUS_PROBE_INTERVAL_SECONDS = env_float("TELEMACHUS_PROBE_INTERVAL_SECONDS", 15)
-# Job submissions per user (POST /api/jobs/): "N/s", "N/min", "N/hour", "N/day"; empty turns it off.
-TELEMACHUS_SUBMIT_RATE = os.environ.get("TELEMACHUS_SUBMIT_RATE", "100/s")
+# Per-user rates (telemachus/http/throttles.py): "N/s", "N/min", "N/hour", "N/day"; empty turns one
+# off. Job submissions (POST /api/jobs/, each job of POST /api/jobs/bulk/), /v1/ calls, and opens
+# of /api/jobs/{id}/wait/ and /stream/.
+TELEMACHUS_SUBMIT_RATE = env_rate("TELEMACHUS_SUBMIT_RATE", "100/s")
+TELEMACHUS_OPENAI_RATE = env_rate("TELEMACHUS_OPENAI_RATE", "100/s")
+TELEMACHUS_STREAM_RATE = env_rate("TELEMACHUS_STREAM_RATE", "100/s")
 # Failed sign-ins (admin and dashboard) allowed per username from one client address, and per
 # client address, within the window (from the first failure); past either, the form answers 429 to
 # that address until the window ends (telemachus/teams/signin.py). A username's failures from

@@ -1,4 +1,5 @@
 import re
+from typing import Any
 
 from django.db.models import QuerySet
 from drf_spectacular.types import OpenApiTypes
@@ -24,7 +25,7 @@ from scheduler.models import Job, JobEvent
 from scheduler.rbac import require_cancel, visible_jobs
 from scheduler.services.cancel import job_cancel
 from scheduler.services.requeue import job_requeue
-from scheduler.services.submit import JobSpec, job_submit, jobs_submit
+from scheduler.services.submit import MAX_BULK, JobSpec, job_submit, jobs_submit
 from telemachus.errors import NotFound, ValidationFailed
 from telemachus.http.pagination import OldestFirstCursorPagination
 from telemachus.http.throttles import SubmitRateThrottle
@@ -90,18 +91,23 @@ class JobBulkSubmitApi(APIView):
     """POST submits up to 1,000 jobs at once, all or nothing: each is validated and admitted as
     `POST /api/jobs/` would, the team's queue depth cap counts the whole batch, and nothing is
     written unless every job is accepted. A refusal is the error single submit gives, with
-    `index`: the position of the first failing job in `jobs`."""
+    `index`: the position of the first failing job in `jobs`. Each job counts against the submit
+    rate, as if submitted alone."""
+
+    throttle_classes = [SubmitRateThrottle]
+
+    def submit_cost(self, request: Request) -> int:
+        """How many jobs the body submits, for the submit rate."""
+        body = _bulk_body(request)
+        jobs = body.get("jobs") if isinstance(body, dict) else None
+        return min(len(jobs), MAX_BULK) if isinstance(jobs, list) and jobs else 1
 
     serves_api_keys = True
 
     @extend_schema(request=JobBulkSubmitInput, responses={201: JobBulkOutput})
     def post(self, request: Request) -> Response:
-        try:
-            data = request.data
-        except ValidationFailed as exc:  # the parser's (text, nesting, numbers), at `jobs[i]...`
-            raise _naming_the_job(exc) from None
         key = request_api_key(request)
-        bulk = JobBulkSubmitInput(data=data, context={"key": key})
+        bulk = JobBulkSubmitInput(data=_bulk_body(request), context={"key": key})
         if not bulk.is_valid():
             raise _first_failing_job(bulk.errors)
         jobs = jobs_submit(
@@ -111,6 +117,14 @@ class JobBulkSubmitApi(APIView):
 
 
 BULK_ITEM = re.compile(r"^jobs\[(\d+)\]")
+
+
+def _bulk_body(request: Request) -> Any:
+    """The parsed body; a parser's refusal (text, nesting, numbers) names the job at `jobs[i]...`."""
+    try:
+        return request.data
+    except ValidationFailed as exc:
+        raise _naming_the_job(exc) from None
 
 
 def _naming_the_job(exc: ValidationFailed) -> ValidationFailed:

@@ -38,6 +38,7 @@ from scheduler.services.submit import job_submit
 from telemachus import errors
 from telemachus.control.config import config_current, config_snapshot
 from telemachus.control.features import OPENAI, feature_require
+from telemachus.http.throttles import caller_ident, rate_parse, rate_take
 from telemachus.models import ApiKey, Team
 from telemachus.teams import rbac
 
@@ -201,7 +202,8 @@ def caller_for(*, authorization: str | None, team: str | None, confirm: bool, ad
     every /v1/ call passes once its caller and team are known. The switches are the cached ones;
     with `confirm` False, those this process last used, unconfirmed (no query), for a submit,
     which confirms its configuration and checks the switch again. A refusal is believed only
-    from a confirmed read. Too many bad credentials from `address`: 429 with Retry-After."""
+    from a confirmed read. Too many bad credentials from `address`: 429 with Retry-After. Each
+    call counts against the caller's TELEMACHUS_OPENAI_RATE (429 rate_limit_exceeded past it)."""
     try:
         credential = credential_for(authorization=authorization, address=address)
     except TooManyFailures as exc:
@@ -216,6 +218,7 @@ def caller_for(*, authorization: str | None, team: str | None, confirm: bool, ad
     if credential is None:
         raise shapes.not_authenticated()
     user = credential.user
+    rate_require(user=user)
     caller = Caller(user=user, team=team_of(user, team), key=credential.key)
     snapshot, fresh = (config_snapshot(), True) if confirm else config_current()
     try:
@@ -225,6 +228,21 @@ def caller_for(*, authorization: str | None, team: str | None, confirm: bool, ad
             raise
         feature_require(feature=OPENAI, team=caller.team, switches=configuration(config_snapshot()).features)
     return caller
+
+
+def rate_require(*, user: rbac.Principal) -> None:
+    """Count one /v1/ call against the user's (an app key's own principal's) rate, or refuse it
+    with 429 and Retry-After (the SDKs wait that long and try again on their own)."""
+    rate = rate_parse(settings.TELEMACHUS_OPENAI_RATE)
+    wait = rate_take(scope="openai", ident=caller_ident(user, None), rate=rate) if rate is not None else None
+    if wait is not None:
+        raise shapes.OpenAIError(
+            429,
+            f"Rate limit reached: at most {settings.TELEMACHUS_OPENAI_RATE} calls; try again in {wait} s.",
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"retry-after": str(wait)},
+        )
 
 
 def team_of(user: rbac.Principal, slug: str | None) -> Team:

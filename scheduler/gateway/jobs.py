@@ -12,6 +12,9 @@
   last delta before `done`. A comment every 15 s keeps idle
   connections open. Leaving the stream does not cancel the job.
 
+Opening either counts against the caller's TELEMACHUS_STREAM_RATE: past it, 429 `throttled` with
+Retry-After, in the REST API's shape.
+
 Both wake on the process's job feed (feed.py) instead of polling the database."""
 
 import asyncio
@@ -28,6 +31,7 @@ from scheduler.gateway.database import db
 from scheduler.gateway.feed import Delta, JobFeed, Relay
 from scheduler.models import Job, JobEvent
 from scheduler.rbac import visible_jobs
+from telemachus.http.throttles import caller_ident, rate_parse, rate_take
 from telemachus.teams import rbac
 
 DEFAULT_TIMEOUT, MAX_TIMEOUT = 30.0, 300.0
@@ -41,8 +45,8 @@ async def serve(request: Request, reply: Reply, job_id: str, action: str) -> Non
             405, api_error(405, "method_not_allowed", f'Method "{request.method}" not allowed.'), {"allow": "GET"}
         )
     try:
-        user = await db(
-            _user,
+        user, wait = await db(
+            _caller,
             authorization=request.header("authorization"),
             session_key=request.cookie(settings.SESSION_COOKIE_NAME),
             address=client_address(request.scope),
@@ -59,10 +63,27 @@ async def serve(request: Request, reply: Reply, job_id: str, action: str) -> Non
             api_error(401, "not_authenticated", "Authentication credentials were not provided."),
             {"www-authenticate": "Token"},
         )
+    if wait is not None:
+        detail = f"Request was throttled. Expected available in {wait} seconds."
+        return await reply.json(
+            429, {**api_error(429, "throttled", detail), "retry_after": wait}, {"retry-after": str(wait)}
+        )
     if action == "wait":
         await job_wait(request, reply, user=user, job_id=int(job_id))
     else:
         await job_stream(request, reply, user=user, job_id=int(job_id))
+
+
+def _caller(
+    *, authorization: str | None, session_key: str | None, address: str
+) -> tuple[rbac.Principal | None, int | None]:
+    """Who is calling, and how long they must wait (TELEMACHUS_STREAM_RATE: each wait or stream
+    opened counts), or None when they may go on."""
+    user = _user(authorization=authorization, session_key=session_key, address=address)
+    rate = rate_parse(settings.TELEMACHUS_STREAM_RATE)
+    if user is None or rate is None:
+        return user, None
+    return user, rate_take(scope="stream", ident=caller_ident(user, None), rate=rate)
 
 
 def _user(*, authorization: str | None, session_key: str | None, address: str) -> rbac.Principal | None:
