@@ -5,7 +5,7 @@ through PgBouncer (.ci/run); this pins the classification."""
 import pytest
 from django.db import DataError, IntegrityError, InterfaceError, InternalError, OperationalError
 
-from scheduler.worker import database_outage
+from scheduler.worker.runner import database_outage
 
 
 @pytest.mark.parametrize(
