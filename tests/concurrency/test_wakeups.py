@@ -21,7 +21,10 @@ from tests.processes import http_json, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
-LATENCY_MS, CAP, JOBS = 200, 6, 240
+# The model's latency is long beside a claim and a finish (tens of ms on a loaded two-core
+# machine), so the bar below tests wake-ups, not the machine's speed (that is bench/'s job): a
+# slot left for the safety timer costs a minute, against 0.4 s.
+LATENCY_MS, CAP, JOBS = 400, 6, 240
 # Workers that only wake on purpose (the safety timer would cap throughput near CAP a minute),
 # run as deployed: with DEBUG off, Django keeps no log of every query; no line per job either.
 WORKER = {
