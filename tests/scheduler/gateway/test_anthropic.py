@@ -123,14 +123,12 @@ def test_a_client_that_disconnects_cancels_its_job(stack, alice, stream):
 def test_streamed(stack, alice):
     executor = stack.executor(stack.trickle)
     cap_team_a(1)
-    kinds, texts, running_at_first_text = [], [], None
+    kinds, texts = [], []
     with sdk(stack, alice).messages.stream(model="m", max_tokens=64, messages=HELLO) as stream:
         for event in stream:
             kinds.append(event.type)
             if event.type == "text":
                 texts.append(event.text)
-                if running_at_first_text is None:
-                    running_at_first_text = Job.objects.get().status == "running"
         final = stream.get_final_message()
     expected = "[simulated by simllm] " + " ".join(f"sim{i}" for i in range(8))
     assert "".join(texts) == final.content[0].text == expected == Job.objects.get().result["message"]["content"]
@@ -139,7 +137,8 @@ def test_streamed(stack, alice):
     assert final.stop_reason == "end_turn" and final.usage.output_tokens == 8 and final.usage.input_tokens == 6
     assert stack.stats(executor)["requests"] == 1
     if live_deltas():
-        assert running_at_first_text, "text arrived while the model was still writing"
+        # Relayed only at the end, the text would come as one piece: in pieces, it came as written
+        # (test_live_protocol_streams.py times a stream against the job's end, without an SDK's costs)
         assert len(texts) > 2
 
 

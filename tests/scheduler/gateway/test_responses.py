@@ -97,14 +97,12 @@ def test_a_client_that_disconnects_cancels_its_job(stack, alice):
 def test_streamed(stack, alice):
     executor = stack.executor(stack.trickle)
     cap_team_a(1)
-    kinds, deltas, running_at_first_text = [], [], None
+    kinds, deltas = [], []
     with sdk(stack, alice).responses.stream(model="m", input="hello there") as stream:
         for event in stream:
             kinds.append(event.type)
             if event.type == "response.output_text.delta":
                 deltas.append(event.delta)
-                if running_at_first_text is None:
-                    running_at_first_text = Job.objects.get().status == "running"
         final = stream.get_final_response()
     expected = "[simulated by simllm] " + " ".join(f"sim{i}" for i in range(8))
     assert "".join(deltas) == final.output_text == expected == Job.objects.get().result["message"]["content"]
@@ -120,7 +118,8 @@ def test_streamed(stack, alice):
     assert final.status == "completed" and final.usage.output_tokens == 8
     assert stack.stats(executor)["requests"] == 1
     if live_deltas():
-        assert running_at_first_text, "text arrived while the model was still writing"
+        # Relayed only at the end, the text would come as one piece: in pieces, it came as written
+        # (test_live_protocol_streams.py times a stream against the job's end, without an SDK's costs)
         assert len(deltas) > 2
 
 
