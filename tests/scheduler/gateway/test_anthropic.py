@@ -235,7 +235,9 @@ class TestAuthAndErrors:
     def test_bearer_works_as_well_as_x_api_key(self, stack, alice):
         stack.executor(stack.simllm)
         body = {"model": "m", "max_tokens": 2, "messages": HELLO}
-        bearer = httpx.post(f"{stack.base}/v1/messages", json=body, headers={"Authorization": f"Bearer {token(alice)}"})
+        bearer = httpx.post(
+            f"{stack.base}/v1/messages", json=body, headers={"Authorization": f"Bearer {token(alice)}"}, timeout=60
+        )  # a job: it waits for the test's worker to start
         assert bearer.status_code == 200 and bearer.json()["type"] == "message"
         nobody = httpx.post(f"{stack.base}/v1/messages", json=body, headers={"x-api-key": "nope"})
         assert nobody.status_code == 401
