@@ -1,6 +1,8 @@
 """GET /api/queue/history/: what the dashboard's charts draw, for anyone signed in, limited to
 the teams and executors they may see (scheduler/live/history.py)."""
 
+from typing import Any
+
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
@@ -15,7 +17,7 @@ from telemachus.http.pagination import query_params_check
 DEFAULT_MINUTES = 60
 
 
-class HistoryQuery(serializers.Serializer):
+class HistoryQuery(serializers.Serializer[Any]):
     minutes = serializers.IntegerField(
         min_value=1, default=DEFAULT_MINUTES, help_text="How far back, up to the history kept (default 60)."
     )

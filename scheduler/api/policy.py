@@ -8,12 +8,12 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from scheduler.api.serializers import StrictSerializer
 from scheduler.core.bounds import MAPS, SCALARS, field_problem
 from scheduler.core.policy import BaseQueuePolicy
 from scheduler.core.selectors import policy_seen_by, queue_policy
 from scheduler.models import QueuePolicy
 from scheduler.services.policy import EDITABLE, queue_policy_update
+from telemachus.http.serializers import StrictSerializer
 from telemachus.models import Membership, Team
 from telemachus.teams import rbac
 
@@ -36,7 +36,7 @@ class NumberField(serializers.FloatField):
         return super().to_internal_value(data)
 
 
-def bounded(name: str, **kwargs: Any) -> serializers.Field:
+def bounded(name: str, **kwargs: Any) -> serializers.Field[Any, Any, Any, Any]:
     """A number field with the policy's bounds for `name` (scheduler/core/bounds.py)."""
     low, high, kind = SCALARS.get(name) or MAPS[name]
     if kind is int:
@@ -114,7 +114,7 @@ def _known_teams(slugs: Any) -> None:
         raise serializers.ValidationError(f"No team(s) {', '.join(sorted(missing))}.")
 
 
-class PolicyOutput(serializers.ModelSerializer):
+class PolicyOutput(serializers.ModelSerializer[QueuePolicy]):
     class Meta:
         model = QueuePolicy
         fields = [*EDITABLE, "updated_at"]

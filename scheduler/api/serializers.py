@@ -15,7 +15,7 @@ from telemachus.http.serializers import StrictSerializer
 MESSAGE_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-class MessageInput(serializers.Serializer):
+class MessageInput(serializers.Serializer[Any]):
     """An OpenAI chat message: an assistant message that calls tools may have no content; a tool
     message answers one call by its id."""
 
@@ -41,13 +41,13 @@ class RequirementsInput(StrictSerializer):
     # `class` is a Python keyword; the field is declared under its JSON name below.
     memory_mb = serializers.IntegerField(min_value=0, max_value=MEMORY_MB_MAX, required=False)
 
-    def get_fields(self) -> dict[str, serializers.Field]:
+    def get_fields(self) -> dict[str, serializers.Field[Any, Any, Any, Any]]:
         fields = super().get_fields()
         fields["class"] = serializers.ChoiceField(choices=("cpu", "gpu"), required=False)
         return fields
 
 
-class JobInput(serializers.Serializer):
+class JobInput(serializers.Serializer[Any]):
     """The model-facing input. `messages` is checked; other keys (max_tokens, temperature, ...) pass
     through to the driver, which forwards only the options it knows."""
 
@@ -63,7 +63,7 @@ class JobInput(serializers.Serializer):
         return {**data, **checked}
 
 
-class FlowInput(serializers.Serializer):
+class FlowInput(serializers.Serializer[Any]):
     """A flow: the conversation to start from, the registered tools the model may call (their
     existence and the tools:invoke permission are checked at submit), and its bounds."""
 
@@ -79,14 +79,14 @@ class ToolJobInput(StrictSerializer):
     arguments = serializers.DictField(default=dict)
 
 
-class TranslateInput(serializers.Serializer):
+class TranslateInput(serializers.Serializer[Any]):
     text = serializers.CharField(trim_whitespace=False)
     target_lang = serializers.CharField(max_length=64)
     source_lang = serializers.CharField(max_length=64, required=False)
 
 
 # The input each job type must have beyond JobInput's (whose other keys pass through).
-TYPE_INPUTS: dict[str, type[serializers.Serializer]] = {
+TYPE_INPUTS: dict[str, type[serializers.Serializer[Any]]] = {
     Job.Type.FLOW: FlowInput,
     Job.Type.TOOL: ToolJobInput,
     Job.Type.TRANSLATE: TranslateInput,
@@ -114,7 +114,7 @@ class JobSubmitInput(StrictSerializer):
     input = JobInput()
     meta = serializers.DictField(required=False)
 
-    def get_fields(self) -> dict[str, serializers.Field]:
+    def get_fields(self) -> dict[str, serializers.Field[Any, Any, Any, Any]]:
         fields = super().get_fields()
         if self.context.get("key") is not None:
             fields["team"] = serializers.SlugField(max_length=64, required=False)
@@ -149,7 +149,7 @@ class JobSubmitInput(StrictSerializer):
         return attrs
 
 
-class JobListFilter(serializers.Serializer):
+class JobListFilter(serializers.Serializer[Any]):
     """Query parameters of the job list; a filter may repeat (`?status=queued&status=running`)."""
 
     status = serializers.MultipleChoiceField(choices=Job.Status.choices, required=False)
@@ -157,7 +157,7 @@ class JobListFilter(serializers.Serializer):
     team = serializers.SlugField(required=False)
 
 
-class JobOutput(serializers.ModelSerializer):
+class JobOutput(serializers.ModelSerializer[Job]):
     team = serializers.SlugRelatedField(slug_field="slug", read_only=True)  # type: ignore[var-annotated]
     user = serializers.SlugRelatedField(slug_field="username", read_only=True)  # type: ignore[var-annotated]
     executor = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)  # type: ignore[var-annotated]
@@ -195,7 +195,7 @@ class JobOutput(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class JobEventOutput(serializers.ModelSerializer):
+class JobEventOutput(serializers.ModelSerializer[JobEvent]):
     executor = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)  # type: ignore[var-annotated]
 
     class Meta:
@@ -210,5 +210,5 @@ class JobBulkSubmitInput(StrictSerializer):
     jobs = JobSubmitInput(many=True, min_length=1, max_length=MAX_BULK)  # type: ignore[call-arg]
 
 
-class JobBulkOutput(serializers.Serializer):
+class JobBulkOutput(serializers.Serializer[Any]):
     jobs = JobOutput(many=True, read_only=True)

@@ -33,7 +33,7 @@ from telemachus.keys.authentication import request_api_key
 from telemachus.keys.models import ApiKey
 
 
-def submit_team(data: dict, key: ApiKey | None) -> dict:
+def submit_team(data: dict[str, Any], key: ApiKey | None) -> dict[str, Any]:
     """A submission's fields with its team: the one it names, else (an app's API key may leave
     it out) the key's team."""
     if data.get("team") or key is None:
@@ -48,7 +48,7 @@ def visible_job(request: Request, job_id: int) -> Job:
     return job
 
 
-class JobListCreateApi(ListAPIView):
+class JobListCreateApi(ListAPIView[Job]):
     """GET lists the jobs the caller may see, newest first; POST submits a job."""
 
     serializer_class = JobOutput
@@ -63,7 +63,7 @@ class JobListCreateApi(ListAPIView):
             OpenApiParameter("team", str),
         ]
     )
-    def get(self, request: Request, *args, **kwargs) -> Response:
+    def get(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         return super().get(request, *args, **kwargs)
 
     def get_queryset(self) -> QuerySet[Job]:
@@ -136,7 +136,7 @@ def _naming_the_job(exc: ValidationFailed) -> ValidationFailed:
     return exc
 
 
-def _first_failing_job(errors: dict) -> ValidationFailed:
+def _first_failing_job(errors: dict[str, Any]) -> ValidationFailed:
     """The bulk body's errors as the API's validation error: the first invalid job's fields with
     its `index`, or what is wrong with the body itself."""
     items = errors.get("jobs")
@@ -178,7 +178,7 @@ class JobRequeueApi(APIView):
         return Response(JobOutput(visible_job(request, job.pk)).data)
 
 
-class JobEventListApi(ListAPIView):
+class JobEventListApi(ListAPIView[JobEvent]):
     serializer_class = JobEventOutput
     pagination_class = OldestFirstCursorPagination
     serves_api_keys = True
@@ -196,7 +196,7 @@ class QueueApi(APIView):
         return Response(queue_snapshot(user=request.user))
 
 
-class ExecutorEventListApi(ListAPIView):
+class ExecutorEventListApi(ListAPIView[JobEvent]):
     """Breaker transitions and health changes of one executor, oldest first."""
 
     serializer_class = JobEventOutput

@@ -23,7 +23,11 @@ from django.http.request import split_domain_port, validate_host
 from rest_framework.utils.encoders import JSONEncoder
 
 log = logging.getLogger("telemachus.gateway")
-ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class Request:
@@ -87,12 +91,12 @@ class Reply:
     """The response side of one request, and whether its client is still there (`gone` is done
     once the client disconnected)."""
 
-    def __init__(self, receive: Callable, send: Callable, scope: dict[str, Any]) -> None:
+    def __init__(self, receive: Receive, send: Send, scope: Scope) -> None:
         self._security = security_headers(scope)
         self._send = send
         self.started = False
         self.finished = False
-        self.gone: asyncio.Future = asyncio.ensure_future(_disconnected(receive))
+        self.gone: asyncio.Future[None] = asyncio.ensure_future(_disconnected(receive))
 
     async def json(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
         payload = json.dumps(body, cls=JSONEncoder).encode()
@@ -118,7 +122,7 @@ class Reply:
         self.gone.cancel()
 
 
-async def _disconnected(receive: Callable) -> None:
+async def _disconnected(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
 
@@ -140,13 +144,13 @@ class GatewayRouter:
         from scheduler.gateway import anthropic, jobs, openai
 
         self.fallback = fallback
-        self.routes: list[tuple[re.Pattern, Handler, ErrorBody]] = [
+        self.routes: list[tuple[re.Pattern[str], Handler, ErrorBody]] = [
             (re.compile(r"^/v1/messages(?P<rest>/.*)?$"), anthropic.serve, anthropic.error_body),
             (re.compile(r"^/v1/(?P<rest>.*)$"), openai.serve, openai.error_body),
             (re.compile(r"^/api/jobs/(?P<job_id>[0-9]{1,18})/(?P<action>wait|stream)/$"), jobs.serve, api_error),
         ]
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             for pattern, handler, errors in self.routes:
                 match = pattern.match(scope["path"])
@@ -159,9 +163,9 @@ class GatewayRouter:
         handler: Handler,
         errors: ErrorBody,
         kwargs: dict[str, str],
-        scope: dict,
-        receive: Callable,
-        send: Callable,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
     ) -> None:
         refusal = _refusal(scope)
         if refusal is not None:
@@ -186,7 +190,7 @@ class GatewayRouter:
             reply.close()
 
 
-def _refusal(scope: dict) -> tuple[int, str, str] | None:
+def _refusal(scope: Scope) -> tuple[int, str, str] | None:
     """What Django's middleware would refuse: a Host not in ALLOWED_HOSTS, plain HTTP where HTTPS
     is required."""
     host = next((v.decode("latin1") for k, v in scope.get("headers") or () if k.lower() == b"host"), "")
@@ -199,7 +203,7 @@ def _refusal(scope: dict) -> tuple[int, str, str] | None:
     return None
 
 
-def _secure(scope: dict) -> bool:
+def _secure(scope: Scope) -> bool:
     if scope.get("scheme") in ("https", "wss"):
         return True
     if settings.SECURE_PROXY_SSL_HEADER:
@@ -212,7 +216,7 @@ def _secure(scope: dict) -> bool:
     return False
 
 
-async def _read_body(receive: Callable) -> bytes | None:
+async def _read_body(receive: Receive) -> bytes | None:
     """The whole body, or as much of it as shows it is too large; None if the client left."""
     chunks, size = [], 0
     while True:
@@ -226,7 +230,7 @@ async def _read_body(receive: Callable) -> bytes | None:
             return b"".join(chunks)
 
 
-async def _respond(scope: dict[str, Any], send: Callable, status: int, body: dict[str, Any]) -> None:
+async def _respond(scope: Scope, send: Send, status: int, body: dict[str, Any]) -> None:
     payload = json.dumps(body).encode()
     headers = {"content-type": "application/json", "content-length": str(len(payload)), **security_headers(scope)}
     await send({"type": "http.response.start", "status": status, "headers": _header_list(headers)})

@@ -23,7 +23,7 @@ def client_address(scope: dict[str, Any]) -> str:
     if settings.SECURE_PROXY_SSL_HEADER:
         for name, value in scope.get("headers") or ():
             if name.lower() == b"x-forwarded-for":
-                return value.decode("latin1").split(",")[-1].strip()
+                return str(value.decode("latin1").split(",")[-1].strip())
     client = scope.get("client")
     return str(client[0]) if client else "unknown"
 

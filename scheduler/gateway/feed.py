@@ -198,7 +198,7 @@ class Watch:
         self.deltas.append(delta)
         self._ready.set()
 
-    async def wait(self, timeout: float, *, unless: asyncio.Future | None = None) -> bool:
+    async def wait(self, timeout: float, *, unless: asyncio.Future[Any] | None = None) -> bool:
         """Sleep until something arrives (True), the timeout passes or `unless` is done (False)."""
         if self._ready.is_set():
             return True
@@ -240,10 +240,10 @@ class JobFeed:
         self.generation = 0  # bumped each time the listener (re)connects
         self._known: dict[int, tuple[str, int | None]] = {}
         self._stale = asyncio.Event()  # SQLite: another connection committed since the last read
-        self._poller: asyncio.Task | None = None  # PostgreSQL: reads while the listener is down
+        self._poller: asyncio.Task[None] | None = None  # PostgreSQL: reads while the listener is down
         self._group_ops: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
         self._channel: str | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         # On SQLite, watched only while a request waits (`active`); PostgreSQL listens throughout,
         # so a watch taken after a mark knows what changed in between.
         self._ears = Listener.current().subscribe(

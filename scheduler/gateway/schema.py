@@ -108,7 +108,7 @@ def _openai(
     post: bool,
     errors: tuple[int, ...],
     stream: bool = False,
-    parameters: tuple[dict, ...] = (TEAM_HEADER,),
+    parameters: tuple[dict[str, Any], ...] = (TEAM_HEADER,),
 ) -> dict[str, Any]:
     ok: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
     if stream:

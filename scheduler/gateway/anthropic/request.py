@@ -96,7 +96,7 @@ def _system(system: Any) -> list[dict[str, Any]]:
 def _text_block(block: Any, where: str) -> str:
     if not (isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)):
         raise refused(f"{where}.type", "only text blocks are taken here.")
-    return block["text"]
+    return str(block["text"])
 
 
 def messages(value: Any) -> list[dict[str, Any]]:
@@ -176,7 +176,7 @@ def _image_url(source: Any, where: str) -> str:
     if kind == "base64" and isinstance(source.get("data"), str) and isinstance(source.get("media_type"), str):
         return f"data:{source['media_type']};base64,{source['data']}"
     if kind == "url" and isinstance(source.get("url"), str):
-        return source["url"]
+        return str(source["url"])
     raise refused(f"{where}.source", "images are taken as base64 or url sources only: there is no file store here.")
 
 
