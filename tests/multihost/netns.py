@@ -95,7 +95,8 @@ class Network:
         """Serve `upstream` (host:port, reached from this namespace) on `host`'s address, `port`."""
         sock = self.workdir / f"{host}.sock"
         env = dict(os.environ)
-        self.run(None, f"{host}-relay", ["socat", f"UNIX-LISTEN:{sock},fork,unlink-early", f"TCP:{upstream},nodelay"], env)
+        relay = ["socat", f"UNIX-LISTEN:{sock},fork,unlink-early", f"TCP:{upstream},nodelay"]
+        self.run(None, f"{host}-relay", relay, env)
         deadline = time.monotonic() + 10
         while not sock.exists():
             if time.monotonic() > deadline:

@@ -164,8 +164,9 @@ def test_two_api_hosts_and_two_worker_hosts_share_caps_streams_recovery_and_metr
     assert set(Job.objects.filter(pk__in=ids).values_list("worker", flat=True)) == set(WORKER_HOSTS)
     # and beta (weight 3) was served ahead of alpha's older backlog: of the starts from beta's
     # first submit until one of the two had nothing left, most were beta's (FIFO: none).
+    since = datetime.fromtimestamp(beta_submitted, tz=UTC)
     order = list(
-        Job.objects.filter(pk__in=ids, team__slug__in=["alpha", "beta"], started_at__gte=datetime.fromtimestamp(beta_submitted, tz=UTC))
+        Job.objects.filter(pk__in=ids, team__slug__in=["alpha", "beta"], started_at__gte=since)
         .order_by("started_at", "id")
         .values_list("team__slug", flat=True)
     )
@@ -218,9 +219,7 @@ def test_two_api_hosts_and_two_worker_hosts_share_caps_streams_recovery_and_metr
         timeout=30,
         what="the slow jobs to run",
     )
-    held = Counter(
-        Job.objects.filter(model="slow", status="running").values_list("worker", flat=True)
-    )
+    held = Counter(Job.objects.filter(model="slow", status="running").values_list("worker", flat=True))
     victim = held.most_common(1)[0][0]
     rescuer = next(host for host in WORKER_HOSTS if host != victim)
     doomed = set(Job.objects.filter(status="running", worker=victim).values_list("pk", flat=True))
