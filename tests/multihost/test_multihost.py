@@ -205,7 +205,7 @@ def test_two_api_hosts_and_two_worker_hosts_share_caps_streams_recovery_and_metr
     assert job.worker in WORKER_HOSTS and job.executor_id == slow.pk
     assert "started" in events and "finished" in events
     # The text came as the model wrote it (16 tokens at 8 per second), relayed from the worker
-    # host through Redis to api1, before the job's end.
+    # host to api1 by the channel layer (Redis: REDIS_URL is set), before the job's end.
     assert len(deltas) >= 3
     assert deltas[-1][0] - deltas[0][0] > 1.0
     assert deltas[0][0] < job.finished_at.timestamp()
@@ -250,6 +250,8 @@ def test_two_api_hosts_and_two_worker_hosts_share_caps_streams_recovery_and_metr
     # --- 4. /metrics on each API host, each counting what it served in its own directory ---------
     done_jobs = Job.objects.filter(status="done").count()
     for host in API_HOSTS:
+        ready = cluster.request(host, "GET", "/readyz").result()
+        assert ready.status == 200 and ready.body["checks"] == {"database": "ok", "migrations": "ok"}
         expected = cluster.sent[host]
         scrape = cluster.request(host, "GET", "/metrics", token=tokens["operator"]).result()
         assert scrape.status == 200, scrape.body
@@ -261,6 +263,7 @@ def test_two_api_hosts_and_two_worker_hosts_share_caps_streams_recovery_and_metr
         asset = re.search(r'href="(/static/[^"]+\.css)"', page.body)
         assert page.status == 200 and asset
         assert cluster.request(host, "GET", asset.group(1)).result().status == 200
+    assert cluster.request(rescuer, "GET", "/readyz").result().status == 200
     scrape = cluster.request(rescuer, "GET", "/metrics").result()
     assert scrape.status == 200
     beats = re.findall(r'telemachus_worker_heartbeat_timestamp_seconds\{worker="([^"]+)"\}', scrape.body)
