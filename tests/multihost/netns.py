@@ -12,7 +12,9 @@ the os module has only from Python 3.12.
 
 The test's own HTTP calls run in threads that joined the `client` host's namespace (`enter`).
 Namespaces are named `tmh<pid>-<host>`; `up()` first removes those of test runs that are gone, and
-`down()` removes this run's, whatever state it is in."""
+`down()` removes this run's, whatever state it is in. Every process started here is killed by the
+kernel when the test process dies (PR_SET_PDEATHSIG), so a test run killed outright leaves no host
+running, nor the relays in the machine's own namespace, which no namespace clean-up would find."""
 
 import ctypes
 import os
@@ -24,6 +26,7 @@ import time
 from pathlib import Path
 
 CLONE_NEWNET = 0x40000000
+PR_SET_PDEATHSIG = 1
 PREFIX = "tmh"
 
 
@@ -86,7 +89,9 @@ class Network:
         `ip netns exec` execs the command, so the process's pid is the command's own."""
         log = open(self.workdir / f"{name}.log", "w")
         prefix = [] if host is None else ["ip", "netns", "exec", self.ns(host)]
-        proc = subprocess.Popen([*prefix, *argv], env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [*prefix, *argv], env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+        )
         proc.log_path = self.workdir / f"{name}.log"  # type: ignore[attr-defined]
         self.procs.append(proc)
         return proc
@@ -112,6 +117,12 @@ class Network:
         with open(f"/run/netns/{self.ns(host)}") as handle:
             if libc.setns(handle.fileno(), CLONE_NEWNET) != 0:
                 raise OSError(ctypes.get_errno(), f"setns into {self.ns(host)}")
+
+
+def die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the thread that started it (the test's) exits. The
+    setting survives exec (`ip netns exec` execs the command in turn)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def remove(tag: str) -> None:
