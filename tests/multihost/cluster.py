@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import redis
 from django.conf import settings
 from django.db import connection
 
@@ -95,6 +96,15 @@ class Cluster:
 
     def address(self, host: str) -> str:
         return self.net.address(host)
+
+    def redis_group_exists(self, group: str) -> bool:
+        """Whether the channel layer's group `group` has members, read from the Redis itself (as the
+        test reads PostgreSQL: from the machine, not through the hosts)."""
+        client = redis.Redis.from_url(f"redis://{self.redis_upstream}/{self.redis_db}")
+        try:
+            return bool(client.exists(f"{self.net.tag}:group:{group}"))
+        finally:
+            client.close()
 
     def manage(self, host: str, name: str, *args: str, metrics: bool = False, **extra: str) -> Any:
         env = self.env(host, metrics=metrics, **extra)

@@ -195,7 +195,14 @@ def test_two_api_hosts_and_two_worker_hosts_share_caps_streams_recovery_and_metr
         },
     ).result()
     assert submitted.status == 201, submitted.body
-    streamed = cluster.stream("api1", submitted.body["id"], token=tokens["bob"]).result(timeout=60)
+    stream = cluster.stream("api1", submitted.body["id"], token=tokens["bob"])
+    # api1 takes the job's output from the channel layer: it joined the job's group in Redis.
+    wait_until(
+        lambda: cluster.redis_group_exists(f"job-{submitted.body['id']}"),
+        timeout=10,
+        what="api1 to join the job's group in Redis",
+    )
+    streamed = stream.result(timeout=60)
     kinds = [kind for _, kind, _ in streamed]
     events = [data["event"] for _, kind, data in streamed if kind == "event"]
     deltas = [(at, data["text"]) for at, kind, data in streamed if kind == "delta"]
@@ -205,7 +212,7 @@ def test_two_api_hosts_and_two_worker_hosts_share_caps_streams_recovery_and_metr
     assert job.worker in WORKER_HOSTS and job.executor_id == slow.pk
     assert "started" in events and "finished" in events
     # The text came as the model wrote it (16 tokens at 8 per second), relayed from the worker
-    # host to api1 by the channel layer (Redis: REDIS_URL is set), before the job's end.
+    # host to api1 through Redis, before the job's end.
     assert len(deltas) >= 3
     assert deltas[-1][0] - deltas[0][0] > 1.0
     assert deltas[0][0] < job.finished_at.timestamp()
