@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test lint migrate clean
+.PHONY: run test test-multihost lint migrate clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ run: $(VENV)/.installed-run
 
 test: $(VENV)/.installed-dev
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Hosts in network namespaces (root; iproute2, socat; PostgreSQL and Redis on the loopback): bin/multihost-test.
+test-multihost: $(VENV)/.installed-dev
+	PY=$(PY) bin/multihost-test $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
