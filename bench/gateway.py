@@ -290,35 +290,43 @@ class Way:
 
 async def load(
     url: str, body: dict, *, concurrency: int, total: int, headers: dict[str, str], stream: bool = False
-) -> list[tuple[float, float, float, int | None]]:
+) -> tuple[list[tuple[float, float, float, int | None]], float]:
     """`total` requests from `concurrency` clients: (sent at, answered at, latency or time to first
-    token in ms, job id) each, on the wall clock (time.time) so they line up with the job's stamps."""
+    token in ms, job id) each, on the wall clock (time.time) so they line up with the job's stamps;
+    and the seconds they took together. The clients are made before the clock starts: making one
+    (its TLS context) blocks the event loop for milliseconds, which would land on the requests of
+    the clients already sending."""
     import httpx
 
     results: list[tuple[float, float, float, int | None]] = []
     left = total
 
-    async def client() -> None:
+    async def client(http: httpx.AsyncClient) -> None:
         nonlocal left
-        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=1)) as http:
-            while left > 0:
-                left -= 1
-                sent, started = time.time(), time.perf_counter()
-                if stream:
-                    async with http.stream("POST", url, json={**body, "stream": True}, headers=headers) as response:
-                        response.raise_for_status()
-                        first = None
-                        async for line in response.aiter_lines():
-                            if first is None and has_content(line):
-                                first = (time.perf_counter() - started) * 1000
-                    results.append((sent, time.time(), first or 0.0, _job(response)))
-                else:
-                    response = await http.post(url, json=body, headers=headers)
+        while left > 0:
+            left -= 1
+            sent, started = time.time(), time.perf_counter()
+            if stream:
+                async with http.stream("POST", url, json={**body, "stream": True}, headers=headers) as response:
                     response.raise_for_status()
-                    results.append((sent, time.time(), (time.perf_counter() - started) * 1000, _job(response)))
+                    first = None
+                    async for line in response.aiter_lines():
+                        if first is None and has_content(line):
+                            first = (time.perf_counter() - started) * 1000
+                results.append((sent, time.time(), first or 0.0, _job(response)))
+            else:
+                response = await http.post(url, json=body, headers=headers)
+                response.raise_for_status()
+                results.append((sent, time.time(), (time.perf_counter() - started) * 1000, _job(response)))
 
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    return results
+    clients = [httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=1)) for _ in range(concurrency)]
+    try:
+        started = time.perf_counter()
+        await asyncio.gather(*(client(http) for http in clients))
+        return results, time.perf_counter() - started
+    finally:
+        for http in clients:
+            await http.aclose()
 
 
 def has_content(line: str) -> bool:
@@ -369,11 +377,10 @@ async def blocks(ways: list[Way], body: dict, *, concurrency: int, total: int, s
     for turn in range(BLOCKS):
         for way in ways[turn % len(ways) :] + ways[: turn % len(ways)]:
             servers, database = way.cpu()
-            started = time.perf_counter()
-            rows[way.name] += await load(
+            results, wall = await load(
                 way.url(body["model"]), body, concurrency=concurrency, total=total, headers=way.headers, stream=stream
             )
-            wall = time.perf_counter() - started
+            rows[way.name] += results
             servers_after, database_after = way.cpu()
             for i, value in enumerate((wall, cpu_used(servers, servers_after), cpu_used(database, database_after))):
                 spent[way.name][i] += value
