@@ -1,6 +1,9 @@
-"""Telemachus side by side with Procrastinate and Celery, in one run. Prints one table.
+"""Telemachus side by side with Procrastinate and Celery, in one run, each at its best. Prints tables.
 
-    .venv/bin/python bench/compare.py [--jobs 5000] [--repeats 3] [--workers 2]
+    .venv/bin/python bench/compare.py [--jobs 5000] [--repeats 3]
+                                      [--telemachus 1x64,2x16,2x64,2x256,4x16]
+                                      [--procrastinate 1x64,2x2,2x8,2x64,4x1]
+                                      [--celery 1x64,2x1,2x16,2x64,4x16]
 
 The same N no-op jobs through each system, on the same machine, the same PostgreSQL (a scratch
 database `telemachus_bench_compare`, created and dropped) and, for Celery, the Redis at REDIS_URL
@@ -9,22 +12,33 @@ database `telemachus_bench_compare`, created and dropped) and, for Celery, the R
   Telemachus     all four caps in force (global, executor, team and user 1,000 slots each, so
                  they bind nothing but are checked), fair share on, DEBUG off; jobs on a `sim`
                  executor with zero latency; enqueue: `job_submit` one at a time and `jobs_submit`
-                 in bulks of 1,000; process: --workers `scheduler_worker --burst --concurrency 64`
-  Procrastinate  psycopg connector; enqueue: `task.defer()` one at a time and `task.batch_defer`
-                 in bulks of 1,000; process: --workers `run_worker(concurrency=64, wait=False)`
+                 in bulks of 1,000; process: P `scheduler_worker --burst --concurrency C`
+  Procrastinate  psycopg connector, the task a coroutine (its worker runs a plain function in a
+                 thread); enqueue: `task.defer()` one at a time and `task.batch_defer` in bulks
+                 of 1,000; process: P processes of `run_worker(concurrency=C, wait=False)`
   Celery         Redis broker, no result backend; enqueue: `task.delay()` one at a time, and a
                  `group` of 1,000 (Celery has no bulk publish: the group sends each message);
-                 process: --workers prefork processes, prefetch 64 (each task also writes its
-                 start and end to Redis, which is how the run is timed)
+                 process: one worker of P prefork processes, prefetch multiplier C (each task also
+                 writes its start and end to Redis, which is how the run is timed)
 
-Enqueue rates are one client, in-process. Process rate is N / (first job started -> last job
-ended), from each system's own records (Telemachus: the jobs' timestamps; Procrastinate: its
-events table; Celery: the tasks' writes to Redis), so worker start-up is not counted. The systems
-take turns in each repeat, in a rotating order; the table shows medians over repeats and each
-peer's figure as a ratio to Telemachus's.
+Each system gets its best configuration: the process rate is measured at every PxC of its sweep
+(the flags above, defaults shown), and the first table shows each system at its best (the
+highest median over repeats) with the configuration that gave it; the second, the whole sweep.
+On a 2-core machine the best is not the most processes: they share the cores with PostgreSQL
+(measured independently here, Procrastinate processed 898 jobs/s with 2 processes x concurrency 2
+against 335 with 2 x 64).
+
+Enqueue rates are one client, in-process: one by one once per repeat, bulk before each
+configuration's processing (its median over all of them). Process rate is N / (first job started
+-> last job ended), from each system's own records (Telemachus: the jobs' timestamps;
+Procrastinate: its events table; Celery: the tasks' writes to Redis), so worker start-up is not
+counted. The systems take turns in each repeat, in a rotating order, and so do the configurations
+within a system; the tables show medians over repeats and each peer's figure as a ratio to
+Telemachus's.
 
 The peers run in their own environment, bench/.venv-peers, made from bench/requirements.txt on
-first use (`--peers-python` points at another), never in the project's .venv.
+first use and refreshed when that file changes (`--peers-python` points at another), never in the
+project's .venv.
 """
 
 import argparse
@@ -40,9 +54,20 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 PG_BENCH_DB = "telemachus_bench_compare"
-PEERS_VENV = BENCH / ".venv-peers"
 BULK = 1000
 SYSTEMS = ("telemachus", "procrastinate", "celery")
+NAMES = {"telemachus": "Telemachus", "procrastinate": "Procrastinate", "celery": "Celery"}
+# What P x C means for each system.
+CONFIG_MEANING = {
+    "telemachus": "worker processes x --concurrency",
+    "procrastinate": "worker processes x concurrency",
+    "celery": "prefork processes x prefetch multiplier",
+}
+DEFAULT_SWEEP = {
+    "telemachus": "1x64,2x16,2x64,2x256,4x16",
+    "procrastinate": "1x64,2x2,2x8,2x64,4x1",
+    "celery": "1x64,2x1,2x16,2x64,4x16",
+}
 PRODUCTION_ENV = {
     "DJANGO_SETTINGS_MODULE": "telemachus.settings",
     "LOG_LEVEL": "WARNING",
@@ -59,10 +84,23 @@ def timed_rate(n: int, per_call: int, call) -> float:
     return n / (time.perf_counter() - started)
 
 
+def configurations(text: str) -> list[tuple[int, int]]:
+    """ "2x8,4x1" -> [(2, 8), (4, 1)]: processes x concurrency (or prefetch)."""
+    pairs = []
+    for part in text.split(","):
+        processes, _, concurrency = part.strip().partition("x")
+        pairs.append((int(processes), int(concurrency)))
+    return pairs
+
+
+def label(config: tuple[int, int]) -> str:
+    return f"{config[0]}x{config[1]}"
+
+
 # --- Telemachus (the project's environment) -------------------------------------------------
 
 
-def telemachus_run(database_url: str, jobs: int, workers: int) -> dict:
+def telemachus_run(database_url: str, jobs: int, configs: list[tuple[int, int]]) -> dict:
     os.environ.update(DATABASE_URL=database_url, **PRODUCTION_ENV)
     sys.path.insert(0, str(ROOT))
     import django
@@ -95,19 +133,22 @@ def telemachus_run(database_url: str, jobs: int, workers: int) -> dict:
         "requirements": {"model": "noop"},
         "input": {"messages": [{"role": "user", "content": "x"}]},
     }
-    result = {}
+    bulk_size = min(BULK, jobs)
+    bulk = [JobSpec(team=team.slug, **body) for _ in range(bulk_size)]
     throughput.clear()
-    result["enqueue one by one"] = timed_rate(jobs, 1, lambda: job_submit(user=user, team=team.slug, **body))
-    throughput.clear()
-    bulk = [JobSpec(team=team.slug, **body) for _ in range(BULK)]
-    result["enqueue bulk"] = timed_rate(jobs, BULK, lambda: jobs_submit(user=user, jobs=bulk))
-    procs = throughput.start_workers(workers, database_url, burst=True, concurrency=64)
-    for proc in procs:
-        proc.wait(timeout=1800)
-    done = Job.objects.filter(status="done")
-    assert done.count() == jobs, f"telemachus: {done.count()} of {jobs} done"
-    span = done.aggregate(first=Min("started_at"), last=Max("finished_at"))
-    result["process"] = jobs / (span["last"] - span["first"]).total_seconds()
+    result: dict = {"enqueue one by one": timed_rate(jobs, 1, lambda: job_submit(user=user, team=team.slug, **body))}
+    result["configs"] = {}
+    for processes, concurrency in configs:
+        throughput.clear()
+        enqueue = timed_rate(jobs, bulk_size, lambda: jobs_submit(user=user, jobs=bulk))
+        procs = throughput.start_workers(processes, database_url, burst=True, concurrency=concurrency)
+        for proc in procs:
+            proc.wait(timeout=1800)
+        done = Job.objects.filter(status="done")
+        assert done.count() == jobs, f"telemachus {processes}x{concurrency}: {done.count()} of {jobs} done"
+        span = done.aggregate(first=Min("started_at"), last=Max("finished_at"))
+        process = jobs / (span["last"] - span["first"]).total_seconds()
+        result["configs"][label((processes, concurrency))] = {"enqueue bulk": enqueue, "process": process}
     throughput.clear()
     return result
 
@@ -122,65 +163,72 @@ def procrastinate_app(database_url: str):
         connector=procrastinate.PsycopgConnector(conninfo=database_url.replace("postgres://", "postgresql://"))
     )
 
+    # A coroutine: the worker runs a plain function in a thread, which only slows it down.
     @app.task(name="noop")
-    def noop() -> None:
+    async def noop() -> None:
         pass
 
     return app, noop
 
 
-def procrastinate_run(database_url: str, jobs: int, workers: int) -> dict:
+def procrastinate_run(database_url: str, jobs: int, configs: list[tuple[int, int]]) -> dict:
     import psycopg
 
     app, noop = procrastinate_app(database_url)
     conninfo = database_url.replace("postgres://", "postgresql://")
     with psycopg.connect(conninfo, autocommit=True) as conn:
         exists = conn.execute("SELECT to_regclass('procrastinate_jobs')").fetchone()[0]
-    result = {}
+
+    def clear() -> None:
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            conn.execute("TRUNCATE procrastinate_jobs CASCADE")
+
+    bulk_size = min(BULK, jobs)
+    result: dict = {"configs": {}}
     with app.open():
         if not exists:
             app.schema_manager.apply_schema()
-
-        def clear() -> None:
-            with psycopg.connect(conninfo, autocommit=True) as conn:
-                conn.execute("TRUNCATE procrastinate_jobs CASCADE")
-
         clear()
         result["enqueue one by one"] = timed_rate(jobs, 1, noop.defer)
+    for processes, concurrency in configs:
         clear()
-        result["enqueue bulk"] = timed_rate(jobs, BULK, lambda: noop.batch_defer(*([{}] * BULK)))
-    procs = [
-        subprocess.Popen([sys.executable, __file__, "--peer", "procrastinate-worker", database_url])
-        for _ in range(workers)
-    ]
-    for proc in procs:
-        proc.wait(timeout=1800)
-    with psycopg.connect(conninfo) as conn:
-        succeeded = conn.execute("SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded'").fetchone()[0]
-        first, last = conn.execute(
-            "SELECT min(at) FILTER (WHERE type = 'started'), max(at) FILTER (WHERE type = 'succeeded') "
-            "FROM procrastinate_events"
-        ).fetchone()
-        conn.execute("TRUNCATE procrastinate_jobs CASCADE")
-    assert succeeded == jobs, f"procrastinate: {succeeded} of {jobs} succeeded"
-    result["process"] = jobs / (last - first).total_seconds()
+        with app.open():
+            enqueue = timed_rate(jobs, bulk_size, lambda: noop.batch_defer(*([{}] * bulk_size)))
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--peer", "procrastinate-worker", database_url, str(concurrency)]
+            )
+            for _ in range(processes)
+        ]
+        for proc in procs:
+            proc.wait(timeout=1800)
+        with psycopg.connect(conninfo) as conn:
+            succeeded = conn.execute("SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded'").fetchone()[0]
+            first, last = conn.execute(
+                "SELECT min(at) FILTER (WHERE type = 'started'), max(at) FILTER (WHERE type = 'succeeded') "
+                "FROM procrastinate_events"
+            ).fetchone()
+        assert succeeded == jobs, f"procrastinate {processes}x{concurrency}: {succeeded} of {jobs} succeeded"
+        process = jobs / (last - first).total_seconds()
+        result["configs"][label((processes, concurrency))] = {"enqueue bulk": enqueue, "process": process}
+    clear()
     return result
 
 
-def procrastinate_worker(database_url: str) -> None:
+def procrastinate_worker(database_url: str, concurrency: int) -> None:
     app, _ = procrastinate_app(database_url)
     with app.open():
-        app.run_worker(concurrency=64, wait=False, install_signal_handlers=False)
+        app.run_worker(concurrency=concurrency, wait=False, install_signal_handlers=False)
 
 
-def celery_app(redis_url: str):
+def celery_app(redis_url: str, prefetch: int = 1):
     import redis
     from celery import Celery
 
     app = Celery("bench", broker=redis_url)
     app.conf.update(
         task_ignore_result=True,
-        worker_prefetch_multiplier=64,
+        worker_prefetch_multiplier=prefetch,
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
     )
@@ -198,43 +246,44 @@ def celery_app(redis_url: str):
     return app, noop, store
 
 
-def celery_run(redis_url: str, jobs: int, workers: int) -> dict:
+def celery_run(redis_url: str, jobs: int, configs: list[tuple[int, int]]) -> dict:
     from celery import group
 
     app, noop, store = celery_app(redis_url)
-    result = {}
+    bulk_size = min(BULK, jobs)
     store.flushdb()
-    result["enqueue one by one"] = timed_rate(jobs, 1, noop.delay)
-    store.flushdb()
-    result["enqueue bulk"] = timed_rate(jobs, BULK, lambda: group(noop.s() for _ in range(BULK)).apply_async())
-    worker = subprocess.Popen(
-        [sys.executable, __file__, "--peer", "celery-worker", redis_url, str(workers)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 1800
-        while int(store.get("bench:done") or 0) < jobs:
-            assert time.monotonic() < deadline, "celery: jobs not done in time"
-            time.sleep(0.05)
-    finally:
-        worker.terminate()
-        worker.wait(timeout=60)
-    first, last = float(store.get("bench:first")), float(store.get("bench:last"))
-    result["process"] = jobs / (last - first)
+    result: dict = {"enqueue one by one": timed_rate(jobs, 1, noop.delay), "configs": {}}
+    for processes, prefetch in configs:
+        store.flushdb()
+        enqueue = timed_rate(jobs, bulk_size, lambda: group(noop.s() for _ in range(bulk_size)).apply_async())
+        worker = subprocess.Popen(
+            [sys.executable, __file__, "--peer", "celery-worker", redis_url, str(processes), str(prefetch)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 1800
+            while int(store.get("bench:done") or 0) < jobs:
+                assert time.monotonic() < deadline, f"celery {processes}x{prefetch}: jobs not done in time"
+                time.sleep(0.05)
+        finally:
+            worker.terminate()
+            worker.wait(timeout=60)
+        first, last = float(store.get("bench:first")), float(store.get("bench:last"))
+        result["configs"][label((processes, prefetch))] = {"enqueue bulk": enqueue, "process": jobs / (last - first)}
     store.flushdb()
     return result
 
 
-def celery_worker(redis_url: str, workers: int) -> None:
-    app, _, _ = celery_app(redis_url)
+def celery_worker(redis_url: str, processes: int, prefetch: int) -> None:
+    app, _, _ = celery_app(redis_url, prefetch)
     app.worker_main(
         [
             "worker",
             "--pool",
             "prefork",
             "--concurrency",
-            str(workers),
+            str(processes),
             "--loglevel",
             "WARNING",
             "--without-gossip",
@@ -247,20 +296,11 @@ def celery_worker(redis_url: str, workers: int) -> None:
 # --- the run --------------------------------------------------------------------------------------
 
 
-def peers_python(given: str | None) -> str:
-    if given:
-        return given
-    python = PEERS_VENV / "bin" / "python"
-    if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "-r", str(BENCH / "requirements.txt")], check=True)
-    return str(python)
-
-
-def run(system: str, args: argparse.Namespace, database_url: str, redis_url: str, peers: str) -> dict:
+def run(system: str, configs: list[tuple[int, int]], args: argparse.Namespace, targets: dict, peers: str) -> dict:
     python = sys.executable if system == "telemachus" else peers
-    target = redis_url if system == "celery" else database_url
-    argv = [python, __file__, "--peer", system, target, "--jobs", str(args.jobs), "--workers", str(args.workers)]
+    target = targets["redis"] if system == "celery" else targets["database"]
+    sweep = ",".join(label(config) for config in configs)
+    argv = [python, __file__, "--peer", system, target, "--jobs", str(args.jobs), f"--{system}", sweep]
     result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"{system} failed:\n{result.stderr[-4000:]}")
@@ -271,52 +311,91 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=5000)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workers", type=int, default=2)
+    for system in SYSTEMS:
+        parser.add_argument(
+            f"--{system}",
+            type=configurations,
+            default=configurations(DEFAULT_SWEEP[system]),
+            help=f"configurations to sweep, PxC: {CONFIG_MEANING[system]} (default {DEFAULT_SWEEP[system]})",
+        )
     parser.add_argument("--peers-python", help="python of an environment with bench/requirements.txt installed")
+    parser.add_argument("--json", help="also write every figure to this file")
     parser.add_argument("--peer", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
     if args.peer:
         peer(args.peer, rest, args)
         return
 
-    from benchlib import pg_database, pg_url
+    from benchlib import peers_python, pg_database, pg_url
 
-    assert args.jobs % BULK == 0, f"--jobs must be a multiple of {BULK}"
-    redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/1")
+    assert args.jobs % min(BULK, args.jobs) == 0, f"--jobs must be under {BULK} or a multiple of it"
     peers = peers_python(args.peers_python)
+    targets = {"redis": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/1"), "database": pg_url(PG_BENCH_DB)}
     results: dict[str, list[dict]] = {system: [] for system in SYSTEMS}
     pg_database(PG_BENCH_DB, "create")
     try:
-        database_url = pg_url(PG_BENCH_DB)
         for repeat in range(args.repeats):
             order = SYSTEMS[repeat % 3 :] + SYSTEMS[: repeat % 3]
             for system in order:
-                results[system].append(run(system, args, database_url, redis_url, peers))
+                sweep = getattr(args, system)
+                shift = repeat % len(sweep)
+                results[system].append(run(system, sweep[shift:] + sweep[:shift], args, targets, peers))
                 print(f"repeat {repeat + 1}, {system}: {results[system][-1]}", file=sys.stderr)
     finally:
         pg_database(PG_BENCH_DB, "drop")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    report(results, args)
 
-    measures = ("enqueue one by one", "enqueue bulk", "process")
-    median = {s: {m: statistics.median(r[m] for r in results[s]) for m in measures} for s in SYSTEMS}
+
+def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
+    """Each system at its best (the configuration with the highest median process rate), then the
+    whole sweep."""
+    process = {
+        system: {
+            config: [repeat["configs"][config]["process"] for repeat in results[system]]
+            for config in results[system][0]["configs"]
+        }
+        for system in SYSTEMS
+    }
+    best = {s: max(process[s], key=lambda c, s=s: statistics.median(process[s][c])) for s in SYSTEMS}
+    median = {
+        system: {
+            "enqueue one by one": statistics.median(r["enqueue one by one"] for r in results[system]),
+            "enqueue bulk": statistics.median(
+                c["enqueue bulk"] for r in results[system] for c in r["configs"].values()
+            ),
+            "process, each at its best": statistics.median(process[system][best[system]]),
+        }
+        for system in SYSTEMS
+    }
     print(
-        f"\n{args.jobs} no-op jobs, {args.workers} worker processes each, medians of {args.repeats} "
-        "interleaved repeats (jobs/s; ratio: Telemachus / peer)\n"
+        f"\n{args.jobs} no-op jobs, medians of {args.repeats} interleaved repeats (jobs/s; ratio: Telemachus / peer)\n"
     )
     print("| measure | Telemachus | Procrastinate | Celery | vs Procrastinate | vs Celery |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for m in measures:
-        t, p, c = (median[s][m] for s in SYSTEMS)
-        print(f"| {m} | {t:,.0f} | {p:,.0f} | {c:,.0f} | {t / p:.2f} | {t / c:.2f} |")
+    for measure in median["telemachus"]:
+        t, p, c = (median[s][measure] for s in SYSTEMS)
+        print(f"| {measure} | {t:,.0f} | {p:,.0f} | {c:,.0f} | {t / p:.2f} | {t / c:.2f} |")
+    print("| best configuration (PxC) | " + " | ".join(best[s] for s in SYSTEMS) + " | | |")
+    print("\nEvery configuration: process rate, jobs/s, median (lowest–highest) over repeats\n")
+    print("| system | PxC | meaning | process |")
+    print("| --- | ---: | --- | ---: |")
+    for system in SYSTEMS:
+        for config, rates in process[system].items():
+            mark = " (best)" if config == best[system] else ""
+            figure = f"{statistics.median(rates):,.0f} ({min(rates):,.0f}–{max(rates):,.0f})"
+            print(f"| {NAMES[system]} | {config}{mark} | {CONFIG_MEANING[system]} | {figure} |")
 
 
 def peer(name: str, rest: list[str], args: argparse.Namespace) -> None:
     if name == "procrastinate-worker":
-        procrastinate_worker(rest[0])
+        procrastinate_worker(rest[0], int(rest[1]))
     elif name == "celery-worker":
-        celery_worker(rest[0], int(rest[1]))
+        celery_worker(rest[0], int(rest[1]), int(rest[2]))
     else:
         run_one = {"telemachus": telemachus_run, "procrastinate": procrastinate_run, "celery": celery_run}[name]
-        print(json.dumps(run_one(rest[0], args.jobs, args.workers)))
+        print(json.dumps(run_one(rest[0], args.jobs, getattr(args, name))))
 
 
 if __name__ == "__main__":
