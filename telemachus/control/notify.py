@@ -157,7 +157,9 @@ def listen_connection_params() -> dict[str, Any]:
         return notify_connection_params()
     config = dj_database_url.parse(url)
     params: dict[str, Any] = {
-        "dbname": config.get("NAME"),
+        # The database is always Django's own (a test run's renamed one included): the URL says
+        # only how to reach its server directly.
+        "dbname": connection.settings_dict["NAME"],
         "user": config.get("USER"),
         "password": config.get("PASSWORD"),
         "host": config.get("HOST"),
