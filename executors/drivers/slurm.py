@@ -110,6 +110,7 @@ class CommandTimeout(Exception):
 class SlurmPartitionDriver(ExecutorDriver):
     kind = "hpc-partition"
     chat = False
+    tasks = True
 
     def __init__(self, executor: Executor) -> None:
         super().__init__(executor)
