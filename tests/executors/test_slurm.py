@@ -6,6 +6,7 @@ processes) no more batch jobs are on the partition at once than the executor's m
 Skipped without `sbatch`; when sbatch is there, the cluster must answer (CI starts it)."""
 
 import asyncio
+import secrets
 import shutil
 import subprocess
 import threading
@@ -62,8 +63,11 @@ def slurm_state(slurm_id: str) -> str:
 
 @pytest.fixture
 def slurm_executor_name(request):
-    """A name of its own per test, and none of its batch jobs left behind."""
-    name = f"slurm-{request.node.name[-40:].lower().replace('_', '-').strip('-')}"
+    """A name of its own per test and per run, and none of its batch jobs left behind. The batch
+    jobs' names start with it, so squeue never counts a job of an earlier run (the same test on
+    SQLite before PostgreSQL, a run that was killed) as this one's."""
+    test = request.node.name[-40:].lower().replace("_", "-").strip("-")
+    name = f"slurm-{test}-{secrets.token_hex(4)}"
     yield name
     left = batch_jobs(f"telemachus-{name}-")
     if left:
