@@ -188,9 +188,13 @@ DATABASES = {"default": database_config(os.environ.get("DATABASE_URL"))}
 #   that nobody turns it on behind a pooler;
 # * session state: SET (not SET LOCAL), advisory locks, temporary tables, LISTEN. The code takes
 #   none but LISTEN (its SET is `SET TRANSACTION ...` inside a transaction; its locks are row locks;
-#   NOTIFY is sent inside transactions or in autocommit, which a pooler passes on). A LISTEN through
-#   the pooler registers on whichever server connection ran it, and the notifications never reach
-#   the listener: listeners connect directly, to TELEMACHUS_LISTEN_DATABASE_URL.
+#   NOTIFY is sent inside transactions or in autocommit, which a pooler passes on; Django's SET TIME
+#   ZONE is a parameter PgBouncer tracks per client). A LISTEN through the pooler registers on
+#   whichever server connection ran it, and the notifications never reach the listener: listeners
+#   connect directly, to TELEMACHUS_LISTEN_DATABASE_URL;
+# * settings sent at connect (`options=-c ...`): PgBouncer refuses them, or drops them when told
+#   to ignore them. The worker's idle_in_transaction_session_timeout is not sent (scheduler/worker/
+#   runner.py); PgBouncer's idle_transaction_timeout takes its place.
 TELEMACHUS_PGBOUNCER = env_bool("TELEMACHUS_PGBOUNCER", False)
 if TELEMACHUS_PGBOUNCER and DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True

@@ -629,10 +629,16 @@ def worker_database_settings(settings_dict: dict[str, Any]) -> dict[str, Any]:
     worker frozen mid-transaction (stopped, swapped out, stuck in a pause) would otherwise hold its
     locks until it resumes, the claim lock included, and every claim on every host would wait; the
     server ends such a session after the timeout, its transaction rolled back, and the worker's
-    next call reconnects. Transactions here never wait on anything but the database."""
+    next call reconnects. Transactions here never wait on anything but the database.
+
+    Behind a transaction pooler (TELEMACHUS_PGBOUNCER) a session setting cannot reach the server:
+    PgBouncer refuses the `options` startup parameter, or drops it when told to ignore it. There
+    the pooler's `idle_transaction_timeout` is the bound (it disconnects the client and closes the
+    server connection, which rolls back), so none is sent."""
     options = {k: v for k, v in (settings_dict.get("OPTIONS") or {}).items() if k != "pool"}
     timeout = settings.TELEMACHUS_WORKER_IDLE_IN_TRANSACTION_SECONDS
-    if settings_dict.get("ENGINE") == "django.db.backends.postgresql" and timeout > 0:
+    postgres = settings_dict.get("ENGINE") == "django.db.backends.postgresql"
+    if postgres and timeout > 0 and not settings.TELEMACHUS_PGBOUNCER:
         flag = f"-c idle_in_transaction_session_timeout={math.ceil(timeout * 1000)}"
         options["options"] = f"{options.get('options', '')} {flag}".strip()
     return {**settings_dict, "OPTIONS": options, "CONN_MAX_AGE": None}
