@@ -14,6 +14,7 @@ from executors.prices import price_problems, prices_stored
 from executors.registry import known_kinds
 from executors.services import executor_create, executor_delete, executor_sync, executor_update
 from executors.simknobs import knob_problems
+from executors.slurmtransport import transport_problems
 from telemachus.errors import NotFound
 from telemachus.http.bounds import MEMORY_MB_MAX
 from telemachus.http.serializers import StrictSerializer
@@ -103,6 +104,8 @@ class ExecutorInput(StrictSerializer):
                     ]
                 }
             )
+        if kind == "hpc-partition" and isinstance(transport, dict) and (problems := transport_problems(transport)):
+            raise serializers.ValidationError({"transport": {name: [problem] for name, problem in problems.items()}})
         meta = attrs["meta"] if "meta" in attrs else getattr(self.instance, "meta", {})
         if kind == "sim" and isinstance(meta, dict) and (problems := knob_problems(meta)):
             raise serializers.ValidationError({"meta": {name: [problem] for name, problem in problems.items()}})

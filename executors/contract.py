@@ -11,8 +11,9 @@ means writing a driver and registering it (executors/registry.py); the scheduler
 See docs/executors.md."""
 
 import asyncio
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -128,6 +129,11 @@ class DeltaSink(Protocol):
     async def __call__(self, text: str, *, tool: tuple[int, str, str] | None = None) -> None: ...
 
 
+# Where a driver's `report_step` goes: the worker records each report as a `step` event of the job
+# (a batch system's job id, say), so an operator can find the remote work from the job's events.
+StepSink = Callable[[dict[str, Any]], Awaitable[None]]
+
+
 class ExecutorDriver(ABC):
     kind: ClassVar[str]
     # Whether it answers model calls (chat, translate, flow rounds, embeddings). The models a
@@ -142,6 +148,7 @@ class ExecutorDriver(ABC):
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
         self._inflight: dict[int, asyncio.Task[Any]] = {}
+        self._step_sinks: dict[int, StepSink] = {}
 
     @abstractmethod
     async def dispatch(self, request: DispatchRequest) -> DispatchResult:
@@ -165,12 +172,17 @@ class ExecutorDriver(ABC):
         """An active health check. In-process drivers are as healthy as the worker running them."""
         return Probe(health=Executor.Health.OK)
 
-    async def execute(self, request: DispatchRequest, on_delta: DeltaSink | None = None) -> DispatchResult:
+    async def execute(
+        self, request: DispatchRequest, on_delta: DeltaSink | None = None, on_step: StepSink | None = None
+    ) -> DispatchResult:
         """Run `dispatch` (or `stream`, for a streamed job) as a cancellable unit: `cancel(job_id)`
-        aborts it from another task, closing any HTTP request it has open."""
+        aborts it from another task, closing any HTTP request it has open. `on_step` receives what
+        the dispatch reports through `report_step`."""
         task = asyncio.current_task()
         assert task is not None
         self._inflight[request.job_id] = task
+        if on_step is not None:
+            self._step_sinks[request.job_id] = on_step
         try:
             if not request.stream:
                 return await self.dispatch(request)
@@ -184,6 +196,20 @@ class ExecutorDriver(ABC):
             raise DispatchError(f"{self.executor.name}: stream ended without a result", retryable=True)
         finally:
             self._inflight.pop(request.job_id, None)
+            self._step_sinks.pop(request.job_id, None)
+
+    async def report_step(self, job_id: int, **meta: Any) -> None:
+        """Tell whoever runs the dispatch of `job_id` about a step worth a job event (the worker
+        records it as `step` with this meta; say `action=...`). Drivers never touch the database,
+        so this is their only way into a job's events. Nothing happens when nobody listens (a
+        direct `dispatch()` call, a test), and a sink that fails does not fail the dispatch."""
+        sink = self._step_sinks.get(job_id)
+        if sink is None:
+            return
+        try:
+            await sink(meta)
+        except Exception:  # the event is for observability; the work goes on without it
+            logging.getLogger("telemachus.executors").exception("job %d: step report %s not recorded", job_id, meta)
 
     async def cancel(self, job_id: int) -> bool:
         """Abort the in-flight dispatch of a job, if this driver is running one. Drivers with

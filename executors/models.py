@@ -5,6 +5,7 @@ from django.db import models
 
 from executors.prices import price_problems
 from executors.simknobs import knob_problems
+from executors.slurmtransport import transport_problems
 from telemachus.models import Team
 
 log = logging.getLogger("telemachus.executors")
@@ -88,8 +89,8 @@ class Executor(models.Model):
         return executor
 
     def clean(self) -> None:
-        """The admin's form: the shapes from_db would otherwise discard, and a sim executor's knobs
-        within their bounds (as the API checks them)."""
+        """The admin's form: the shapes from_db would otherwise discard, a sim executor's knobs
+        within their bounds and an hpc-partition's transport (as the API checks them)."""
         problems = json_shape_problems(self, loaded=[f.attname for f in self._meta.concrete_fields])
         if problems:
             raise ValidationError({name.split(".")[0]: f"{name} {problem}" for name, problem in problems.items()})
@@ -97,6 +98,8 @@ class Executor(models.Model):
             raise ValidationError({"meta": [f"meta.{name} {problem}" for name, problem in knobs.items()]})
         if priced := price_problems(self.prices):
             raise ValidationError({"prices": [f"{model} {problem}" for model, problem in priced.items()]})
+        if self.kind == "hpc-partition" and (problems := transport_problems(self.transport)):
+            raise ValidationError({"transport": [f"transport.{name} {problem}" for name, problem in problems.items()]})
 
 
 _reported: set[tuple] = set()

@@ -18,6 +18,7 @@ BUILTIN_DRIVERS = {
     "local-model": "executors.drivers.openai.LocalModelDriver",
     "remote-model": "executors.drivers.openai.RemoteModelDriver",
     "cpu-node": "executors.drivers.cpu.CpuNodeDriver",
+    "hpc-partition": "executors.drivers.slurm.SlurmPartitionDriver",
 }
 
 

@@ -176,6 +176,29 @@ def database_config(url: str | None) -> dict:
 
 
 DATABASES = {"default": database_config(os.environ.get("DATABASE_URL"))}
+
+# DATABASE_URL names PgBouncer in transaction pooling (TELEMACHUS_PGBOUNCER=1; bin/pgbouncer-test
+# starts one, and .ci/run runs the concurrency tests through it). Each transaction may then run on
+# another server connection, so nothing may outlive a transaction on the server:
+# * server-side cursors (QuerySet.iterator() on PostgreSQL) DECLARE a cursor that a FETCH in a
+#   later transaction would look for on another connection: off;
+# * prepared statements: psycopg 3 prepares a query it has run 5 times on a connection
+#   (prepare_threshold); PgBouncer keeps track of them only from 1.21 (max_prepared_statements)
+#   and Debian 12 ships 1.18, so never prepare. None is Django's default too; it is stated here so
+#   that nobody turns it on behind a pooler;
+# * session state: SET (not SET LOCAL), advisory locks, temporary tables, LISTEN. The code takes
+#   none but LISTEN (its SET is `SET TRANSACTION ...` inside a transaction; its locks are row locks;
+#   NOTIFY is sent inside transactions or in autocommit, which a pooler passes on; Django's SET TIME
+#   ZONE is a parameter PgBouncer tracks per client). A LISTEN through the pooler registers on
+#   whichever server connection ran it, and the notifications never reach the listener: listeners
+#   connect directly, to TELEMACHUS_LISTEN_DATABASE_URL;
+# * settings sent at connect (`options=-c ...`): PgBouncer refuses them, or drops them when told
+#   to ignore them. The worker's idle_in_transaction_session_timeout is not sent (scheduler/worker/
+#   runner.py); PgBouncer's idle_transaction_timeout takes its place.
+TELEMACHUS_PGBOUNCER = env_bool("TELEMACHUS_PGBOUNCER", False)
+if TELEMACHUS_PGBOUNCER and DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
+    DATABASES["default"]["OPTIONS"] = {**DATABASES["default"].get("OPTIONS", {}), "prepare_threshold": None}
 # PostgreSQL: where the LISTEN connection goes (one per process: scheduler/notify/listener.py).
 # LISTEN needs a server session of its own, which a transaction-pooling PgBouncer does not keep:
 # behind one, point this at PostgreSQL itself. Empty: DATABASE_URL.

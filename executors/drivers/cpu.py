@@ -94,51 +94,7 @@ class CpuNodeDriver(ExecutorDriver):
         )
 
     def _task_call(self, request: DispatchRequest) -> tuple[str, Callable[..., Any], list[Any], dict[str, Any]]:
-        """The registered callable and its arguments, checked before anything is sent to a pool
-        process: every problem here is the job's (or the deployment's) and another attempt would
-        meet it again, so none is retryable."""
-        if request.type != "task":
-            raise DispatchError(
-                f"{self.executor.name} is a cpu-node executor: it runs task jobs, not {request.type!r}", retryable=False
-            )
-        name = request.input.get("callable")
-        args = request.input.get("args", [])
-        kwargs = request.input.get("kwargs", {})
-        if not isinstance(name, str) or not isinstance(args, list) or not isinstance(kwargs, dict):
-            raise DispatchError(f"a task job's input must be {TASK_INPUT_SHAPE}", retryable=False)
-        try:
-            fn, target, leading = self._resolve(request, name)
-        except (UnknownTask, ImproperlyConfigured) as exc:
-            raise DispatchError(str(exc), retryable=False) from exc
-        try:
-            signature = inspect.signature(target)
-        except (TypeError, ValueError):
-            signature = None  # some builtins have none; a bad call then fails inside the task
-        if signature is not None:
-            try:
-                signature.bind(*leading, *args, **kwargs)
-            except TypeError as exc:
-                raise DispatchError(f"bad arguments for task {name!r}: {exc}", retryable=False) from exc
-        return name, fn, args, kwargs
-
-    @staticmethod
-    def _resolve(request: DispatchRequest, name: str) -> tuple[Callable[..., Any], Callable[..., Any], tuple]:
-        """What to send to the pool, the function whose signature the arguments must fit, and the
-        arguments the call adds before the job's own (a declared task's context)."""
-        try:
-            fn = task_resolve(name=name)
-        except UnknownTask:
-            declared = declared_task(path=name)
-            if declared is None:
-                raise
-            backend = request.input.get("backend", declared.backend)
-            if not isinstance(backend, str):
-                raise UnknownTask(
-                    f"a task job's input.backend must be a tasks backend alias, not {backend!r}"
-                ) from None
-            call = functools.partial(declared_task_run, name, backend, str(request.job_id))
-            return call, declared.func, (None,) if declared.takes_context else ()
-        return fn, fn, ()
+        return task_call(request, kind=self.kind, executor_name=self.executor.name)
 
     async def _run(self, job_id: int, fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> TaskOutcome:
         """Run the call in the pool, awaited without blocking the event loop."""
@@ -193,3 +149,51 @@ class CpuNodeDriver(ExecutorDriver):
         pool, self._pool = self._pool, None
         if pool is not None:
             await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
+
+
+def task_call(
+    request: DispatchRequest, *, kind: str, executor_name: str
+) -> tuple[str, Callable[..., Any], list[Any], dict[str, Any]]:
+    """The registered callable and its arguments, checked before anything is sent to a pool
+    process (or, for an hpc-partition, to a batch job): every problem here is the job's (or
+    the deployment's) and another attempt would meet it again, so none is retryable."""
+    if request.type != "task":
+        raise DispatchError(
+            f"{executor_name} is a {kind} executor: it runs task jobs, not {request.type!r}", retryable=False
+        )
+    name = request.input.get("callable")
+    args = request.input.get("args", [])
+    kwargs = request.input.get("kwargs", {})
+    if not isinstance(name, str) or not isinstance(args, list) or not isinstance(kwargs, dict):
+        raise DispatchError(f"a task job's input must be {TASK_INPUT_SHAPE}", retryable=False)
+    try:
+        fn, target, leading = _task_target(request, name)
+    except (UnknownTask, ImproperlyConfigured) as exc:
+        raise DispatchError(str(exc), retryable=False) from exc
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        signature = None  # some builtins have none; a bad call then fails inside the task
+    if signature is not None:
+        try:
+            signature.bind(*leading, *args, **kwargs)
+        except TypeError as exc:
+            raise DispatchError(f"bad arguments for task {name!r}: {exc}", retryable=False) from exc
+    return name, fn, args, kwargs
+
+
+def _task_target(request: DispatchRequest, name: str) -> tuple[Callable[..., Any], Callable[..., Any], tuple]:
+    """What to send to the pool, the function whose signature the arguments must fit, and the
+    arguments the call adds before the job's own (a declared task's context)."""
+    try:
+        fn = task_resolve(name=name)
+    except UnknownTask:
+        declared = declared_task(path=name)
+        if declared is None:
+            raise
+        backend = request.input.get("backend", declared.backend)
+        if not isinstance(backend, str):
+            raise UnknownTask(f"a task job's input.backend must be a tasks backend alias, not {backend!r}") from None
+        call = functools.partial(declared_task_run, name, backend, str(request.job_id))
+        return call, declared.func, (None,) if declared.takes_context else ()
+    return fn, fn, ()

@@ -34,7 +34,7 @@ TRANSLATE_SYSTEM = (
 # (ExecutorDriver.chat: local-model, remote-model, sim); a cpu-node's models name task queues and
 # take none of them. A governed slot is app code's own model call.
 MODEL_CALL_TYPES = frozenset({Job.Type.CHAT, Job.Type.TRANSLATE, Job.Type.FLOW, Job.Type.GOVERNED})
-# The job types that run on an executor whose driver runs tasks (ExecutorDriver.tasks: cpu-node);
+# The job types that run on an executor whose driver runs tasks (ExecutorDriver.tasks: cpu-node, hpc-partition);
 # a model server would take a task's input for a chat completion.
 TASK_TYPES = frozenset({Job.Type.TASK})
 

@@ -48,6 +48,13 @@ def event_record(
     return created
 
 
+def job_step_record(*, job_id: int, executor_id: int | None, **meta: Any) -> JobEvent:
+    """A `step` event that a driver reported during a dispatch (`ExecutorDriver.report_step`: a
+    batch system's job id, say). Not fenced by the lease: it records what the executor was asked to
+    do, which stays true when the dispatch is later aborted. One INSERT; may run in autocommit."""
+    return event_record(job=Job(pk=job_id), event=JobEvent.Type.STEP, executor=executor_id, **meta)
+
+
 def executor_events_record(events: Sequence[ExecutorEvent]) -> None:
     """Executor health's recorder (executors/health.py): its events are job-less JobEvent rows."""
     events_record(job_event(job=None, event=e.event, at=e.at, executor=e.executor_id, **e.meta) for e in events)

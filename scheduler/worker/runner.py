@@ -43,7 +43,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from django.conf import settings
-from django.db import DatabaseError, InterfaceError, OperationalError, close_old_connections, connection
+from django.db import DatabaseError, InterfaceError, InternalError, OperationalError, close_old_connections, connection
 
 from executors.contract import DispatchError, ExecutorDriver, Probe
 from executors.health import DispatchReport, ExecutorEvent, breaker_record, probe_record, probes_due
@@ -56,6 +56,7 @@ from scheduler.models import Job
 from scheduler.notify import broadcast
 from scheduler.notify.listener import Listener, Subscription
 from scheduler.services.claim import Claim, job_claim
+from scheduler.services.events import job_step_record
 from scheduler.services.finish import FinishReport, Outcome, jobs_finish
 from scheduler.services.history import history_next_in, history_record
 from scheduler.services.lease import jobs_release, leases_renew
@@ -325,7 +326,7 @@ class Worker:
                 request = job_request(job)
                 on_delta = broadcast.DeltaStream(job.pk, attempt=job.attempts) if request.stream else None
                 assert flight.driver is not None  # only tool jobs run without an executor
-                result = await flight.driver.execute(request, on_delta)
+                result = await flight.driver.execute(request, on_delta, partial(self._step_record, flight))
                 dispatch_observe(executor=flight.claim.executor, outcome="ok", seconds=time.perf_counter() - started)
                 outcome = Outcome(
                     job_id=job.pk,
@@ -367,6 +368,14 @@ class Worker:
         if on_delta is not None:
             await on_delta.flush()  # the output goes out before the end that the finish announces
         await self.outcomes.put(outcome)
+
+    async def _step_record(self, flight: InFlight, meta: dict[str, Any]) -> None:
+        """What the driver reported during the dispatch (a batch job's id): a `step` event."""
+        claim = flight.claim
+        executor_id = claim.executor.pk if claim.executor is not None else None
+        await self.held_db(
+            job_step_record, job_id=claim.job.pk, executor_id=executor_id, attempt=claim.job.attempts, **meta
+        )
 
     def _abort(self, job_id: int, reason: str) -> None:
         flight = self.inflight.get(job_id)
@@ -482,7 +491,9 @@ class Worker:
         while True:
             try:
                 return await self.held_db(fn, **kwargs)
-            except (OperationalError, InterfaceError) as exc:
+            except DatabaseError as exc:
+                if not database_outage(exc):
+                    raise
                 log.warning("%s failed (%s); retrying in %.1fs", fn.__name__, exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
@@ -618,10 +629,16 @@ def worker_database_settings(settings_dict: dict[str, Any]) -> dict[str, Any]:
     worker frozen mid-transaction (stopped, swapped out, stuck in a pause) would otherwise hold its
     locks until it resumes, the claim lock included, and every claim on every host would wait; the
     server ends such a session after the timeout, its transaction rolled back, and the worker's
-    next call reconnects. Transactions here never wait on anything but the database."""
+    next call reconnects. Transactions here never wait on anything but the database.
+
+    Behind a transaction pooler (TELEMACHUS_PGBOUNCER) a session setting cannot reach the server:
+    PgBouncer refuses the `options` startup parameter, or drops it when told to ignore it. There
+    the pooler's `idle_transaction_timeout` is the bound (it disconnects the client and closes the
+    server connection, which rolls back), so none is sent."""
     options = {k: v for k, v in (settings_dict.get("OPTIONS") or {}).items() if k != "pool"}
     timeout = settings.TELEMACHUS_WORKER_IDLE_IN_TRANSACTION_SECONDS
-    if settings_dict.get("ENGINE") == "django.db.backends.postgresql" and timeout > 0:
+    postgres = settings_dict.get("ENGINE") == "django.db.backends.postgresql"
+    if postgres and timeout > 0 and not settings.TELEMACHUS_PGBOUNCER:
         flag = f"-c idle_in_transaction_session_timeout={math.ceil(timeout * 1000)}"
         options["options"] = f"{options.get('options', '')} {flag}".strip()
     return {**settings_dict, "OPTIONS": options, "CONN_MAX_AGE": None}
@@ -629,6 +646,16 @@ def worker_database_settings(settings_dict: dict[str, Any]) -> dict[str, Any]:
 
 def _close_connection() -> None:
     connection.close()
+
+
+def database_outage(exc: DatabaseError) -> bool:
+    """Whether the error says the connection failed (retry on a new one), not that the data was
+    refused. Behind a transaction pooler (PgBouncer) a server connection terminated while idle in
+    the pool answers the next client's BEGIN or COMMIT with its FATAL error and the command's own
+    result, which psycopg reports as InternalError "received 2 results from command 'BEGIN'"."""
+    if isinstance(exc, OperationalError | InterfaceError):
+        return True
+    return isinstance(exc, InternalError) and "results from command" in str(exc)
 
 
 def _db_call(fn: Callable[..., T], kwargs: dict[str, Any]) -> T:

@@ -157,7 +157,9 @@ def listen_connection_params() -> dict[str, Any]:
         return notify_connection_params()
     config = dj_database_url.parse(url)
     params: dict[str, Any] = {
-        "dbname": config.get("NAME"),
+        # The database is always Django's own (a test run's renamed one included): the URL says
+        # only how to reach its server directly.
+        "dbname": connection.settings_dict["NAME"],
         "user": config.get("USER"),
         "password": config.get("PASSWORD"),
         "host": config.get("HOST"),
@@ -170,9 +172,8 @@ def listen_connection_params() -> dict[str, Any]:
 
 def notify_connection_params() -> dict[str, Any]:
     """Parameters for a separate psycopg connection to the database Django uses (the delta
-    sender's, which NOTIFYs outside any transaction)."""
-    return {
-        k: v
-        for k, v in connection.get_connection_params().items()
-        if k not in {"cursor_factory", "context", "prepare_threshold"}
-    }
+    sender's, which NOTIFYs outside any transaction). Django's `prepare_threshold` stays (None
+    unless OPTIONS set it): psycopg's own default prepares a statement run 5 times, and behind a
+    transaction-pooling PgBouncer before 1.21 the next run lands on a server connection that never
+    saw it ("prepared statement ... does not exist")."""
+    return {k: v for k, v in connection.get_connection_params().items() if k not in {"cursor_factory", "context"}}

@@ -55,7 +55,9 @@ def test_a_job_locked_elsewhere_is_skipped_not_waited_for(member_setup):
 
 def test_a_worker_frozen_holding_the_claim_lock_is_cut_off_and_claims_go_on(member_setup, settings):
     # Given a worker's connection (the worker's own session settings, a 1 s idle-in-transaction
-    # bound) that takes the claim lock and then freezes, as a stopped worker would mid-claim...
+    # bound; behind PgBouncer the pooler's idle_transaction_timeout instead, 2 s in
+    # bin/pgbouncer-test) that takes the claim lock and then freezes, as a stopped worker would
+    # mid-claim...
     settings.TELEMACHUS_WORKER_IDLE_IN_TRANSACTION_SECONDS = 1
     job = job_submit(user=member_setup[0], team="a", type="chat", requirements={"model": "m"}, input={"messages": []})
     locked, outcome = threading.Event(), []
@@ -86,7 +88,8 @@ def test_a_worker_frozen_holding_the_claim_lock_is_cut_off_and_claims_go_on(memb
     finally:
         holder.join(20)
 
-    # Then it waited for the bound, not for the frozen worker: the server ended that session (its
-    # transaction rolled back, its lock gone), and the frozen worker learns so when it resumes.
+    # Then it waited for the bound, not for the frozen worker: the server (or the pooler) ended
+    # that session (its transaction rolled back, its lock gone), and the frozen worker learns so
+    # when it resumes.
     assert claim.job.pk == job.pk and waited < 5
     assert outcome and outcome[0] != "committed"

@@ -58,7 +58,8 @@ def created_meanwhile(create: Callable[[], object]) -> Iterator[threading.Event]
 
     def watch() -> None:
         deadline = time.monotonic() + 15
-        with psycopg.connect(_conninfo(), autocommit=True) as conn:
+        # Never prepared: behind PgBouncer (.ci/run) each poll may run on another server connection.
+        with psycopg.connect(_conninfo(), autocommit=True, prepare_threshold=None) as conn:
             while time.monotonic() < deadline and not release.is_set():
                 waiting = conn.execute(
                     "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
