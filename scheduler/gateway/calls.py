@@ -4,12 +4,13 @@ responses/, anthropic/).
 
 `model_call()` authenticates the caller, picks the team, checks the `openai` feature switch, has
 the protocol's `Dialect` translate the body into a chat completion, submits it as a `chat` job
-through `job_submit` (RBAC, budgets, priority map, depth cap), then waits for the job on the
-process's job feed, holding no thread and no database connection, and answers in the protocol's
-shape: one body, or a stream the dialect's `StreamWriter` writes as the output arrives. A client
-that disconnects, or a call that waits longer than TELEMACHUS_GATEWAY_TIMEOUT_SECONDS (504),
-cancels its job, which frees its slot at once. Every response about a job names it in
-`X-Telemachus-Job`.
+through `job_submit` (RBAC, budgets, priority map, depth cap), claims it in this process when it
+can run now (onehop.py: the workers' claim, only when it would take this job next), then waits for
+the job (its own run's end, or a worker's) on the process's job feed, holding no thread and no
+database connection, and answers in the protocol's shape: one body, or a stream the dialect's
+`StreamWriter` writes as the output arrives. A client that disconnects, or a call that waits
+longer than TELEMACHUS_GATEWAY_TIMEOUT_SECONDS (504), cancels its job, which frees its slot at
+once. Every response about a job names it in `X-Telemachus-Job`.
 
 A dialect says only what differs: how a body becomes a chat completion (refusing what it cannot
 carry), how a result, a stream and an error look. Queueing, waiting, relaying and canceling are

@@ -158,13 +158,21 @@ class OwnCalls:
         started = time.monotonic()
         log.info("job %d claimed in process: %s on %s (attempt %d)", job.pk, job.type, claim.executor, job.attempts)
         try:
+            assert claim.executor is not None  # a /v1/ call is a model call: it holds a slot
             try:
-                assert claim.executor is not None  # a /v1/ call is a model call: it holds a slot
-                driver = flight.driver = self._driver(claim.executor)
-                sink = LocalDeltas(job.pk, attempt=job.attempts) if job.input.get("stream") else None
-                outcome, fault = await model_call_outcome(driver=driver, claim=claim, on_delta=sink, started=started)
-                if sink is not None:
-                    await sink.flush()
+                flight.driver = self._driver(claim.executor)
+            except Exception as exc:  # a driver that cannot be built fails its job, as in the worker
+                log.error("job %d: no driver for executor %s: %s", job.pk, claim.executor.name, exc)
+                error = f"executor {claim.executor.name} has no usable driver: {exc}"
+                outcome, fault = Outcome(job_id=job.pk, lease=claim.lease, ok=False, error=error), True
+            try:
+                if flight.driver is not None:
+                    sink = LocalDeltas(job.pk, attempt=job.attempts) if job.input.get("stream") else None
+                    outcome, fault = await model_call_outcome(
+                        driver=flight.driver, claim=claim, on_delta=sink, started=started
+                    )
+                    if sink is not None:
+                        await sink.flush()
             except asyncio.CancelledError:
                 log.info("job %d: in-process dispatch aborted: %s", job.pk, flight.aborted or "cancelled")
                 return
