@@ -25,7 +25,7 @@ import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from decimal import Decimal
 from functools import partial
 from typing import Any
@@ -56,8 +56,8 @@ def enabled() -> bool:
 
 @dataclass
 class Flight:
-    """A call this process claimed and runs. `answer` is set when its finish was accepted with a
-    result (the call answers from it); `over` when the flight is over, however it ended."""
+    """A call this process claimed and runs. `result` and `cost` are set when its finish was
+    accepted with a result: the call answers from them, without reading the job."""
 
     claim: Claim
     driver: ExecutorDriver | None = None
@@ -67,7 +67,6 @@ class Flight:
     ended: bool = False  # its finish was written (or refused): nothing left to abort
     result: dict[str, Any] | None = None
     cost: Decimal | None = None
-    over: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def job_id(self) -> int:
@@ -130,6 +129,9 @@ class OwnCalls:
                     )
                     CLAIM_SECONDS.observe(time.perf_counter() - started)
                 claims = {claim.job.pk: claim for claim in batch.claims}
+                if len(claims) < len(wanted):
+                    left = sorted(set(wanted) - set(claims))
+                    log.debug("calls left to the workers (not next in the claim's order): %s", left)
             except Exception as exc:  # the calls wait for a worker instead; their submit did not wake one
                 log.warning("claiming %d call(s) in process failed (%s); left to the workers", len(wanted), exc)
                 try:
@@ -190,7 +192,6 @@ class OwnCalls:
                 await self._breaker(report)
         finally:
             self.flights.pop(flight.job_id, None)
-            flight.over.set()
 
     def _ended(self, flight: Flight, outcome: Outcome, report: FinishReport | None) -> None:
         """The finish is written (or refused): the call may answer from it, without a read."""

@@ -4,6 +4,7 @@ counts its concurrent requests. The caps hold on the wire, the queue's order hol
 and an API process killed mid-call leaves a job that is recovered like a worker's."""
 
 import json
+import time
 import signal
 import threading
 import urllib.error
@@ -200,3 +201,43 @@ def test_an_api_process_killed_mid_call_leaves_its_job_to_recovery(processes, ma
     stats = http_json(f"{server}/stats")
     assert stats["requests"] == 2 and stats["in_flight"] == 0
     assert isinstance(outcome.get("error"), OSError), "the killed process's client lost its connection"
+
+
+def test_calls_an_api_process_leaves_queued_wake_the_workers_at_once(processes, make_user, make_team):
+    # Given an idle worker and two queued calls whose submits woke nobody (their API process was
+    # about to claim them)...
+    from scheduler.services.claim import job_claim
+    from scheduler.services.submit import job_submit
+
+    server = processes.simllm(latency_ms=0)
+    Executor.objects.create(
+        name="x", kind="local-model", endpoint=f"{server}/x/v1", capabilities={"models": ["m"]}, max_concurrency=4
+    )
+    alice = member(make_user, "alice")
+    make_team("a", {alice: "member"})
+    processes.worker("w1", concurrency=4, **ENV)
+    time.sleep(2)
+    jobs = [
+        job_submit(
+            user=alice,
+            team="a",
+            type="chat",
+            requirements={"model": "m"},
+            input={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            wake=False,
+        )
+        for _ in range(2)
+    ]
+
+    # When the process claims only the second, which is not next in order (nothing is taken)...
+    assert job_claim(worker="api:h:1", limit=1, only={jobs[1].pk}).claims == []
+    left_at = time.monotonic()
+
+    # Then the worker runs both at once, woken by that claim.
+    wait_until(
+        lambda: Job.objects.filter(pk__in=[j.pk for j in jobs], status="done").count() == 2,
+        timeout=10,
+        interval=0.02,
+        what="the worker to run the calls",
+    )
+    assert time.monotonic() - left_at < 0.5
