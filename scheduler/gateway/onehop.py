@@ -41,6 +41,7 @@ from scheduler.gateway.feed import Delta, JobFeed
 from scheduler.metrics import CLAIM_SECONDS
 from scheduler.notify import broadcast
 from scheduler.services.claim import Claim, job_claim
+from scheduler.services.events import job_step_record
 from scheduler.services.finish import FinishReport, Outcome, jobs_finish
 from scheduler.services.lease import leases_renew
 from scheduler.worker.dispatch import model_call_outcome
@@ -171,7 +172,11 @@ class OwnCalls:
                 if flight.driver is not None:
                     sink = LocalDeltas(job.pk, attempt=job.attempts) if job.input.get("stream") else None
                     outcome, fault = await model_call_outcome(
-                        driver=flight.driver, claim=claim, on_delta=sink, started=started
+                        driver=flight.driver,
+                        claim=claim,
+                        on_delta=sink,
+                        on_step=partial(_step_record, claim),
+                        started=started,
                     )
                     if sink is not None:
                         await sink.flush()
@@ -306,6 +311,12 @@ def _claim_connection() -> None:
 def _claim_call(*, worker: str, only: frozenset[int], limit: int) -> Any:
     close_old_connections()
     return job_claim(worker=worker, only=only, limit=limit)
+
+
+async def _step_record(claim: Claim, meta: dict[str, Any]) -> None:
+    """What the driver reported during the dispatch: a `step` event, as the worker records it."""
+    executor_id = claim.executor.pk if claim.executor is not None else None
+    await db(job_step_record, job_id=claim.job.pk, executor_id=executor_id, attempt=claim.job.attempts, **meta)
 
 
 def _wake_workers() -> None:

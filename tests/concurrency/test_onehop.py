@@ -4,9 +4,9 @@ counts its concurrent requests. The caps hold on the wire, the queue's order hol
 and an API process killed mid-call leaves a job that is recovered like a worker's."""
 
 import json
-import time
 import signal
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -20,6 +20,8 @@ from django.utils import timezone
 from executors.models import Executor
 from quotas.models import QuotaPolicy
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot, TeamShare
+from scheduler.services.claim import job_claim
+from scheduler.services.submit import job_submit
 from tests.concurrency.slots import SlotSampler
 from tests.credentials import token_for
 from tests.processes import http_json, wait_until
@@ -206,9 +208,6 @@ def test_an_api_process_killed_mid_call_leaves_its_job_to_recovery(processes, ma
 def test_calls_an_api_process_leaves_queued_wake_the_workers_at_once(processes, make_user, make_team):
     # Given an idle worker and two queued calls whose submits woke nobody (their API process was
     # about to claim them)...
-    from scheduler.services.claim import job_claim
-    from scheduler.services.submit import job_submit
-
     server = processes.simllm(latency_ms=0)
     Executor.objects.create(
         name="x", kind="local-model", endpoint=f"{server}/x/v1", capabilities={"models": ["m"]}, max_concurrency=4
