@@ -427,6 +427,9 @@ TELEMACHUS_MAX_BODY_BYTES = env_int("TELEMACHUS_MAX_BODY_BYTES", 1_048_576)
 # is canceled; database threads per API process shared by its waiting requests (scheduler/gateway/).
 TELEMACHUS_GATEWAY_TIMEOUT_SECONDS = env_float("TELEMACHUS_GATEWAY_TIMEOUT_SECONDS", 600)
 TELEMACHUS_GATEWAY_DB_THREADS = env_int("TELEMACHUS_GATEWAY_DB_THREADS", 8)
+# One hop: an API process claims the /v1/ call it holds right after its submit (the same claim as
+# a worker's) and runs it itself when it can run now (scheduler/gateway/onehop.py, docs/gateway.md).
+TELEMACHUS_GATEWAY_ONE_HOP = env_bool("TELEMACHUS_GATEWAY_ONE_HOP", True)
 # A job submitted without `requirements.est_tokens` is estimated (scheduler/core/estimates.py):
 # its prompt's tokens plus its `max_tokens`, or, without max_tokens, the completion its model is
 # expected to write: per model (`model=N,...`), else the default. Budgets reserve the estimate.

@@ -14,6 +14,7 @@ listener per process tells every waiting request of the jobs it watches (`feed.p
   feed.py      one per process: job changes (PostgreSQL NOTIFY or SQLite's data_version) and
                output deltas (Redis, NOTIFY, or in process)
   calls.py     one governed model call, whatever the protocol: submit, wait, relay, cancel
+  onehop.py    the calls this process claims and runs itself when they can run now (one hop)
   openai.py    POST /v1/chat/completions, POST /v1/embeddings, GET /v1/models
   responses/   POST /v1/responses (OpenAI's Responses API over chat completions): request.py
                translates the request, answer.py the answer and its stream

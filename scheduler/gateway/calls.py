@@ -4,12 +4,13 @@ responses/, anthropic/).
 
 `model_call()` authenticates the caller, picks the team, checks the `openai` feature switch, has
 the protocol's `Dialect` translate the body into a chat completion, submits it as a `chat` job
-through `job_submit` (RBAC, budgets, priority map, depth cap), then waits for the job on the
-process's job feed, holding no thread and no database connection, and answers in the protocol's
-shape: one body, or a stream the dialect's `StreamWriter` writes as the output arrives. A client
-that disconnects, or a call that waits longer than TELEMACHUS_GATEWAY_TIMEOUT_SECONDS (504),
-cancels its job, which frees its slot at once. Every response about a job names it in
-`X-Telemachus-Job`.
+through `job_submit` (RBAC, budgets, priority map, depth cap), claims it in this process when it
+can run now (onehop.py: the workers' claim, only when it would take this job next), then waits for
+the job (its own run's end, or a worker's) on the process's job feed, holding no thread and no
+database connection, and answers in the protocol's shape: one body, or a stream the dialect's
+`StreamWriter` writes as the output arrives. A client that disconnects, or a call that waits
+longer than TELEMACHUS_GATEWAY_TIMEOUT_SECONDS (504), cancels its job, which frees its slot at
+once. Every response about a job names it in `X-Telemachus-Job`.
 
 A dialect says only what differs: how a body becomes a chat completion (refusing what it cannot
 carry), how a result, a stream and an error look. Queueing, waiting, relaying and canceling are
@@ -27,7 +28,7 @@ from django.conf import settings
 from executors.contract import EMBEDDINGS_API
 from quotas.models import ZERO, money_text
 from scheduler.core.configuration import configuration
-from scheduler.gateway import shapes
+from scheduler.gateway import onehop, shapes
 from scheduler.gateway.asgi import Reply, Request
 from scheduler.gateway.auth import TooManyFailures, client_address, credential_for
 from scheduler.gateway.database import db
@@ -281,8 +282,10 @@ def _submit(
     body: bytes,
     dialect: Dialect,
     address: str,
+    wake: bool,
 ) -> tuple[Caller, Job, shapes.ModelCall]:
-    """Authenticate, translate and check the body, submit: one trip to the database threads."""
+    """Authenticate, translate and check the body, submit: one trip to the database threads.
+    `wake` False: the workers are not woken, since the call is claimed in this process next."""
     caller = caller_for(authorization=authorization, team=team, confirm=False, address=address)
     data = shapes.parse_body(body)
     call = dialect.translate(data)
@@ -299,6 +302,7 @@ def _submit(
         meta={"via": dialect.via},
         features=(OPENAI,),
         key=caller.key,
+        wake=wake,
     )
     return caller, job, call
 
@@ -367,9 +371,12 @@ def _cancel(*, job_id: int, user: rbac.Principal, reason: str) -> Ending | None:
     return None
 
 
-async def _next_ending(watch: Watch) -> tuple[Ending | None, list[Delta]]:
-    """What the watch has: output, and the job's end if a change may have ended it."""
+async def _next_ending(watch: Watch, flight: onehop.Flight | None) -> tuple[Ending | None, list[Delta]]:
+    """What the watch has: output, and the job's end if a change may have ended it (from the
+    flight's own finish when this process ran the job and it was answered, with no read)."""
     _, maybe_ended, deltas = watch.take()
+    if flight is not None and flight.answered:
+        return Ending(status=Job.Status.DONE, result=flight.result, error="", cost=flight.cost or ZERO), deltas
     ending = await db(_ending, job_id=watch.job_id) if maybe_ended else None
     return ending, deltas
 
@@ -424,6 +431,7 @@ async def model_call(request: Request, reply: Reply, *, dialect: Dialect) -> Non
     feed = JobFeed.current()
     mark = feed.mark()
     created = shapes.now()
+    hop = onehop.enabled()
     caller, job, call = await db(
         _submit,
         authorization=dialect.authorization(request),
@@ -432,24 +440,21 @@ async def model_call(request: Request, reply: Reply, *, dialect: Dialect) -> Non
         body=request.body,
         dialect=dialect,
         address=client_address(request.scope),
+        wake=not hop,
     )
     with feed.watch(job.pk, deltas=call.stream, since=mark) as watch:
-        if call.stream:
-            await _relay(reply, watch, caller, dialect, dialect.writer(job_id=job.pk, created=created, call=call))
-            return
-        deadline = _deadline()
-        while True:
-            ending, _ = await _next_ending(watch)
-            if ending is not None:
-                break
-            if not await watch.wait(_left(deadline), unless=reply.gone):
-                ending = await db(_cancel, job_id=job.pk, user=caller.user, reason=_why(reply))
-                if reply.gone.done():
-                    log.info("job %d: client left; canceled", job.pk)
-                    return
-                if ending is None:
-                    return await respond_error(reply, dialect, _timeout(), job.pk)
-                break
+        own = onehop.OwnCalls.current() if hop else None
+        flight = await own.claim(job.pk) if own is not None else None
+        try:
+            if call.stream:
+                writer = dialect.writer(job_id=job.pk, created=created, call=call)
+                return await _relay(reply, watch, flight, caller, dialect, writer)
+            ending = await _wait(reply, watch, flight, caller, dialect)
+        finally:
+            if own is not None and flight is not None:
+                own.abort(flight, "its call ended")  # a no-op once it has finished
+    if ending is None:
+        return
     if ending.status != Job.Status.DONE:
         return await respond_error(reply, dialect, ending.failure(), job.pk)
     try:
@@ -463,12 +468,35 @@ async def model_call(request: Request, reply: Reply, *, dialect: Dialect) -> Non
     )
 
 
-async def _relay(reply: Reply, watch: Watch, caller: Caller, dialect: Dialect, writer: StreamWriter) -> None:
+async def _wait(
+    reply: Reply, watch: Watch, flight: onehop.Flight | None, caller: Caller, dialect: Dialect
+) -> Ending | None:
+    """A plain call's wait for its job's end; None when it was answered already (the client
+    left, or the wait timed out)."""
+    deadline = _deadline()
+    while True:
+        ending, _ = await _next_ending(watch, flight)
+        if ending is not None:
+            return ending
+        if not await watch.wait(_left(deadline), unless=reply.gone):
+            ending = await db(_cancel, job_id=watch.job_id, user=caller.user, reason=_why(reply))
+            if reply.gone.done():
+                log.info("job %d: client left; canceled", watch.job_id)
+                return None
+            if ending is None:
+                await respond_error(reply, dialect, _timeout(), watch.job_id)
+                return None
+            return ending
+
+
+async def _relay(
+    reply: Reply, watch: Watch, flight: onehop.Flight | None, caller: Caller, dialect: Dialect, writer: StreamWriter
+) -> None:
     """A streamed call. The response starts with the first output (or the job's end), so a job that
     fails before answering gets a real status (502, 504) instead of an error inside a 200 stream."""
     job_id, deadline, relay = watch.job_id, _deadline(), Relay(exact=True)
     while True:
-        ending, deltas = await _next_ending(watch)
+        ending, deltas = await _next_ending(watch, flight)
         text = "".join(piece.text for piece in relay.accept(deltas))
         tools = relay.take_tools()
         if text or tools or ending is not None:
@@ -505,7 +533,7 @@ async def _relay(reply: Reply, watch: Watch, caller: Caller, dialect: Dialect, w
                 break
             await reply.write(writer.keepalive)
             continue
-        ending, deltas = await _next_ending(watch)
+        ending, deltas = await _next_ending(watch, flight)
         text = "".join(piece.text for piece in relay.accept(deltas))
         output = (writer.text(text) if text else b"") + b"".join(writer.tool(p) for p in relay.take_tools())
         if output:

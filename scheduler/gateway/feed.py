@@ -321,6 +321,16 @@ class JobFeed:
         for watch in self.watches.get(job_id, ()):
             watch.notify(ended=event in ENDING_EVENTS)
 
+    def ended_here(self, job_id: int) -> None:
+        """A job this process ran itself has ended (scheduler/gateway/onehop.py): its watches
+        learn it now, not when the database's notification comes back."""
+        for watch in self.watches.get(job_id, ()):
+            watch.notify(ended=True)
+
+    def delta_here(self, job_id: int, delta: Delta) -> None:
+        """Output of a job this process runs itself, to its watches at once."""
+        self._delta(job_id, delta)
+
     def _delta(self, job_id: int, delta: Delta) -> None:
         for watch in self.watches.get(job_id, ()):
             if watch.wants_deltas:

@@ -1,5 +1,6 @@
 import uuid
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
@@ -18,6 +19,7 @@ from scheduler.models import Job, JobEvent, Slot
 from scheduler.services.events import events_record, job_event
 from scheduler.services.shares import team_shares_charge
 from scheduler.services.tooljobs import tool_jobs_start
+from telemachus.control import notify
 from telemachus.control.notify import changes_notify
 from telemachus.locks import Level, for_update_sql
 
@@ -53,9 +55,16 @@ def lease_length() -> timedelta:
     return timedelta(seconds=settings.TELEMACHUS_LEASE_SECONDS)
 
 
-def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
+def job_claim(*, worker: str, limit: int = 1, only: Collection[int] | None = None) -> ClaimBatch:
     """Take up to `limit` queued jobs whose four scopes (global, executor, team, user) all have a
     free slot, in the policy's order, and place each on the executor the policy chooses.
+
+    `only` (an API process claiming the calls it holds, scheduler/gateway/onehop.py): take jobs
+    of `only` as long as they are what this claim would take anyway, and stop at the first job
+    the claim would take that is not one of them, taking it neither. What is taken is then
+    exactly what a worker's claim would have taken at this moment, in the same order under the
+    same caps; the jobs of `only` left queued wake the workers at commit (their submit did not).
+    No tool jobs.
 
     One short durable transaction. Locks the claim lock (level 1) first, so no other slot can be
     created until commit: the slot counts read under it cannot rise, and no two claims can both
@@ -76,6 +85,7 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
         # caps as they stand, while each round still makes progress.
         policy = policy_for(record)
         taken: set[int] = set()
+        head_elsewhere = False  # with `only`: the claim would take a job that is not one of them
         for _ in range(MAX_ORDER_ROUNDS if state.global_free() > 0 else 0):
             taken_before, passed_over = len(chosen), False
             for job in policy.order(state, limit=limit - len(chosen)):
@@ -93,11 +103,15 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
                     if account is not None and account.remaining > 0:
                         deferred[job.pk] = (job, account)
                     continue
+                if only is not None and job.pk not in only:
+                    head_elsewhere = passed_over = True
+                    break
                 state.take(job, view)
                 chosen.append((job, view))
                 taken.add(job.pk)
             if (
                 not passed_over
+                or head_elsewhere
                 or len(chosen) == taken_before
                 or len(chosen) >= limit
                 or state.global_free() <= 0
@@ -117,10 +131,12 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
         claims = _start(chosen, worker=worker, state=state) if chosen else []
         tools = (
             tool_jobs_start(worker=worker, limit=limit - len(claims), now=now, expires=now + lease_length())
-            if record.tools_queued
+            if record.tools_queued and only is None
             else []
         )
         claims += [_tool_claim(job) for job in tools]
+        if only is not None and len(claims) < len(only):
+            notify.notify_workers(notify.QUEUED)
         backlog = backlog or len(claims) >= limit
         if claims:
             changes_notify("claimed")  # live dashboards, not workers

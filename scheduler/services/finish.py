@@ -3,6 +3,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
@@ -15,6 +16,7 @@ from scheduler.core.locks import lock_jobs_to_finish
 from scheduler.models import Job, JobEvent
 from scheduler.services.attempts import AttemptEnd, attempts_end
 from scheduler.services.events import events_record, job_event
+from telemachus.control import notify
 from telemachus.control.config import config_at
 
 if TYPE_CHECKING:
@@ -42,6 +44,9 @@ class FinishReport:
     accepted: list[int]
     refused: list[int]
     retrying: list[int] = field(default_factory=list)
+    # What each accepted job cost in all (its attempts so far), for an answer made from the
+    # report without reading the job again (scheduler/gateway/onehop.py).
+    costs: dict[int, Decimal] = field(default_factory=dict)
 
 
 def retry_delay(*, attempt: int, retry_after: float | None) -> float:
@@ -67,9 +72,9 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
     exactly once. Locks the job rows in ascending id (level 3). Durable: not inside another
     transaction.
 
-    Freed slots wake the workers (`freed`), unless `wake_others` is False: a worker finishing its
-    own jobs claims again itself, with the local room the finished jobs left, so waking every
-    other worker would only have them race it for the same slots."""
+    Freed slots wake the workers (`freed`, and `queued` for retries), unless `wake_others` is
+    False: a worker finishing its own jobs claims again itself, with the local room the finished
+    jobs left, so waking every other worker would only have them race it for the same slots."""
     if not outcomes:
         return FinishReport(accepted=[], refused=[])
     by_job = {outcome.job_id: outcome for outcome in outcomes}
@@ -158,11 +163,16 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
             events.append(job_event(job=job, event=event, at=job.db_now, executor=job.executor_id, **meta))
         update_rows(Job, [{"id": job.pk, **{name: getattr(job, name) for name in Job.END_FIELDS}} for job in finished])
         update_rows(Job, retrying)
+        if retrying and wake_others:
+            notify.notify_workers(notify.QUEUED)  # the retries wait in the queue for whoever claims next
         events_record(events)
         # Slots, then ledger rows (lock level 4) and team shares (level 5), last.
         attempts_end(ends=ends, now=now, record=record, wake=wake_others, rules=configuration(snapshot).rules)
     return FinishReport(
-        accepted=[job.pk for job in finished], refused=refused, retrying=[row["id"] for row in retrying]
+        accepted=[job.pk for job in finished],
+        refused=refused,
+        retrying=[row["id"] for row in retrying],
+        costs={job.pk: job.cost for job in finished},
     )
 
 

@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Any
 
 from django.db import transaction
+from django.db.models import TextField, Value
 from django.utils import timezone
 
 from executors.contract import EMBEDDINGS_API
@@ -77,6 +78,7 @@ def job_submit(
     run_after: datetime | None = None,
     features: tuple[str, ...] = (),
     key: ApiKey | None = None,
+    wake: bool = True,
 ) -> Job:
     """Admit a job and persist it `queued` with its `queued` event, in one transaction.
 
@@ -95,7 +97,10 @@ def job_submit(
 
     `key`: the app key the caller authenticated with (`user` is then the key's own user). The job
     records it, and a model the key may not call is refused like one no executor offers (400
-    unknown_model naming it; 404 model_not_found on /v1/)."""
+    unknown_model naming it; 404 model_not_found on /v1/).
+
+    `wake` False: the workers are not woken, because the caller claims the job itself at once
+    (scheduler/gateway/onehop.py), and that claim wakes them if it leaves the job queued."""
     spec = JobSpec(
         team=team,
         type=type,
@@ -106,7 +111,7 @@ def job_submit(
         run_after=run_after,
         features=features,
     )
-    (job,) = _submit(user=user, specs=[spec], key=key)
+    (job,) = _submit(user=user, specs=[spec], key=key, wake=wake)
     return job
 
 
@@ -138,7 +143,12 @@ class _Admitted:
 
 
 def _submit(
-    *, user: rbac.Principal, specs: Sequence[JobSpec], indexed: bool = False, key: ApiKey | None = None
+    *,
+    user: rbac.Principal,
+    specs: Sequence[JobSpec],
+    indexed: bool = False,
+    key: ApiKey | None = None,
+    wake: bool = True,
 ) -> list[Job]:
     """Check against the configuration this process last read; confirm its version under the team
     locks. A refusal from configuration that may be stale is checked again on a fresh read
@@ -147,7 +157,7 @@ def _submit(
     while True:
         try:
             with transaction.atomic():
-                return _admit(user=user, specs=specs, snapshot=snapshot, indexed=indexed, key=key)
+                return _admit(user=user, specs=specs, snapshot=snapshot, indexed=indexed, key=key, wake=wake)
         except _StaleConfiguration as stale:
             # The same version with different rows can only be a rolled-back or flushed database.
             same = (stale.version or 0) == snapshot.version
@@ -159,7 +169,13 @@ def _submit(
 
 
 def _admit(
-    *, user: rbac.Principal, specs: Sequence[JobSpec], snapshot: ConfigSnapshot, indexed: bool, key: ApiKey | None
+    *,
+    user: rbac.Principal,
+    specs: Sequence[JobSpec],
+    snapshot: ConfigSnapshot,
+    indexed: bool,
+    key: ApiKey | None,
+    wake: bool = True,
 ) -> list[Job]:
     conf, record, who = configuration(snapshot), policy_record(snapshot), grants(snapshot, user)
     now = timezone.now()
@@ -174,11 +190,12 @@ def _admit(
     # One statement: lock the teams' rows (counting their queues is then race-free), confirm the
     # configuration version, read the budgets' ledger rows, and wake the workers on commit.
     budget_columns = budgets.columns()
+    wakeup = notify.notify_column(notify.QUEUED) if wake else Value("", output_field=TextField())
     locked = list(
         rows_lock(Team.objects, level=Level.CONFIGURATION, of=("self",))
         .filter(pk__in=teams)
         .order_by("pk")
-        .annotate(config_version=version_annotation(), wake=notify.notify_column(notify.QUEUED), **budget_columns)
+        .annotate(config_version=version_annotation(), wake=wakeup, **budget_columns)
         .values("pk", "config_version", "wake", *budget_columns)
     )
     version = locked[0]["config_version"] if locked else None

@@ -49,7 +49,6 @@ from executors.contract import DispatchError, ExecutorDriver, Probe
 from executors.health import DispatchReport, ExecutorEvent, breaker_record, probe_record, probes_due
 from executors.models import Executor
 from executors.registry import DriverPool
-from scheduler.core.jobtypes import job_output, job_request
 from scheduler.flows.runner import flow_round_run, tool_job_outcome
 from scheduler.metrics import CLAIM_SECONDS, dispatch_observe, worker_heartbeat_forget, worker_heartbeat_observe
 from scheduler.models import Job
@@ -61,6 +60,7 @@ from scheduler.services.finish import FinishReport, Outcome, jobs_finish
 from scheduler.services.history import history_next_in, history_record
 from scheduler.services.lease import jobs_release, leases_renew
 from scheduler.services.recover import jobs_recover
+from scheduler.worker.dispatch import failure_outcome, model_call_outcome
 from scheduler.worker.flight import InFlight
 from scheduler.worker.probes import heartbeat_check, probe_serve
 from telemachus.control import notify
@@ -323,22 +323,14 @@ class Worker:
             if job.type == Job.Type.TOOL:
                 outcome = await tool_job_outcome(self, flight.claim)
             else:
-                request = job_request(job)
-                on_delta = broadcast.DeltaStream(job.pk, attempt=job.attempts) if request.stream else None
+                on_delta = broadcast.DeltaStream(job.pk, attempt=job.attempts) if job.input.get("stream") else None
                 assert flight.driver is not None  # only tool jobs run without an executor
-                result = await flight.driver.execute(request, on_delta, partial(self._step_record, flight))
-                dispatch_observe(executor=flight.claim.executor, outcome="ok", seconds=time.perf_counter() - started)
-                outcome = Outcome(
-                    job_id=job.pk,
-                    lease=flight.claim.lease,
-                    ok=True,
-                    result=job_output(job, result.stored_output()),
-                    tokens_used=result.tokens_used,
-                    meta={
-                        "prompt_tokens": result.prompt_tokens,
-                        "completion_tokens": result.completion_tokens,
-                        "seconds": round(time.monotonic() - flight.started, 4),
-                    },
+                outcome, flight.executor_fault = await model_call_outcome(
+                    driver=flight.driver,
+                    claim=flight.claim,
+                    on_delta=on_delta,
+                    on_step=partial(self._step_record, flight),
+                    started=flight.started,
                 )
         except asyncio.CancelledError:
             self.inflight.pop(job.pk, None)
@@ -352,17 +344,8 @@ class Worker:
         except DispatchError as exc:
             dispatch_observe(executor=flight.claim.executor, outcome="error", seconds=time.perf_counter() - started)
             flight.executor_fault = exc.executor_fault
-            outcome = Outcome(
-                job_id=job.pk,
-                lease=flight.claim.lease,
-                ok=False,
-                error=str(exc),
-                result=exc.detail,
-                retryable=exc.retryable,
-                retry_after=exc.retry_after,
-                meta={"status": exc.status, **({"timed_out": True} if exc.timed_out else {})},
-            )
-        except Exception as exc:  # a driver bug must fail the job, not kill the worker
+            outcome = failure_outcome(flight.claim, exc)
+        except Exception as exc:  # a bug must fail the job, not kill the worker
             log.exception("job %d: %s raised", job.pk, f"driver {flight.driver.kind}" if flight.driver else "its run")
             outcome = Outcome(job_id=job.pk, lease=flight.claim.lease, ok=False, error=f"driver error: {exc!r}")
         if on_delta is not None:

@@ -144,9 +144,14 @@ class TestChat:
         messages = [{"role": "user", "content": "Paris"}]
         if stream:
             chunks = list(client.chat.completions.create(model="m", messages=messages, tools=WEATHER, stream=True))
-            (call,) = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+            # The call as a client assembles it: the first piece names it, the rest add arguments
+            # (one piece or many, as the model's stream reaches the relay).
+            pieces = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+            assert {piece.index for piece in pieces} == {0} and pieces[0].id and pieces[0].function.name
+            assert all(piece.id is None and piece.function.name is None for piece in pieces[1:])
             assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
-            name, arguments, call_id = call.function.name, call.function.arguments, call.id
+            name, call_id = pieces[0].function.name, pieces[0].id
+            arguments = "".join(piece.function.arguments or "" for piece in pieces)
         else:
             first = client.chat.completions.create(model="m", messages=messages, tools=WEATHER, tool_choice="auto")
             assert first.choices[0].finish_reason == "tool_calls"

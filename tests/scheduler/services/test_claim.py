@@ -5,6 +5,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from executors.models import Executor
+from quotas.models import QuotaPolicy
 from scheduler.models import Job, QueuePolicy, Slot
 from scheduler.services.claim import job_claim
 
@@ -201,3 +202,50 @@ class TestPlacement:
         submit(alice, a, **{"class": "cpu"})
         placed = [claim.executor.name for claim in job_claim(worker="w", limit=3).claims]
         assert placed == ["gpu", "gpu", "shared"]
+
+
+class TestOnlyTheseJobs:
+    """`only`: an API process claims the calls it holds only when the claim would take them anyway
+    (scheduler/gateway/onehop.py)."""
+
+    def test_the_job_at_the_head_of_the_order_is_taken(self, member_setup, submit):
+        alice, _, a, _, executor = member_setup
+        job = submit(alice, a)
+        (claim,) = job_claim(worker="api:h:1", limit=1, only={job.pk}).claims
+        job.refresh_from_db()
+        assert (claim.job.pk, job.status, job.worker, job.executor) == (job.pk, "running", "api:h:1", executor)
+        assert list(job.events.values_list("event", flat=True)) == ["queued", "placed", "started"]
+
+    def test_a_job_behind_another_that_would_go_first_is_not_taken_nor_is_the_other(self, member_setup, submit):
+        # Given bob's job, which fair share puts first (alice's team is busy), and alice's call...
+        alice, bob, a, b, _ = member_setup
+        submit(alice, a)
+        job_claim(worker="w", limit=1)
+        ahead = submit(bob, b, priority=1)
+        mine = submit(alice, a)
+        # When alice's API process claims only her call, nothing is taken: the slot is bob's job's.
+        batch = job_claim(worker="api:h:1", limit=1, only={mine.pk})
+        assert batch.claims == []
+        assert set(Job.objects.filter(pk__in=[ahead.pk, mine.pk]).values_list("status", flat=True)) == {"queued"}
+        # And a worker's claim takes bob's job first, as it would have without the API's try.
+        assert claimed_ids(job_claim(worker="w", limit=1)) == [ahead.pk]
+
+    def test_a_capped_team_ahead_is_skipped_as_a_worker_skips_it(self, member_setup, submit):
+        alice, bob, a, b, _ = member_setup
+        QuotaPolicy.objects.create(scope="team", subject="a", dimension="ai.concurrency", limit=1)
+        submit(alice, a)
+        job_claim(worker="w", limit=1)
+        capped = submit(alice, a, priority=5)  # first in order, but its team is at its cap
+        mine = submit(bob, b)
+        assert claimed_ids(job_claim(worker="api:h:1", limit=1, only={mine.pk})) == [mine.pk]
+        assert Job.objects.get(pk=capped.pk).status == "queued"
+
+    def test_several_calls_are_taken_while_they_lead_the_order(self, member_setup, submit):
+        alice, bob, a, b, _ = member_setup
+        first, second = submit(alice, a), submit(bob, b)
+        other = submit(alice, a)
+        third = submit(bob, b)
+        batch = job_claim(worker="api:h:1", limit=3, only={first.pk, second.pk, third.pk})
+        # In order: first and second lead; `other` comes next, so third waits behind it.
+        assert claimed_ids(batch) == [first.pk, second.pk]
+        assert Job.objects.get(pk=third.pk).status == "queued" and Job.objects.get(pk=other.pk).status == "queued"
