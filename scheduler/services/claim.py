@@ -75,6 +75,7 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
         # (a teammate behind a user who just reached their cap): ask the policy again, with the
         # caps as they stand, while each round still makes progress.
         policy = policy_for(record)
+        policy.state = state
         taken: set[int] = set()
         for _ in range(MAX_ORDER_ROUNDS if state.global_free() > 0 else 0):
             taken_before, passed_over = len(chosen), False
@@ -147,8 +148,14 @@ def job_claim(*, worker: str, limit: int = 1) -> ClaimBatch:
 def _next_eligible(state: ClaimState) -> datetime | None:
     """The next moment queued work that waits on time may become claimable: the earliest end of a
     retry's backoff (read with the claim lock), of a breaker's cooldown, or of a budget window
-    that refused work or ran out. A worker sleeps until then instead of polling."""
-    moments = [*state.cooldown_ends, state.budgets.next_reset(), getattr(state.policy, "next_retry", None)]
+    that refused work or ran out, or of a wait the policy named (a round waiting for its preferred
+    executor). A worker sleeps until then instead of polling."""
+    moments = [
+        *state.cooldown_ends,
+        *state.wake_moments,
+        state.budgets.next_reset(),
+        getattr(state.policy, "next_retry", None),
+    ]
     return min(filter(None, moments), default=None)
 
 

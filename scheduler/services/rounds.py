@@ -11,7 +11,10 @@ placement), then:
                   done; one that called tools past `max_rounds` fails; otherwise it stays running,
                   with no slot, while its holder runs the tools. A governed slot is done.
   round_requeue   the tool results join the conversation and the flow goes back to the queue for
-                  its next round, as new work (QueuePolicy.flow_rounds); a failed tool fails it.
+                  its next round, as new work (QueuePolicy.flow_rounds), preferring the executor
+                  that served this round (QueuePolicy.affinity); a failed tool fails it.
+  round_end       both of the last two in one transaction, for a round whose tools its holder ran
+                  before writing the round's end (quick tools: scheduler/flows/runner.py).
 
 All three are fenced like a job's finish: they name the job, its lease and the round, and are
 refused (LeaseLost) unless that lease still holds the job at that round. So a round is billed once:
@@ -171,71 +174,143 @@ def round_finish(
     Durable; locks the job (level 3), then ledger rows (4) and team shares (5). Raises LeaseLost
     unless `lease` holds the job at round `round` (so a round is never billed twice)."""
     record = queue_policy()
-    tokens = prompt_tokens + completion_tokens
     with transaction.atomic(durable=True):
         job = _held(job_id, lease, rounds=round - 1)
-        now = job.db_now
-        attempt = AttemptEnd.of(
-            job,
-            tokens=tokens,
-            executor=Executor.objects.filter(pk=job.executor_id).only("prices").first() if job.executor_id else None,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-        )
-        total = (job.tokens_used or 0) + tokens
-        job.rounds = round
-        calls = list((message or {}).get("tool_calls") or []) if job.type == Job.Type.FLOW else []
-        events = [
-            job_event(
-                job=job,
-                event=JobEvent.Type.ROUND_FINISHED,
-                at=now,
-                round=round,
-                tokens=tokens,
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                tools=tool_names(calls),
-                executor=job.executor_id,
-                **(meta or {}),
-            )
-        ]
-        fields = ["tokens_used", "cost", "rounds", "reservation"]
-        if job.type == Job.Type.FLOW:
-            job.conversation = [*job.conversation, message]
-            fields.append("conversation")
-            max_rounds = int(job.input.get("max_rounds") or DEFAULT_MAX_ROUNDS)
-            if not calls:
-                result = {"message": message, "rounds": round, "tokens": total}
-                events.append(_end(job, status=Job.Status.DONE, now=now, result=result, tokens=tokens, rounds=round))
-            elif round >= max_rounds:
-                events.append(
-                    _end(
-                        job,
-                        status=Job.Status.FAILED,
-                        now=now,
-                        error="max_rounds",
-                        tokens=tokens,
-                        rounds=round,
-                        max_rounds=max_rounds,
-                    )
-                )
-        elif error:
-            events.append(_end(job, status=Job.Status.FAILED, now=now, error=error, tokens=tokens))
-        else:
-            result = {"tokens": tokens, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
-            events.append(_end(job, status=Job.Status.DONE, now=now, result=result, tokens=tokens))
-        if job.status == Job.Status.RUNNING:
-            job.tokens_used = total
-        else:
-            fields += Job.END_FIELDS
         # Under `continue` the flow keeps its place while its tools run: a slot freed now is not
         # advertised, so the flow's next round (queued when the tools are done) normally takes it
         # rather than newer work of its team; a claim woken by something else may still use it.
-        goes_on = job.status == Job.Status.RUNNING and record.flow_rounds == QueuePolicy.FlowRounds.CONTINUE
-        attempts_end(ends=[attempt], now=now, record=record, wake=not goes_on)
+        calls, fields, events = _round_close(
+            job,
+            record,
+            round=round,
+            message=message,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            error=error,
+            meta=meta,
+            wake_unless_continuing=True,
+        )
         job.save(update_fields=list(dict.fromkeys(fields)))
         events_record(events)
     return RoundEnd(status=job.status, tool_calls=calls if job.status == Job.Status.RUNNING else [])
+
+
+def round_end(
+    *,
+    job_id: int,
+    lease: uuid.UUID,
+    round: int,
+    message: dict[str, Any],
+    prompt_tokens: int = 0,
+    completion_tokens: int = 0,
+    meta: dict[str, Any] | None = None,
+    results: list[ToolOutcome],
+) -> str:
+    """`round_finish` and `round_requeue` in one transaction, for a flow's round whose tool calls
+    its holder ran before writing the round's end (they were quick: scheduler/flows/runner.py), so
+    a round costs one write besides its claim. What is written is what the two would write one
+    after the other: the round billed and its slot freed (`round_finished`), the tool results in
+    the conversation, the flow queued for its next round (`queued`) or ended (done, max_rounds, a
+    failed tool); the workers are woken once, at commit.
+
+    Durable; locks the job (level 3), then ledger rows (4) and team shares (5). Returns the job's
+    status. Raises LeaseLost unless `lease` holds the job at round `round`."""
+    record = queue_policy()
+    with transaction.atomic(durable=True):
+        job = _held(job_id, lease, rounds=round - 1)
+        _, fields, events = _round_close(
+            job,
+            record,
+            round=round,
+            message=message,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            meta=meta,
+            wake_unless_continuing=False,
+        )
+        if job.status == Job.Status.RUNNING:
+            fields += _round_requeue(job, record, round=round, results=results, events=events)
+        if job.status != Job.Status.QUEUED:
+            notify.notify_workers(notify.FREED)
+        job.save(update_fields=list(dict.fromkeys(fields)))
+        events_record(events)
+        return str(job.status)
+
+
+def _round_close(
+    job: "ClockedJob",
+    record: QueuePolicy,
+    *,
+    round: int,
+    message: dict[str, Any] | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+    meta: dict[str, Any] | None,
+    wake_unless_continuing: bool,
+    error: str = "",
+) -> tuple[list[dict[str, Any]], list[str], list[JobEvent]]:
+    """The end of a locked job's round (see `round_finish`), not saved: the tool calls to run, the
+    fields changed and the events to record. Frees the slot and bills the round (`attempts_end`);
+    wakes the workers unless `wake_unless_continuing` is False or the flow goes on under
+    `continue`."""
+    tokens = prompt_tokens + completion_tokens
+    now = job.db_now
+    attempt = AttemptEnd.of(
+        job,
+        tokens=tokens,
+        executor=Executor.objects.filter(pk=job.executor_id).only("prices").first() if job.executor_id else None,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+    )
+    total = (job.tokens_used or 0) + tokens
+    job.rounds = round
+    calls = list((message or {}).get("tool_calls") or []) if job.type == Job.Type.FLOW else []
+    events = [
+        job_event(
+            job=job,
+            event=JobEvent.Type.ROUND_FINISHED,
+            at=now,
+            round=round,
+            tokens=tokens,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            tools=tool_names(calls),
+            executor=job.executor_id,
+            **(meta or {}),
+        )
+    ]
+    fields = ["tokens_used", "cost", "rounds", "reservation"]
+    if job.type == Job.Type.FLOW:
+        job.conversation = [*job.conversation, message]
+        fields.append("conversation")
+        max_rounds = int(job.input.get("max_rounds") or DEFAULT_MAX_ROUNDS)
+        if not calls:
+            result = {"message": message, "rounds": round, "tokens": total}
+            events.append(_end(job, status=Job.Status.DONE, now=now, result=result, tokens=tokens, rounds=round))
+        elif round >= max_rounds:
+            events.append(
+                _end(
+                    job,
+                    status=Job.Status.FAILED,
+                    now=now,
+                    error="max_rounds",
+                    tokens=tokens,
+                    rounds=round,
+                    max_rounds=max_rounds,
+                )
+            )
+    elif error:
+        events.append(_end(job, status=Job.Status.FAILED, now=now, error=error, tokens=tokens))
+    else:
+        result = {"tokens": tokens, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+        events.append(_end(job, status=Job.Status.DONE, now=now, result=result, tokens=tokens))
+    if job.status == Job.Status.RUNNING:
+        job.tokens_used = total
+    else:
+        fields += Job.END_FIELDS
+    goes_on = job.status == Job.Status.RUNNING and record.flow_rounds == QueuePolicy.FlowRounds.CONTINUE
+    attempts_end(ends=[attempt], now=now, record=record, wake=wake_unless_continuing and not goes_on)
+    return calls, fields, events
 
 
 def _end(
@@ -268,7 +343,9 @@ def round_requeue(*, job_id: int, lease: uuid.UUID, round: int, results: list[To
     messages, in call order) and the flow goes back to the queue for round `round + 1`, as new
     work: ready now under QueuePolicy.flow_rounds = requeue (behind what became ready while it
     ran), keeping its place under `continue`; either way its wait, for aging, starts now and its
-    next round gets fresh attempts. Event `queued` with each tool's name, time and outcome.
+    next round gets fresh attempts, and prefers the executor that served this round
+    (`affinity_executor`, QueuePolicy.affinity). Event `queued` with each tool's name, time and
+    outcome.
 
     A failed tool call fails the flow with the tool's error, unless the flow's input says
     `return_tool_errors`, in which case the error goes back to the model as that call's result.
@@ -280,63 +357,68 @@ def round_requeue(*, job_id: int, lease: uuid.UUID, round: int, results: list[To
         job = _held(job_id, lease, rounds=round)
         if not pending_tool_calls(job.conversation):
             raise LeaseLost(f"Job {job_id} has no tool calls waiting in round {round}.")
-        now = job.db_now
-        job.conversation = [
-            *job.conversation,
-            *(
-                {
-                    "role": "tool",
-                    "tool_call_id": r.call_id,
-                    "content": r.content if r.ok else json.dumps({"error": r.content}),
-                }
-                for r in results
-            ),
-        ]
-        tools = [r.describe() for r in results]
-        failure = next((r for r in results if not r.ok), None)
-        if failure is not None and not job.input.get("return_tool_errors"):
-            event = _end(job, status=Job.Status.FAILED, now=now, error=failure.content, rounds=round, tools=tools)
-            job.save(update_fields=["conversation", *Job.END_FIELDS])
-            events_record([event])
-            return str(job.status)
-        job.return_to_queue()
-        job.attempts, job.error, job.run_after, job.avoid_executor = 0, "", None, None
-        # The next round's prompt holds the whole conversation: its budgets reserve that.
-        job.cost_estimate = round_estimate(job)
-        job.est_prompt_tokens, job.est_completion_tokens = token_split_estimate(
-            type=job.type,
-            requirements=job.requirements,
-            input={**job.input, "messages": [*(job.input.get("messages") or ()), *job.conversation]},
-            estimate=job.cost_estimate,
-        )
-        job.queued_at = now
-        if record.flow_rounds == QueuePolicy.FlowRounds.REQUEUE:
-            job.ready_at = now
-        job.save(
-            update_fields=[
-                "conversation",
-                "cost_estimate",
-                "est_prompt_tokens",
-                "est_completion_tokens",
-                *Job.REQUEUE_FIELDS,
-                "error",
-                "run_after",
-                "avoid_executor",
-                "queued_at",
-                "ready_at",
-            ]
-        )
-        events_record(
-            [
-                job_event(
-                    job=job,
-                    event=JobEvent.Type.QUEUED,
-                    at=now,
-                    round=round + 1,
-                    tools=tools,
-                    flow_rounds=record.flow_rounds,
-                )
-            ]
-        )
-        notify.notify_workers(notify.QUEUED)
+        events: list[JobEvent] = []
+        fields = _round_requeue(job, record, round=round, results=results, events=events)
+        job.save(update_fields=fields)
+        events_record(events)
         return str(job.status)
+
+
+def _round_requeue(
+    job: "ClockedJob", record: QueuePolicy, *, round: int, results: list[ToolOutcome], events: list[JobEvent]
+) -> list[str]:
+    """Record a locked flow's tool results and queue its next round, or fail it (see
+    `round_requeue`), not saved: appends the event to `events`, returns the fields changed, and
+    wakes the workers at commit when the flow is queued."""
+    now = job.db_now
+    job.conversation = [
+        *job.conversation,
+        *(
+            {
+                "role": "tool",
+                "tool_call_id": r.call_id,
+                "content": r.content if r.ok else json.dumps({"error": r.content}),
+            }
+            for r in results
+        ),
+    ]
+    tools = [r.describe() for r in results]
+    failure = next((r for r in results if not r.ok), None)
+    if failure is not None and not job.input.get("return_tool_errors"):
+        events.append(_end(job, status=Job.Status.FAILED, now=now, error=failure.content, rounds=round, tools=tools))
+        return ["conversation", *Job.END_FIELDS]
+    # The next round prefers the executor that served this one: its model server may still hold
+    # the prefix cache of the conversation so far (QueuePolicy.affinity).
+    job.affinity_executor_id = job.executor_id
+    job.return_to_queue()
+    job.attempts, job.error, job.run_after, job.avoid_executor = 0, "", None, None
+    # The next round's prompt holds the whole conversation: its budgets reserve that.
+    job.cost_estimate = round_estimate(job)
+    job.est_prompt_tokens, job.est_completion_tokens = token_split_estimate(
+        type=job.type,
+        requirements=job.requirements,
+        input={**job.input, "messages": [*(job.input.get("messages") or ()), *job.conversation]},
+        estimate=job.cost_estimate,
+    )
+    job.queued_at = now
+    if record.flow_rounds == QueuePolicy.FlowRounds.REQUEUE:
+        job.ready_at = now
+    events.append(
+        job_event(
+            job=job, event=JobEvent.Type.QUEUED, at=now, round=round + 1, tools=tools, flow_rounds=record.flow_rounds
+        )
+    )
+    notify.notify_workers(notify.QUEUED)
+    return [
+        "conversation",
+        "cost_estimate",
+        "est_prompt_tokens",
+        "est_completion_tokens",
+        *Job.REQUEUE_FIELDS,
+        "error",
+        "run_after",
+        "avoid_executor",
+        "affinity_executor",
+        "queued_at",
+        "ready_at",
+    ]
