@@ -31,7 +31,7 @@ import django
 from benchlib import percentile, pg_database, pg_url
 
 ROOT = Path(__file__).resolve().parent.parent
-PG_BENCH_DB = "telemachus_bench_flows"
+PG_BENCH_DB = os.environ.get("BENCH_FLOWS_DB", "telemachus_bench_flows")
 WORKERS, WORKER_CONCURRENCY = 2, 16
 
 os.environ.update(DATABASE_URL=pg_url(PG_BENCH_DB), DJANGO_SETTINGS_MODULE="telemachus.settings", LOG_LEVEL="WARNING")

@@ -39,7 +39,15 @@ from scheduler.metrics import dispatch_observe
 from scheduler.models import Job
 from scheduler.services.claim import Claim
 from scheduler.services.finish import Outcome
-from scheduler.services.rounds import DEFAULT_MAX_ROUNDS, LeaseLost, round_begin, round_end, round_finish, round_requeue
+from scheduler.services.rounds import (
+    DEFAULT_MAX_ROUNDS,
+    LeaseLost,
+    round_begin,
+    round_claimed,
+    round_end,
+    round_finish,
+    round_requeue,
+)
 from scheduler.worker.flight import InFlight
 
 log = logging.getLogger("telemachus.worker")
@@ -50,34 +58,41 @@ class RoundHost(Protocol):
     """What a round needs from the worker that claimed it."""
 
     tool_threads: Executor
+    # Draining: it claims nothing more, so the other workers must hear of what it frees or queues.
+    stopping: bool
 
     async def db_retrying(self, fn: Callable[..., T], /, **kwargs: Any) -> T: ...
 
     async def dispatches_report(self, dispatches: list[DispatchReport]) -> None: ...
 
-    def flight_ended(self, job_id: int) -> None: ...
+    def flight_ended(self, job_id: int, *, queued: bool = False) -> None: ...
 
 
 async def flow_round_run(host: RoundHost, flight: InFlight) -> None:
     """Run the claimed round of a flow to its end (the flow done or failed, or queued for its next
     round). Raises what the model call raises (DispatchError, CancelledError), for the worker to
     end the job as any other; handles everything after the call itself, and ends the flight."""
+    queued = False
     try:
-        await _round(host, flight)
+        queued = await _round(host, flight)
     except LeaseLost as exc:
         log.warning("job %d: %s; dropped", flight.claim.job.pk, exc.detail)
-    host.flight_ended(flight.claim.job.pk)
+    host.flight_ended(flight.claim.job.pk, queued=queued)
 
 
-async def _round(host: RoundHost, flight: InFlight) -> None:
+async def _round(host: RoundHost, flight: InFlight) -> bool:
+    """The round; True when it queued the flow's next round without waking the other workers
+    (the host claims it with the capacity the round freed)."""
     claim = flight.claim
     job = claim.job
     assert claim.executor is not None and flight.driver is not None, "a flow's round runs on an executor"
-    start = await host.db_retrying(round_begin, job_id=job.pk, lease=claim.lease)
+    start = round_claimed(job)
+    if start is None:
+        start = await host.db_retrying(round_begin, job_id=job.pk, lease=claim.lease)
     if start.pending:
         log.info("job %d: running the tool calls of round %d (their worker stopped)", job.pk, start.round)
         await _requeue_after(host, claim, start.round, _tools_start(host, job, start.pending))
-        return
+        return False
     try:
         request = job_request(job, messages=start.messages)
     except (UnknownTool, ImproperlyConfigured) as exc:
@@ -103,7 +118,9 @@ async def _round(host: RoundHost, flight: InFlight) -> None:
         if quick:
             # The tools are done already: the round's end and the next round's queueing in one
             # transaction (the slot was held the few milliseconds they took).
-            status = await host.db_retrying(round_end, **ended, results=[task.result() for task in running])
+            status = await host.db_retrying(
+                round_end, **ended, results=[task.result() for task in running], wake_others=host.stopping
+            )
         else:
             end = await host.db_retrying(round_finish, **ended)
     except BaseException:
@@ -114,10 +131,12 @@ async def _round(host: RoundHost, flight: InFlight) -> None:
     await host.dispatches_report([DispatchReport(executor_id=claim.executor.pk, ok=True, executor_fault=False)])
     if quick:
         log.info("job %d round %d: %d quick tool call(s), flow %s", job.pk, start.round, len(calls), status)
-    elif not end.tools_to_run:
+        return status == Job.Status.QUEUED
+    if not end.tools_to_run:
         log.info("job %d round %d: flow %s (%d tokens)", job.pk, start.round, end.status, result.tokens_used)
     else:
         await _requeue_after(host, claim, start.round, running or _tools_start(host, job, end.tool_calls))
+    return False
 
 
 async def _requeue_after(

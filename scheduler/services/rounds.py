@@ -4,7 +4,9 @@ own model call in a governed slot (scheduler/flows/governed.py).
 A round is a claim like any job's (job_claim: priority, fair share, the four caps, budgets,
 placement), then:
 
-  round_begin     the holder reads the conversation so far; event `round_started`.
+  round_begin     the holder reads the conversation so far; event `round_started`. A flow's claim
+                  does both itself (`round_claimed`), so its holder calls this only when the
+                  last round's tool calls have no results yet, and a governed slot's holder always.
   round_finish    after the model call: the slot is freed and the round billed (tokens to the job
                   and the usage ledger, real cost to fair share), event `round_finished` with the
                   tokens and the tools called. A flow whose model answered without tool calls is
@@ -108,6 +110,29 @@ def _expired(job: "ClockedJob") -> bool:
     return job.lease_expires_at is None or job.lease_expires_at <= job.db_now
 
 
+def round_claimed(job: Job) -> RoundStart | None:
+    """The round a flow's claim started, read from the claimed job (its conversation as the claim
+    read it): the claim recorded its `round_started` (`round_started_event`), so the holder goes
+    straight to the model call, with no transaction of its own. None when the last round's tool
+    calls have no results: the holder calls `round_begin`, which handles that."""
+    if job.type != Job.Type.FLOW or pending_tool_calls(job.conversation):
+        return None
+    return RoundStart(round=job.rounds + 1, messages=[*(job.input.get("messages") or []), *job.conversation])
+
+
+def round_started_event(job: Job, *, at: datetime) -> JobEvent:
+    """The `round_started` event of the job's next round (unsaved)."""
+    return job_event(
+        job=job,
+        event=JobEvent.Type.ROUND_STARTED,
+        at=at,
+        round=job.rounds + 1,
+        executor=job.executor_id,
+        worker=job.worker,
+        attempt=job.attempts,
+    )
+
+
 def round_begin(*, job_id: int, lease: uuid.UUID) -> RoundStart:
     """Start the claimed round of a flow or governed slot: the conversation so far (the input's
     messages, then what earlier rounds added) and event `round_started`.
@@ -135,19 +160,7 @@ def round_begin(*, job_id: int, lease: uuid.UUID) -> RoundStart:
             attempts_end(ends=[AttemptEnd.of(job, tokens=None)], now=now, record=record, wake=True)
             job.save(update_fields=["reservation"])
             return RoundStart(round=job.rounds, messages=messages, pending=pending)
-        events_record(
-            [
-                job_event(
-                    job=job,
-                    event=JobEvent.Type.ROUND_STARTED,
-                    at=now,
-                    round=job.rounds + 1,
-                    executor=job.executor_id,
-                    worker=job.worker,
-                    attempt=job.attempts,
-                )
-            ]
-        )
+        events_record([round_started_event(job, at=now)])
         return RoundStart(round=job.rounds + 1, messages=messages)
 
 
@@ -205,13 +218,16 @@ def round_end(
     completion_tokens: int = 0,
     meta: dict[str, Any] | None = None,
     results: list[ToolOutcome],
+    wake_others: bool = True,
 ) -> str:
     """`round_finish` and `round_requeue` in one transaction, for a flow's round whose tool calls
     its holder ran before writing the round's end (they were quick: scheduler/flows/runner.py), so
     a round costs one write besides its claim. What is written is what the two would write one
     after the other: the round billed and its slot freed (`round_finished`), the tool results in
     the conversation, the flow queued for its next round (`queued`) or ended (done, max_rounds, a
-    failed tool); the workers are woken once, at commit.
+    failed tool). `wake_others`: tell the workers at commit (a slot freed, a round queued); the
+    caller that will claim at once with the capacity it freed, as a worker's finishes do, says False
+    (so one claim, not one per worker, answers a round's end).
 
     Durable; locks the job (level 3), then ledger rows (4) and team shares (5). Returns the job's
     status. Raises LeaseLost unless `lease` holds the job at round `round`."""
@@ -229,8 +245,8 @@ def round_end(
             wake_unless_continuing=False,
         )
         if job.status == Job.Status.RUNNING:
-            fields += _round_requeue(job, record, round=round, results=results, events=events)
-        if job.status != Job.Status.QUEUED:
+            fields += _round_requeue(job, record, round=round, results=results, events=events, wake=wake_others)
+        if wake_others and job.status != Job.Status.QUEUED:
             notify.notify_workers(notify.FREED)
         job.save(update_fields=list(dict.fromkeys(fields)))
         events_record(events)
@@ -358,18 +374,24 @@ def round_requeue(*, job_id: int, lease: uuid.UUID, round: int, results: list[To
         if not pending_tool_calls(job.conversation):
             raise LeaseLost(f"Job {job_id} has no tool calls waiting in round {round}.")
         events: list[JobEvent] = []
-        fields = _round_requeue(job, record, round=round, results=results, events=events)
+        fields = _round_requeue(job, record, round=round, results=results, events=events, wake=True)
         job.save(update_fields=fields)
         events_record(events)
         return str(job.status)
 
 
 def _round_requeue(
-    job: "ClockedJob", record: QueuePolicy, *, round: int, results: list[ToolOutcome], events: list[JobEvent]
+    job: "ClockedJob",
+    record: QueuePolicy,
+    *,
+    round: int,
+    results: list[ToolOutcome],
+    events: list[JobEvent],
+    wake: bool,
 ) -> list[str]:
     """Record a locked flow's tool results and queue its next round, or fail it (see
     `round_requeue`), not saved: appends the event to `events`, returns the fields changed, and
-    wakes the workers at commit when the flow is queued."""
+    with `wake` wakes the workers at commit when the flow is queued."""
     now = job.db_now
     job.conversation = [
         *job.conversation,
@@ -408,7 +430,8 @@ def _round_requeue(
             job=job, event=JobEvent.Type.QUEUED, at=now, round=round + 1, tools=tools, flow_rounds=record.flow_rounds
         )
     )
-    notify.notify_workers(notify.QUEUED)
+    if wake:
+        notify.notify_workers(notify.QUEUED)
     return [
         "conversation",
         "cost_estimate",

@@ -386,11 +386,14 @@ class Worker:
             log.info("job %d: aborting dispatch (%s)", job_id, reason)
             asyncio.create_task(_stop(flight))
 
-    def flight_ended(self, job_id: int) -> None:
-        """A flight that wrote its own end (a flow's round) leaves: its capacity is free."""
+    def flight_ended(self, job_id: int, *, queued: bool = False) -> None:
+        """A flight that wrote its own end (a flow's round) leaves: its capacity is free. `queued`:
+        it queued the flow's next round telling no other worker, so this one claims at once."""
         self.inflight.pop(job_id, None)
         self.processed += 1
         self._capacity_freed()
+        if queued:
+            self.wake.set()
 
     def _capacity_freed(self) -> None:
         self.freed += 1
