@@ -9,8 +9,8 @@ One claim of a flow is one round:
 
 The tool calls start as soon as the model has answered. When they are all done within
 TELEMACHUS_FLOW_QUICK_TOOLS_MS (an echo, a lookup), the round's end and the next round's queueing
-are written together (round_end): one transaction instead of two, the slot held those few
-milliseconds longer.
+are written together (rounds_end, which the worker batches with other rounds that end meanwhile,
+`host.round_end`): one write instead of two, the slot held those few milliseconds longer.
 
 so a flow waiting for its next round holds no slot and no worker capacity, and other jobs take the
 slot between rounds. A failed model call ends like any job's attempt (the worker's finisher:
@@ -42,9 +42,9 @@ from scheduler.services.finish import Outcome
 from scheduler.services.rounds import (
     DEFAULT_MAX_ROUNDS,
     LeaseLost,
+    RoundOutcome,
     round_begin,
     round_claimed,
-    round_end,
     round_finish,
     round_requeue,
 )
@@ -58,14 +58,16 @@ class RoundHost(Protocol):
     """What a round needs from the worker that claimed it."""
 
     tool_threads: Executor
-    # Draining: it claims nothing more, so the other workers must hear of what it frees or queues.
-    stopping: bool
 
     async def db_retrying(self, fn: Callable[..., T], /, **kwargs: Any) -> T: ...
 
     async def dispatches_report(self, dispatches: list[DispatchReport]) -> None: ...
 
     def flight_ended(self, job_id: int, *, queued: bool = False) -> None: ...
+
+    async def round_end(self, end: RoundOutcome) -> str:
+        """`rounds_end` for this round (batched), the answered dispatch reported to the breaker."""
+        ...
 
 
 async def flow_round_run(host: RoundHost, flight: InFlight) -> None:
@@ -118,20 +120,18 @@ async def _round(host: RoundHost, flight: InFlight) -> bool:
         if quick:
             # The tools are done already: the round's end and the next round's queueing in one
             # transaction (the slot was held the few milliseconds they took).
-            status = await host.db_retrying(
-                round_end, **ended, results=[task.result() for task in running], wake_others=host.stopping
-            )
+            status = await host.round_end(RoundOutcome(**ended, results=[task.result() for task in running]))
         else:
             end = await host.db_retrying(round_finish, **ended)
     except BaseException:
         for task in running:
             task.cancel()
         raise
-    # After the round's own transaction: job rows and executor rows are never locked together.
-    await host.dispatches_report([DispatchReport(executor_id=claim.executor.pk, ok=True, executor_fault=False)])
     if quick:
         log.info("job %d round %d: %d quick tool call(s), flow %s", job.pk, start.round, len(calls), status)
         return status == Job.Status.QUEUED
+    # After the round's own transaction: job rows and executor rows are never locked together.
+    await host.dispatches_report([DispatchReport(executor_id=claim.executor.pk, ok=True, executor_fault=False)])
     if not end.tools_to_run:
         log.info("job %d round %d: flow %s (%d tokens)", job.pk, start.round, end.status, result.tokens_used)
     else:
@@ -174,7 +174,7 @@ def _tools_start(host: RoundHost, job: Job, calls: list[dict[str, Any]]) -> "lis
 async def _quick(running: "list[asyncio.Task[ToolOutcome]]") -> bool:
     """Whether the round's tools end within TELEMACHUS_FLOW_QUICK_TOOLS_MS of the model's answer:
     then the round's end waits for them and is written with their results, in one transaction
-    (round_end), for the price of holding the slot that long at most. Slower tools go on running
+    (rounds_end), for the price of holding the slot that long at most. Slower tools go on running
     after the round's end frees the slot."""
     quick = settings.TELEMACHUS_FLOW_QUICK_TOOLS_MS / 1000
     if quick <= 0:

@@ -15,8 +15,9 @@ placement), then:
   round_requeue   the tool results join the conversation and the flow goes back to the queue for
                   its next round, as new work (QueuePolicy.flow_rounds), preferring the executor
                   that served this round (QueuePolicy.affinity); a failed tool fails it.
-  round_end       both of the last two in one transaction, for a round whose tools its holder ran
-                  before writing the round's end (quick tools: scheduler/flows/runner.py).
+  rounds_end      both of the last two in one transaction, for rounds whose tools their holder
+                  ran before writing the round's end (quick tools: scheduler/flows/runner.py),
+                  several flows' rounds at once (a worker batches them; `round_end` for one).
 
 All three are fenced like a job's finish: they name the job, its lease and the round, and are
 refused (LeaseLost) unless that lease still holds the job at that round. So a round is billed once:
@@ -29,16 +30,17 @@ their messages are in `Job.conversation`, written in the transaction that ends t
 
 import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from django.db import transaction
 
 from executors.models import Executor
 from executors.tools import ToolOutcome
 from scheduler.core.estimates import round_estimate
-from scheduler.core.locks import lock_job
+from scheduler.core.locks import lock_job, lock_jobs
 from scheduler.core.money import token_split_estimate
 from scheduler.core.selectors import queue_policy
 from scheduler.models import Job, JobEvent, QueuePolicy
@@ -98,12 +100,21 @@ def tool_names(calls: list[dict[str, Any]]) -> list[str]:
 def _held(job_id: int, lease: uuid.UUID, *, rounds: int | None = None) -> "ClockedJob":
     """Lock the job (level 3) if `lease` still holds it, and it has finished `rounds` rounds."""
     job = lock_job(job_id)
-    if job is None or job.status != Job.Status.RUNNING or job.lease != lease or _expired(job):
-        state = "gone" if job is None else job.status
-        raise LeaseLost(f"Lease {lease} no longer holds job {job_id} ({state}).")
-    if rounds is not None and job.rounds != rounds:
-        raise LeaseLost(f"Job {job_id} has finished {job.rounds} rounds, not {rounds}: this round was recorded.")
+    if job is None:
+        raise LeaseLost(f"Lease {lease} no longer holds job {job_id} (gone).")
+    lost = _lost(job, lease, rounds=rounds)
+    if lost is not None:
+        raise LeaseLost(lost)
     return job
+
+
+def _lost(job: "ClockedJob", lease: uuid.UUID, *, rounds: int | None) -> str | None:
+    """Why `lease` no longer holds the locked job with `rounds` rounds finished, or None."""
+    if job.status != Job.Status.RUNNING or job.lease != lease or _expired(job):
+        return f"Lease {lease} no longer holds job {job.pk} ({job.status})."
+    if rounds is not None and job.rounds != rounds:
+        return f"Job {job.pk} has finished {job.rounds} rounds, not {rounds}: this round was recorded."
+    return None
 
 
 def _expired(job: "ClockedJob") -> bool:
@@ -189,23 +200,44 @@ def round_finish(
     record = queue_policy()
     with transaction.atomic(durable=True):
         job = _held(job_id, lease, rounds=round - 1)
-        # Under `continue` the flow keeps its place while its tools run: a slot freed now is not
-        # advertised, so the flow's next round (queued when the tools are done) normally takes it
-        # rather than newer work of its team; a claim woken by something else may still use it.
-        calls, fields, events = _round_close(
+        events: list[JobEvent] = []
+        attempt, fields = _round_close(
             job,
-            record,
             round=round,
             message=message,
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             error=error,
             meta=meta,
-            wake_unless_continuing=True,
+            executor=Executor.objects.filter(pk=job.executor_id).only("prices").first() if job.executor_id else None,
+            events=events,
         )
+        # Under `continue` the flow keeps its place while its tools run: a slot freed now is not
+        # advertised, so the flow's next round (queued when the tools are done) normally takes it
+        # rather than newer work of its team; a claim woken by something else may still use it.
+        goes_on = job.status == Job.Status.RUNNING and record.flow_rounds == QueuePolicy.FlowRounds.CONTINUE
+        attempts_end(ends=[attempt], now=job.db_now, record=record, wake=not goes_on)
         job.save(update_fields=list(dict.fromkeys(fields)))
         events_record(events)
-    return RoundEnd(status=job.status, tool_calls=calls if job.status == Job.Status.RUNNING else [])
+    return RoundEnd(
+        status=job.status,
+        tool_calls=list(pending_tool_calls(job.conversation)) if job.status == Job.Status.RUNNING else [],
+    )
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """A flow's round whose model call answered and whose tool calls (if it made any) ran: what
+    `rounds_end` writes, fenced by the job, its lease and the round."""
+
+    job_id: int
+    lease: uuid.UUID
+    round: int
+    message: dict[str, Any]
+    results: list[ToolOutcome] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
 def round_end(
@@ -214,74 +246,112 @@ def round_end(
     lease: uuid.UUID,
     round: int,
     message: dict[str, Any],
+    results: list[ToolOutcome],
     prompt_tokens: int = 0,
     completion_tokens: int = 0,
     meta: dict[str, Any] | None = None,
-    results: list[ToolOutcome],
-    wake_others: bool = True,
 ) -> str:
-    """`round_finish` and `round_requeue` in one transaction, for a flow's round whose tool calls
-    its holder ran before writing the round's end (they were quick: scheduler/flows/runner.py), so
-    a round costs one write besides its claim. What is written is what the two would write one
-    after the other: the round billed and its slot freed (`round_finished`), the tool results in
-    the conversation, the flow queued for its next round (`queued`) or ended (done, max_rounds, a
-    failed tool). `wake_others`: tell the workers at commit (a slot freed, a round queued); the
-    caller that will claim at once with the capacity it freed, as a worker's finishes do, says False
-    (so one claim, not one per worker, answers a round's end).
+    """One round's `rounds_end`; returns the job's status. Raises LeaseLost unless `lease` holds
+    the job at round `round`."""
+    end = RoundOutcome(
+        job_id=job_id,
+        lease=lease,
+        round=round,
+        message=message,
+        results=results,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        meta=meta or {},
+    )
+    written = rounds_end(ends=[end])
+    if job_id not in written:
+        raise LeaseLost(f"Lease {lease} no longer holds job {job_id} at round {round}.")
+    return written[job_id]
 
-    Durable; locks the job (level 3), then ledger rows (4) and team shares (5). Returns the job's
-    status. Raises LeaseLost unless `lease` holds the job at round `round`."""
+
+def rounds_end(*, ends: Sequence[RoundOutcome], wake_others: bool = True) -> dict[int, str]:
+    """`round_finish` and `round_requeue` in one transaction, for flows' rounds whose tool calls
+    their holder ran before writing the rounds' ends (they were quick: scheduler/flows/runner.py),
+    several rounds at once (a worker batches the rounds that end while it writes), so a round
+    costs a share of one write besides its claim. What is written for each is what the two would
+    write one after the other: the round billed and its slot freed (`round_finished`), the tool
+    results in the conversation, the flow queued for its next round (`queued`, preferring the
+    executor that served this one) or ended (done, max_rounds, a failed tool).
+
+    `wake_others`: tell the workers at commit (slots freed, rounds queued). A worker that will
+    claim at once with the capacity it freed says False, as its finishes do, so one claim, not one
+    per worker, answers a round's end.
+
+    Durable; locks the jobs (level 3, ascending id), then ledger rows (4) and team shares (5).
+    Returns job id -> status for the rounds written; a round whose lease no longer holds its job
+    at that round is left out (refused), never billed twice."""
     record = queue_policy()
     with transaction.atomic(durable=True):
-        job = _held(job_id, lease, rounds=round - 1)
-        _, fields, events = _round_close(
-            job,
-            record,
-            round=round,
-            message=message,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            meta=meta,
-            wake_unless_continuing=False,
-        )
-        if job.status == Job.Status.RUNNING:
-            fields += _round_requeue(job, record, round=round, results=results, events=events, wake=wake_others)
-        if wake_others and job.status != Job.Status.QUEUED:
-            notify.notify_workers(notify.FREED)
-        job.save(update_fields=list(dict.fromkeys(fields)))
+        locked = {job.pk: job for job in lock_jobs(sorted({end.job_id for end in ends}))}
+        prices = {
+            e.pk: e for e in Executor.objects.filter(pk__in={job.executor_id for job in locked.values()}).only("prices")
+        }
+        closed: list[tuple[ClockedJob, RoundOutcome, list[str]]] = []
+        attempts: list[AttemptEnd] = []
+        events: list[JobEvent] = []
+        for end in ends:
+            job = locked.pop(end.job_id, None)
+            if job is None or _lost(job, end.lease, rounds=end.round - 1) is not None:
+                continue
+            attempt, fields = _round_close(
+                job,
+                round=end.round,
+                message=end.message,
+                prompt_tokens=end.prompt_tokens,
+                completion_tokens=end.completion_tokens,
+                meta=end.meta,
+                executor=prices.get(job.executor_id) if job.executor_id else None,
+                events=events,
+            )
+            attempts.append(attempt)
+            closed.append((job, end, fields))
+        if not closed:
+            return {}
+        # The rounds billed as they ended (their estimates, before the next rounds' replace them).
+        attempts_end(ends=attempts, now=closed[0][0].db_now, record=record, wake=False)
+        for job, end, fields in closed:
+            if job.status == Job.Status.RUNNING:
+                fields += _round_requeue(job, record, round=end.round, results=end.results, events=events, wake=False)
+            job.save(update_fields=list(dict.fromkeys(fields)))
         events_record(events)
-        return str(job.status)
+        statuses = {job.pk: str(job.status) for job, _, _ in closed}
+        if wake_others:
+            if Job.Status.QUEUED in statuses.values():
+                notify.notify_workers(notify.QUEUED)
+            if any(status != Job.Status.QUEUED for status in statuses.values()):
+                notify.notify_workers(notify.FREED)
+        return statuses
 
 
 def _round_close(
-    job: "ClockedJob",
-    record: QueuePolicy,
+    job: Job,
     *,
     round: int,
     message: dict[str, Any] | None,
     prompt_tokens: int,
     completion_tokens: int,
     meta: dict[str, Any] | None,
-    wake_unless_continuing: bool,
+    executor: Executor | None,
+    events: list[JobEvent],
     error: str = "",
-) -> tuple[list[dict[str, Any]], list[str], list[JobEvent]]:
-    """The end of a locked job's round (see `round_finish`), not saved: the tool calls to run, the
-    fields changed and the events to record. Frees the slot and bills the round (`attempts_end`);
-    wakes the workers unless `wake_unless_continuing` is False or the flow goes on under
-    `continue`."""
+) -> tuple[AttemptEnd, list[str]]:
+    """The end of a locked job's round (see `round_finish`), not saved and not yet settled: the
+    round's attempt (for the caller's `attempts_end`) and the fields changed; its events are
+    appended to `events`. `executor` prices the tokens."""
     tokens = prompt_tokens + completion_tokens
-    now = job.db_now
+    now = cast("ClockedJob", job).db_now
     attempt = AttemptEnd.of(
-        job,
-        tokens=tokens,
-        executor=Executor.objects.filter(pk=job.executor_id).only("prices").first() if job.executor_id else None,
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
+        job, tokens=tokens, executor=executor, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
     )
     total = (job.tokens_used or 0) + tokens
     job.rounds = round
     calls = list((message or {}).get("tool_calls") or []) if job.type == Job.Type.FLOW else []
-    events = [
+    events.append(
         job_event(
             job=job,
             event=JobEvent.Type.ROUND_FINISHED,
@@ -294,7 +364,7 @@ def _round_close(
             executor=job.executor_id,
             **(meta or {}),
         )
-    ]
+    )
     fields = ["tokens_used", "cost", "rounds", "reservation"]
     if job.type == Job.Type.FLOW:
         job.conversation = [*job.conversation, message]
@@ -324,9 +394,7 @@ def _round_close(
         job.tokens_used = total
     else:
         fields += Job.END_FIELDS
-    goes_on = job.status == Job.Status.RUNNING and record.flow_rounds == QueuePolicy.FlowRounds.CONTINUE
-    attempts_end(ends=[attempt], now=now, record=record, wake=wake_unless_continuing and not goes_on)
-    return calls, fields, events
+    return attempt, fields
 
 
 def _end(
