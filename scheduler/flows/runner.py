@@ -47,6 +47,7 @@ from scheduler.services.rounds import (
     round_claimed,
     round_finish,
     round_requeue,
+    round_tool_record,
 )
 from scheduler.worker.flight import InFlight
 
@@ -142,8 +143,13 @@ async def _round(host: RoundHost, flight: InFlight) -> bool:
 async def _requeue_after(
     host: RoundHost, claim: Claim, round_no: int, running: "list[asyncio.Task[ToolOutcome]]"
 ) -> None:
-    """Wait for the round's tool calls (run with no slot held), then queue the flow's next round."""
-    results = list(await asyncio.gather(*running))
+    """Wait for the round's tool calls (run with no slot held), recording each result as its tool
+    ends (so a worker that dies meanwhile leaves those done), then queue the flow's next round."""
+    for finished in asyncio.as_completed(running):
+        await host.db_retrying(
+            round_tool_record, job_id=claim.job.pk, lease=claim.lease, round=round_no, result=await finished
+        )
+    results = [task.result() for task in running]
     status = await host.db_retrying(
         round_requeue, job_id=claim.job.pk, lease=claim.lease, round=round_no, results=results
     )

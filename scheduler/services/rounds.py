@@ -87,10 +87,23 @@ class RoundEnd:
 
 
 def pending_tool_calls(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The tool calls of the last round, when their results are not in the conversation yet."""
-    if conversation and conversation[-1].get("role") == "assistant":
-        return list(conversation[-1].get("tool_calls") or [])
+    """The tool calls of the last round whose results are not in the conversation yet (each
+    result is recorded as its tool ends: `round_tool_record`)."""
+    for at in range(len(conversation) - 1, -1, -1):
+        message = conversation[at]
+        if message.get("role") == "assistant":
+            answered = {m.get("tool_call_id") for m in conversation[at + 1 :]}
+            return [call for call in message.get("tool_calls") or [] if call.get("id") not in answered]
+        if message.get("role") != "tool":
+            return []
     return []
+
+
+def _awaiting_results(conversation: list[dict[str, Any]]) -> bool:
+    """The conversation ends with a round's tool calls, and maybe some of their results, and not
+    yet the next round's: the flow is between its round's end and its requeue."""
+    tail = next((m for m in reversed(conversation) if m.get("role") != "tool"), None)
+    return tail is not None and tail.get("role") == "assistant" and bool(tail.get("tool_calls"))
 
 
 def tool_names(calls: list[dict[str, Any]]) -> list[str]:
@@ -422,14 +435,39 @@ def _end(
     )
 
 
+def _tool_message(result: ToolOutcome) -> dict[str, Any]:
+    content = result.content if result.ok else json.dumps({"error": result.content})
+    return {"role": "tool", "tool_call_id": result.call_id, "content": content}
+
+
+def round_tool_record(*, job_id: int, lease: uuid.UUID, round: int, result: ToolOutcome) -> bool:
+    """Record one tool call's result of round `round` as soon as its tool ends, while the other
+    calls of the round still run: a worker that dies now leaves it recorded, and the claim that
+    picks the flow up runs only the calls still without a result (`pending_tool_calls`). A
+    failure is recorded only when the flow's input says `return_tool_errors` (otherwise it fails
+    the flow in `round_requeue`). Returns whether it recorded the result (False: already there,
+    not a call of this round, or a failure left to the requeue).
+
+    Durable; locks the job (level 3). Raises LeaseLost unless `lease` holds the job at round
+    `round`'s end."""
+    with transaction.atomic(durable=True):
+        job = _held(job_id, lease, rounds=round)
+        waiting = {call.get("id") for call in pending_tool_calls(job.conversation)}
+        if result.call_id not in waiting or not (result.ok or job.input.get("return_tool_errors")):
+            return False
+        job.conversation = [*job.conversation, _tool_message(result)]
+        job.save(update_fields=["conversation"])
+        return True
+
+
 def round_requeue(*, job_id: int, lease: uuid.UUID, round: int, results: list[ToolOutcome]) -> str:
     """After round `round`'s tools ran: their results join the conversation (`role: tool`
-    messages, in call order) and the flow goes back to the queue for round `round + 1`, as new
-    work: ready now under QueuePolicy.flow_rounds = requeue (behind what became ready while it
-    ran), keeping its place under `continue`; either way its wait, for aging, starts now and its
-    next round gets fresh attempts, and prefers the executor that served this round
-    (`affinity_executor`, QueuePolicy.affinity). Event `queued` with each tool's name, time and
-    outcome.
+    messages, in call order; those recorded already as they ended are not added twice) and the
+    flow goes back to the queue for round `round + 1`, as new work: ready now under
+    QueuePolicy.flow_rounds = requeue (behind what became ready while it ran), keeping its place
+    under `continue`; either way its wait, for aging, starts now and its next round gets fresh
+    attempts, and prefers the executor that served this round (`affinity_executor`,
+    QueuePolicy.affinity). Event `queued` with each tool's name, time and outcome.
 
     A failed tool call fails the flow with the tool's error, unless the flow's input says
     `return_tool_errors`, in which case the error goes back to the model as that call's result.
@@ -439,7 +477,7 @@ def round_requeue(*, job_id: int, lease: uuid.UUID, round: int, results: list[To
     record = queue_policy()
     with transaction.atomic(durable=True):
         job = _held(job_id, lease, rounds=round)
-        if not pending_tool_calls(job.conversation):
+        if not _awaiting_results(job.conversation):
             raise LeaseLost(f"Job {job_id} has no tool calls waiting in round {round}.")
         events: list[JobEvent] = []
         fields = _round_requeue(job, record, round=round, results=results, events=events, wake=True)
@@ -461,17 +499,8 @@ def _round_requeue(
     `round_requeue`), not saved: appends the event to `events`, returns the fields changed, and
     with `wake` wakes the workers at commit when the flow is queued."""
     now = job.db_now
-    job.conversation = [
-        *job.conversation,
-        *(
-            {
-                "role": "tool",
-                "tool_call_id": r.call_id,
-                "content": r.content if r.ok else json.dumps({"error": r.content}),
-            }
-            for r in results
-        ),
-    ]
+    waiting = {call.get("id") for call in pending_tool_calls(job.conversation)}
+    job.conversation = [*job.conversation, *(_tool_message(r) for r in results if r.call_id in waiting)]
     tools = [r.describe() for r in results]
     failure = next((r for r in results if not r.ok), None)
     if failure is not None and not job.input.get("return_tool_errors"):
