@@ -87,6 +87,12 @@ class Job(models.Model):
     # A retry waits until `run_after` and prefers an executor other than the one that failed.
     run_after = models.DateTimeField(null=True, blank=True)
     avoid_executor = models.ForeignKey(Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    # Round affinity (QueuePolicy.affinity): the executor this job's next start prefers, whose
+    # model server may still hold the prefix cache of the conversation so far. A flow's next round
+    # prefers the executor that served its last one; a /v1/ call that continues a session
+    # (`affinity_key`, from X-Telemachus-Session) prefers the one that served the session's last call.
+    affinity_executor = models.ForeignKey(Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    affinity_key = models.CharField(max_length=200, blank=True, default="")
     meta = models.JSONField(default=dict, blank=True)
     # A flow's durable state between rounds: rounds finished, and the messages they added after
     # input.messages (assistant replies, tool results). Written by scheduler/services/rounds.py.
@@ -127,6 +133,10 @@ class Job(models.Model):
             # A claim that leaves work behind asks when the next retry's backoff ends.
             models.Index("run_after", name="job_retry_idx", condition=Q(status="queued", run_after__isnull=False)),
             models.Index("user", "status", name="job_user_status_idx"),
+            # A /v1/ call continuing a session looks up the session's last call in its team.
+            models.Index(
+                "team", "affinity_key", models.F("id").desc(), name="job_affinity_idx", condition=~Q(affinity_key="")
+            ),
         ]
         constraints = [
             models.CheckConstraint(
@@ -303,6 +313,10 @@ class QueuePolicy(models.Model):
         REQUEUE = "requeue"
         CONTINUE = "continue"
 
+    class Affinity(models.TextChoices):
+        OFF = "off"
+        PREFER = "prefer"
+
     SINGLETON_ID = 1
     DEFAULT_MAX_QUEUE_DEPTH = 10_000
 
@@ -337,6 +351,12 @@ class QueuePolicy(models.Model):
     # ran (other jobs run between rounds); `continue` keeps the flow's place in line, ahead of
     # newer work of its priority and team. Either way it meets caps, priority and fair share.
     flow_rounds = models.CharField(max_length=16, choices=FlowRounds.choices, default=FlowRounds.REQUEUE)
+    # Round affinity: `prefer` places a job on its preferred executor (Job.affinity_executor) when
+    # that executor is among those with a free slot under every cap; it never changes which job
+    # goes next. When it is full, the job takes another executor at once, or, with
+    # `affinity_wait_ms`, stays queued up to that long (from when it entered the queue) for it.
+    affinity = models.CharField(max_length=8, choices=Affinity.choices, default=Affinity.PREFER)
+    affinity_wait_ms = models.PositiveIntegerField(default=0)
     policy_class = models.CharField(max_length=300, blank=True, default="")
     share_window_seconds = models.FloatField(default=300.0, help_text="Window of the actual shares in /api/queue/.")
     updated_at = models.DateTimeField(auto_now=True)

@@ -460,3 +460,6 @@ TELEMACHUS_METRICS_BIND = os.environ.get("TELEMACHUS_METRICS_BIND", "")
 TELEMACHUS_TOOLS = env_list("TELEMACHUS_TOOLS", [])
 # Threads per worker that run tools (a flow's tool calls between rounds, tool jobs).
 TELEMACHUS_TOOL_THREADS = env_int("TELEMACHUS_TOOL_THREADS", 8)
+# A flow's round whose tools are all done this soon after the model's answer is ended and requeued
+# in one transaction, the slot held that long at most (scheduler/flows/runner.py); 0: never.
+TELEMACHUS_FLOW_QUICK_TOOLS_MS = env_int("TELEMACHUS_FLOW_QUICK_TOOLS_MS", 50)

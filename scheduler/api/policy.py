@@ -65,6 +65,8 @@ class PolicyInput(StrictSerializer):
     policy_class = serializers.CharField(max_length=300, allow_blank=True, required=False)
     share_window_seconds = bounded("share_window_seconds", required=False)
     flow_rounds = serializers.ChoiceField(choices=QueuePolicy.FlowRounds.choices, required=False)
+    affinity = serializers.ChoiceField(choices=QueuePolicy.Affinity.choices, required=False)
+    affinity_wait_ms = bounded("affinity_wait_ms", required=False)
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         """The shared bounds (scheduler/core/bounds.py) have the last word, so the API, the admin
@@ -135,3 +137,8 @@ class PolicyApi(APIView):
         data = PolicyInput(data=request.data)
         data.is_valid(raise_exception=True)
         return Response(PolicyOutput(queue_policy_update(changes=data.validated_data, by=request.user)).data)
+
+    @extend_schema(request=PolicyInput, responses=PolicyOutput)
+    def patch(self, request: Request) -> Response:
+        """The same as PUT: every field is optional either way, and fields left out keep their value."""
+        return self.put(request)

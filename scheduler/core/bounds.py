@@ -30,6 +30,7 @@ SCALARS: dict[str, tuple[float, float, type]] = {
     "aging_max_boost": (0, Job.PRIORITY_MAX - Job.PRIORITY_MIN, int),
     "max_attempts": (1, 100, int),
     "share_window_seconds": (1.0, 30 * DAY, float),
+    "affinity_wait_ms": (0, 60_000, int),
 }
 # Maps from a key (team slug, "default", role, team:<slug>, user:<name>) to a bounded number.
 MAPS: dict[str, tuple[float, float, type]] = {
@@ -44,6 +45,8 @@ CHOICES: dict[str, list[str]] = {
     "priority_over_limit": QueuePolicy.OverLimit.values,
     "placement": QueuePolicy.Placement.values,
     "recovery": QueuePolicy.Recovery.values,
+    "flow_rounds": QueuePolicy.FlowRounds.values,
+    "affinity": QueuePolicy.Affinity.values,
 }
 
 # The last value of each field that passed the check, in this process.

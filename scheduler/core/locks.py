@@ -99,6 +99,14 @@ def lock_job(job_id: int) -> "ClockedJob | None":
     return rows_lock(Job.objects.annotate(db_now=Now()).filter(pk=job_id), level=Level.JOB).first()
 
 
+def lock_jobs(job_ids: Sequence[int]) -> "list[ClockedJob]":
+    """Lock job rows (level 3) in ascending id, with the database clock. Must run inside a
+    transaction."""
+    return list(
+        rows_lock(Job.objects, level=Level.JOB).filter(pk__in=sorted(job_ids)).annotate(db_now=Now()).order_by("pk")
+    )
+
+
 def lock_jobs_to_finish(job_ids: Sequence[int]) -> "list[VersionedJob]":
     """Lock job rows (level 3) in ascending id, for the finish of a batch: with the database clock
     and the configuration version read in the same statement, and only the columns a finish reads

@@ -13,7 +13,8 @@ The default, `FairSharePolicy`:
           takes only capacity no team with a positive weight wants.
   admit   a per-team queue depth cap: beyond it, try later (with a Retry-After from the team's
           recent drain rate).
-  place   least-loaded (default), pack or weighted, among executors that fit the job.
+  place   the job's preferred executor when it has a free slot (round affinity, QueuePolicy.affinity),
+          else least-loaded (default), pack or weighted, among executors that fit the job.
 """
 
 import math
@@ -74,10 +75,14 @@ class AdmissionState:
 
 
 class BaseQueuePolicy:
-    """The contract, with behaviour a custom policy may keep or override."""
+    """The contract, with behaviour a custom policy may keep or override.
+
+    `state` is the claim's state (set by the claim before it calls `order` and `place`; None at
+    submit), so `place` can see the clock and every executor, the full ones included."""
 
     def __init__(self, record: QueuePolicy) -> None:
         self.record = record
+        self.state: ClaimState | None = None
 
     def admit(self, job: Job, state: AdmissionState) -> Admission:
         """At submit, before the job is written: a team whose queue is at its depth cap is told to
@@ -101,18 +106,57 @@ class BaseQueuePolicy:
         raise NotImplementedError
 
     def place(self, job: Job, candidates: list[ExecutorView]) -> ExecutorView | None:
-        """Choose among executors that fit the job and have a free slot (the record's rule). A retry
-        goes elsewhere than the executor that just failed it, when there is anywhere else."""
+        """Choose among executors that fit the job and have a free slot. A retry goes elsewhere
+        than the executor that just failed it, when there is anywhere else. Then the job's
+        preferred executor (`preferred`), when it is among them; else, when the policy says to
+        wait for it (`affinity_waits`), nowhere yet; else the record's rule."""
         if not candidates:
             return None
         elsewhere = [v for v in candidates if v.pk != job.avoid_executor_id]
         candidates = elsewhere or candidates
+        preferred = self.preferred(job, candidates)
+        if preferred is not None:
+            return preferred
+        if self.affinity_waits(job):
+            return None
         rule = self.record.placement
         if rule == QueuePolicy.Placement.PACK:
             return min(candidates, key=lambda v: (v.free, v.executor.name))
         if rule == QueuePolicy.Placement.WEIGHTED:
             return min(candidates, key=lambda v: (v.in_use / (v.executor.weight or 0.001), v.executor.name))
         return min(candidates, key=lambda v: (v.executor.health != "ok", v.load, -v.executor.weight, v.executor.name))
+
+    def preferred(self, job: Job, candidates: list[ExecutorView]) -> ExecutorView | None:
+        """Round affinity: the candidate that is the job's preferred executor (the one that served
+        its flow's last round, or its /v1/ session's last call: `job.affinity_executor_id`), when
+        the record says `prefer`. Candidates have a free slot under every cap, so preferring one
+        never breaks a cap, and the order (priority, fair share) was decided before placement."""
+        if self.record.affinity != QueuePolicy.Affinity.PREFER or job.affinity_executor_id is None:
+            return None
+        return next((v for v in candidates if v.pk == job.affinity_executor_id), None)
+
+    def affinity_waits(self, job: Job) -> bool:
+        """Whether the job stays queued for its preferred executor, which has no free slot now:
+        only with `affinity_wait_ms` above 0, while the job has been queued less than that, and
+        when that executor could take it at all (placeable, serves its team and model). The claim
+        is told when the wait ends (`state.wake_at`), so a worker claims again then."""
+        wait = self.record.affinity_wait_ms
+        state = self.state
+        if (
+            self.record.affinity != QueuePolicy.Affinity.PREFER
+            or not wait
+            or job.affinity_executor_id is None
+            or state is None
+        ):
+            return False
+        view = next((v for v in state.executors if v.pk == job.affinity_executor_id), None)
+        if view is None or not view.usable_by(job.team_id) or not view.matches(job):
+            return False
+        until = job.queued_at + timedelta(milliseconds=wait)
+        if until <= state.now:
+            return False
+        state.wake_at(until)
+        return True
 
     # Helpers for subclasses.
 

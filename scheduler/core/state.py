@@ -93,8 +93,11 @@ class ClaimState:
         self.team_in_use = counts.team.copy()
         self.user_in_use = counts.user.copy()
         self.executors = executors
-        # When the breakers of executors now out of placement end their cooldown.
+        # When the breakers of executors now out of placement end their cooldown, and other
+        # moments the policy named when it left a job queued (a round waiting for its preferred
+        # executor): the claim tells its worker to claim again at the earliest.
         self.cooldown_ends: list[datetime] = []
+        self.wake_moments: list[datetime] = []
         self.team_slugs: dict[int, str] = {}
         self._running_tokens: Counter | None = None
 
@@ -135,6 +138,10 @@ class ClaimState:
         state.team_slugs.update({pk: team.slug for pk, team in conf.teams.items()})
         state.cooldown_ends = list(cooling.values())
         return state
+
+    def wake_at(self, moment: datetime) -> None:
+        """A job left queued now may be placed at `moment`: the claim's `wake_in` includes it."""
+        self.wake_moments.append(moment)
 
     def running_tokens(self) -> Counter:
         """Estimated tokens of each team's running jobs (for fair share by tokens), read on first

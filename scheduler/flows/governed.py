@@ -24,10 +24,11 @@ If the app dies holding the slot, its lease runs out and recovery fails the job 
 run it). If the job is canceled (an operator, the dashboard) the slot's `lost` is set; leaving the
 block then raises LeaseLost, unless the block raised already. `timeout` bounds the wait in the
 queue: past it, the job is canceled and TimeoutError raised. A running worker is needed, as for
-any queued work.
+any queued work. The async twin waits on the process's job feed (the job's notification, heard
+through the process's one listener) and reads the job only when it changed; the sync one, which
+has no event loop to hear with, reads it with a backoff (20 ms growing to 0.5 s).
 """
 
-import asyncio
 import os
 import threading
 import time
@@ -42,6 +43,7 @@ from django.contrib.auth.models import User
 from django.db import DatabaseError, connection
 
 from executors.models import Executor
+from scheduler.gateway.feed import JobFeed
 from scheduler.models import Job
 from scheduler.services.cancel import job_cancel
 from scheduler.services.lease import leases_renew
@@ -50,6 +52,8 @@ from scheduler.services.submit import job_submit
 from telemachus.errors import Conflict
 
 POLL_FIRST, POLL_MAX = 0.02, 0.5
+# The async wait reads the job when the feed says it changed, and at least this often besides.
+WAKE_MAX = 5.0
 
 
 @dataclass
@@ -133,15 +137,22 @@ class governed_slot:
     # --- async --------------------------------------------------------------------------------
 
     async def __aenter__(self) -> GovernedSlot:
+        # The process's job feed (one listener per event loop: scheduler/notify/listener.py) says
+        # when the job changes, so the wait reads the job only when a claim may have taken it.
+        feed = JobFeed.current()
+        mark = feed.mark()
         self.job_id = await sync_to_async(self._submit)()
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        delay = POLL_FIRST
         try:
-            while (slot := await sync_to_async(self._granted)()) is None:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"no slot for job {self.job_id} within {self.timeout}s")
-                await asyncio.sleep(delay)
-                delay = min(delay * 1.5, POLL_MAX)
+            with feed.watch(self.job_id, since=mark) as watch:
+                while True:
+                    watch.take()
+                    if (slot := await sync_to_async(self._granted)()) is not None:
+                        break
+                    left = WAKE_MAX if deadline is None else deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"no slot for job {self.job_id} within {self.timeout}s")
+                    await watch.wait(min(left, WAKE_MAX))
         except BaseException:
             await sync_to_async(self._withdraw)()
             raise

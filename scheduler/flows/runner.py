@@ -7,6 +7,11 @@ One claim of a flow is one round:
                     open, the lease still heartbeated) ──> round_requeue: results recorded, the
                     flow back in the queue for its next round, as new work
 
+The tool calls start as soon as the model has answered. When they are all done within
+TELEMACHUS_FLOW_QUICK_TOOLS_MS (an echo, a lookup), the round's end and the next round's queueing
+are written together (rounds_end, which the worker batches with other rounds that end meanwhile,
+`host.round_end`): one write instead of two, the slot held those few milliseconds longer.
+
 so a flow waiting for its next round holds no slot and no worker capacity, and other jobs take the
 slot between rounds. A failed model call ends like any job's attempt (the worker's finisher:
 jobs_finish, retried with backoff, or failed); either way the dispatch reaches the executor's
@@ -23,6 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, Protocol, TypeVar
 
+from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
 from executors.contract import DispatchError
@@ -30,9 +36,19 @@ from executors.health import DispatchReport
 from executors.tools import ToolOutcome, UnknownTool, tool_invoke
 from scheduler.core.jobtypes import job_request
 from scheduler.metrics import dispatch_observe
+from scheduler.models import Job
 from scheduler.services.claim import Claim
 from scheduler.services.finish import Outcome
-from scheduler.services.rounds import LeaseLost, round_begin, round_finish, round_requeue
+from scheduler.services.rounds import (
+    DEFAULT_MAX_ROUNDS,
+    LeaseLost,
+    RoundOutcome,
+    round_begin,
+    round_claimed,
+    round_finish,
+    round_requeue,
+    round_tool_record,
+)
 from scheduler.worker.flight import InFlight
 
 log = logging.getLogger("telemachus.worker")
@@ -48,55 +64,107 @@ class RoundHost(Protocol):
 
     async def dispatches_report(self, dispatches: list[DispatchReport]) -> None: ...
 
-    def flight_ended(self, job_id: int) -> None: ...
+    def flight_ended(self, job_id: int, *, queued: bool = False) -> None: ...
+
+    async def round_end(self, end: RoundOutcome) -> str:
+        """`rounds_end` for this round (batched), the answered dispatch reported to the breaker."""
+        ...
 
 
 async def flow_round_run(host: RoundHost, flight: InFlight) -> None:
     """Run the claimed round of a flow to its end (the flow done or failed, or queued for its next
     round). Raises what the model call raises (DispatchError, CancelledError), for the worker to
     end the job as any other; handles everything after the call itself, and ends the flight."""
+    queued = False
     try:
-        await _round(host, flight)
+        queued = await _round(host, flight)
     except LeaseLost as exc:
         log.warning("job %d: %s; dropped", flight.claim.job.pk, exc.detail)
-    host.flight_ended(flight.claim.job.pk)
+    host.flight_ended(flight.claim.job.pk, queued=queued)
 
 
-async def _round(host: RoundHost, flight: InFlight) -> None:
+async def _round(host: RoundHost, flight: InFlight) -> bool:
+    """The round; True when it queued the flow's next round without waking the other workers
+    (the host claims it with the capacity the round freed)."""
     claim = flight.claim
     job = claim.job
     assert claim.executor is not None and flight.driver is not None, "a flow's round runs on an executor"
-    start = await host.db_retrying(round_begin, job_id=job.pk, lease=claim.lease)
+    start = round_claimed(job)
+    if start is None:
+        start = await host.db_retrying(round_begin, job_id=job.pk, lease=claim.lease)
     if start.pending:
         log.info("job %d: running the tool calls of round %d (their worker stopped)", job.pk, start.round)
-        calls = start.pending
-    else:
-        try:
-            request = job_request(job, messages=start.messages)
-        except (UnknownTool, ImproperlyConfigured) as exc:
-            raise DispatchError(f"flow tools unavailable: {exc}", retryable=False, executor_fault=False) from exc
-        began = time.monotonic()
-        result = await flight.driver.execute(request)
-        dispatch_observe(executor=claim.executor, outcome="ok", seconds=time.monotonic() - began)
-        end = await host.db_retrying(
-            round_finish,
+        await _requeue_after(host, claim, start.round, _tools_start(host, job, start.pending))
+        return False
+    try:
+        request = job_request(job, messages=start.messages)
+    except (UnknownTool, ImproperlyConfigured) as exc:
+        raise DispatchError(f"flow tools unavailable: {exc}", retryable=False, executor_fault=False) from exc
+    began = time.monotonic()
+    result = await flight.driver.execute(request)
+    dispatch_observe(executor=claim.executor, outcome="ok", seconds=time.monotonic() - began)
+    message = result.output.get("message") or {"role": "assistant", "content": ""}
+    calls = list(message.get("tool_calls") or [])
+    # The tools start at once (not in a round past max_rounds, which ends the flow).
+    running = _tools_start(host, job, calls) if calls and start.round < _max_rounds(job) else []
+    try:
+        quick = bool(running) and await _quick(running)
+        ended: dict[str, Any] = dict(
             job_id=job.pk,
             lease=claim.lease,
             round=start.round,
-            message=result.output.get("message") or {"role": "assistant", "content": ""},
+            message=message,
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
             meta={"seconds": round(time.monotonic() - began, 4)},
         )
-        # After the round's own transaction: job rows and executor rows are never locked together.
-        await host.dispatches_report([DispatchReport(executor_id=claim.executor.pk, ok=True, executor_fault=False)])
-        if not end.tools_to_run:
-            log.info("job %d round %d: flow %s (%d tokens)", job.pk, start.round, end.status, result.tokens_used)
-            return
-        calls = end.tool_calls
+        if quick:
+            # The tools are done already: the round's end and the next round's queueing in one
+            # transaction (the slot was held the few milliseconds they took).
+            status = await host.round_end(RoundOutcome(**ended, results=[task.result() for task in running]))
+        else:
+            end = await host.db_retrying(round_finish, **ended)
+    except BaseException:
+        for task in running:
+            task.cancel()
+        raise
+    if quick:
+        log.info("job %d round %d: %d quick tool call(s), flow %s", job.pk, start.round, len(calls), status)
+        return status == Job.Status.QUEUED
+    # After the round's own transaction: job rows and executor rows are never locked together.
+    await host.dispatches_report([DispatchReport(executor_id=claim.executor.pk, ok=True, executor_fault=False)])
+    if not end.tools_to_run:
+        log.info("job %d round %d: flow %s (%d tokens)", job.pk, start.round, end.status, result.tokens_used)
+    else:
+        await _requeue_after(host, claim, start.round, running or _tools_start(host, job, end.tool_calls))
+    return False
+
+
+async def _requeue_after(
+    host: RoundHost, claim: Claim, round_no: int, running: "list[asyncio.Task[ToolOutcome]]"
+) -> None:
+    """Wait for the round's tool calls (run with no slot held), recording each result as its tool
+    ends (so a worker that dies meanwhile leaves those done), then queue the flow's next round."""
+    for finished in asyncio.as_completed(running):
+        await host.db_retrying(
+            round_tool_record, job_id=claim.job.pk, lease=claim.lease, round=round_no, result=await finished
+        )
+    results = [task.result() for task in running]
+    status = await host.db_retrying(
+        round_requeue, job_id=claim.job.pk, lease=claim.lease, round=round_no, results=results
+    )
+    log.info("job %d round %d: %d tool call(s), flow %s", claim.job.pk, round_no, len(results), status)
+
+
+def _max_rounds(job: Job) -> int:
+    return int(job.input.get("max_rounds") or DEFAULT_MAX_ROUNDS)
+
+
+def _tools_start(host: RoundHost, job: Job, calls: list[dict[str, Any]]) -> "list[asyncio.Task[ToolOutcome]]":
+    """The round's tool calls, started in the worker's tool threads, in call order."""
     allowed = set(job.input.get("tools") or ())
-    results = await asyncio.gather(
-        *(
+    return [
+        asyncio.ensure_future(
             tool_invoke(
                 name=str((call.get("function") or {}).get("name", "")),
                 arguments=(call.get("function") or {}).get("arguments", "{}"),
@@ -104,13 +172,21 @@ async def _round(host: RoundHost, flight: InFlight) -> None:
                 threads=host.tool_threads,
                 allowed=allowed,
             )
-            for call in calls
         )
-    )
-    status = await host.db_retrying(
-        round_requeue, job_id=job.pk, lease=claim.lease, round=start.round, results=list(results)
-    )
-    log.info("job %d round %d: %d tool call(s), flow %s", job.pk, start.round, len(results), status)
+        for call in calls
+    ]
+
+
+async def _quick(running: "list[asyncio.Task[ToolOutcome]]") -> bool:
+    """Whether the round's tools end within TELEMACHUS_FLOW_QUICK_TOOLS_MS of the model's answer:
+    then the round's end waits for them and is written with their results, in one transaction
+    (rounds_end), for the price of holding the slot that long at most. Slower tools go on running
+    after the round's end frees the slot."""
+    quick = settings.TELEMACHUS_FLOW_QUICK_TOOLS_MS / 1000
+    if quick <= 0:
+        return False
+    _, pending = await asyncio.wait(running, timeout=quick)
+    return not pending
 
 
 async def tool_job_outcome(host: RoundHost, claim: Claim) -> Outcome:

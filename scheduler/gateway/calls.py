@@ -46,6 +46,8 @@ from telemachus.teams import rbac
 log = logging.getLogger("telemachus.gateway")
 TEAM_HEADER, PRIORITY_HEADER, JOB_HEADER = "x-telemachus-team", "x-telemachus-priority", "x-telemachus-job"
 COST_HEADER, CURRENCY_HEADER = "x-telemachus-cost", "x-telemachus-currency"
+# A conversation's calls share a session, so each prefers the executor that served the last one.
+SESSION_HEADER, SESSION_MAX_LENGTH = "x-telemachus-session", 200
 KEEPALIVE_SECONDS = 15.0
 SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
 GatewayError = shapes.OpenAIError  # the gateway's errors, rendered in each protocol's shape by its dialect
@@ -283,10 +285,12 @@ def _submit(
     dialect: Dialect,
     address: str,
     wake: bool,
+    session: str | None = None,
 ) -> tuple[Caller, Job, shapes.ModelCall]:
     """Authenticate, translate and check the body, submit: one trip to the database threads.
     `wake` False: the workers are not woken, since the call is claimed in this process next."""
     caller = caller_for(authorization=authorization, team=team, confirm=False, address=address)
+    session = _session(session)
     data = shapes.parse_body(body)
     call = dialect.translate(data)
     requirements = {"model": call.model, "est_tokens": call.est_tokens}
@@ -303,8 +307,19 @@ def _submit(
         features=(OPENAI,),
         key=caller.key,
         wake=wake,
+        affinity_key=session,
     )
     return caller, job, call
+
+
+def _session(header: str | None) -> str:
+    """X-Telemachus-Session: any printable name the app gives a conversation, up to 200 characters."""
+    value = (header or "").strip()
+    if len(value) > SESSION_MAX_LENGTH or not value.isprintable():
+        raise shapes.bad_request(
+            f"X-Telemachus-Session must be printable and at most {SESSION_MAX_LENGTH} characters.", SESSION_HEADER
+        )
+    return value
 
 
 def _priority(header: str | None) -> int:
@@ -437,6 +452,7 @@ async def model_call(request: Request, reply: Reply, *, dialect: Dialect) -> Non
         authorization=dialect.authorization(request),
         team=request.header(TEAM_HEADER),
         priority=request.header(PRIORITY_HEADER),
+        session=request.header(SESSION_HEADER),
         body=request.body,
         dialect=dialect,
         address=client_address(request.scope),

@@ -17,6 +17,7 @@ from scheduler.core.policy import policy_for
 from scheduler.core.state import ClaimState, ExecutorView
 from scheduler.models import Job, JobEvent, Slot
 from scheduler.services.events import events_record, job_event
+from scheduler.services.rounds import round_claimed, round_started_event
 from scheduler.services.shares import team_shares_charge
 from scheduler.services.tooljobs import tool_jobs_start
 from telemachus.control import notify
@@ -84,6 +85,7 @@ def job_claim(*, worker: str, limit: int = 1, only: Collection[int] | None = Non
         # (a teammate behind a user who just reached their cap): ask the policy again, with the
         # caps as they stand, while each round still makes progress.
         policy = policy_for(record)
+        policy.state = state
         taken: set[int] = set()
         head_elsewhere = False  # with `only`: the claim would take a job that is not one of them
         for _ in range(MAX_ORDER_ROUNDS if state.global_free() > 0 else 0):
@@ -163,8 +165,14 @@ def job_claim(*, worker: str, limit: int = 1, only: Collection[int] | None = Non
 def _next_eligible(state: ClaimState) -> datetime | None:
     """The next moment queued work that waits on time may become claimable: the earliest end of a
     retry's backoff (read with the claim lock), of a breaker's cooldown, or of a budget window
-    that refused work or ran out. A worker sleeps until then instead of polling."""
-    moments = [*state.cooldown_ends, state.budgets.next_reset(), getattr(state.policy, "next_retry", None)]
+    that refused work or ran out, or of a wait the policy named (a round waiting for its preferred
+    executor). A worker sleeps until then instead of polling."""
+    moments = [
+        *state.cooldown_ends,
+        *state.wake_moments,
+        state.budgets.next_reset(),
+        getattr(state.policy, "next_retry", None),
+    ]
     return min(filter(None, moments), default=None)
 
 
@@ -187,14 +195,14 @@ def _start(chosen: list[tuple[Job, ExecutorView]], *, worker: str, state: ClaimS
     pair job id + lease), then write their slots and events. A job that is no longer queued, or
     that another transaction holds (a cancel at this very moment), is left out, not waited for."""
     now, expires, lease = state.now, state.now + lease_length(), uuid.uuid4()
-    inputs = _mark_running(chosen, worker=worker, now=now, expires=expires, lease=lease)
-    chosen = [(job, view) for job, view in chosen if job.pk in inputs]
+    payloads = _mark_running(chosen, worker=worker, now=now, expires=expires, lease=lease)
+    chosen = [(job, view) for job, view in chosen if job.pk in payloads]
     for job, view in chosen:
         job.status, job.executor, job.worker = Job.Status.RUNNING, view.executor, worker
         job.started_at = job.started_at or now  # a queued row's first start is stable: only a claim sets it
         job.attempts += 1
         job.lease, job.lease_expires_at = lease, expires
-        job.input = inputs[job.pk]
+        job.input, job.conversation = payloads[job.pk]
     if not chosen:
         return []
     slots = Slot.objects.bulk_create(
@@ -214,6 +222,9 @@ def _start(chosen: list[tuple[Job, ExecutorView]], *, worker: str, state: ClaimS
     for job, view in chosen:
         events.append(job_event(job=job, event=JobEvent.Type.PLACED, at=now, executor=view.pk, attempt=job.attempts))
         events.append(job_event(job=job, event=JobEvent.Type.STARTED, at=now, executor=view.pk, worker=worker))
+        if round_claimed(job) is not None:
+            # A flow's round starts with its claim: its holder makes no write before the model call.
+            events.append(round_started_event(job, at=now))
     events_record(events)
     return [
         Claim(job=job, executor=view.executor, slot_id=slot.pk, lease=lease)
@@ -237,13 +248,13 @@ def _column(name: str) -> "Field[Any, Any]":
 
 def _mark_running(
     chosen: list[tuple[Job, ExecutorView]], *, worker: str, now: datetime, expires: datetime, lease: uuid.UUID
-) -> dict[int, dict[str, Any]]:
+) -> dict[int, tuple[dict[str, Any], list[dict[str, Any]]]]:
     """One statement for all the chosen rows: lock them (SKIP LOCKED on PostgreSQL; SQLite holds
     the whole database), check they are still queued, mark them running on their executor with
     their budget reservation (its first start kept: `started_at` is when the job first started,
     a flow's first round; each attempt's start is its slot's `acquired_at`), and read back their
     payload, left out of the heads the policy read.
-    Returns job id -> input for the rows it changed (lock level 3)."""
+    Returns job id -> (input, conversation) for the rows it changed (lock level 3)."""
     qn = connection.ops.quote_name
     table, field = qn(Job._meta.db_table), _column
     postgres = connection.vendor == "postgresql"
@@ -269,13 +280,17 @@ def _mark_running(
         + ", ".join(f"{qn(field(name).get_attname_column()[1] or name)} = %s" for name in fixed)
         + f", {qn('started_at')} = COALESCE({table}.{qn('started_at')}, %s)"
         + f", {qn('attempts')} = {table}.{qn('attempts')} + 1 "
-        f"FROM v WHERE {table}.{qn('id')} = v.job AND {still_queued} RETURNING {qn('id')}, {qn('input')}"
+        f"FROM v WHERE {table}.{qn('id')} = v.job AND {still_queued} "
+        f"RETURNING {qn('id')}, {qn('input')}, {qn('conversation')}"
     )
-    payload = cast(JSONField, field("input"))
+    payload, conversation = cast(JSONField, field("input")), cast(JSONField, field("conversation"))
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         # Django passes no expression here either when it converts a column read outside a query.
         return {
-            pk: payload.from_db_value(value, None, connection)  # type: ignore[arg-type]
-            for pk, value in cursor.fetchall()
+            pk: (
+                payload.from_db_value(value, None, connection),  # type: ignore[arg-type]
+                conversation.from_db_value(said, None, connection),  # type: ignore[arg-type]
+            )
+            for pk, value, said in cursor.fetchall()
         }

@@ -24,6 +24,8 @@ EDITABLE = (
     "policy_class",
     "share_window_seconds",
     "flow_rounds",
+    "affinity",
+    "affinity_wait_ms",
 )
 
 

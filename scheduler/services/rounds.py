@@ -4,14 +4,20 @@ own model call in a governed slot (scheduler/flows/governed.py).
 A round is a claim like any job's (job_claim: priority, fair share, the four caps, budgets,
 placement), then:
 
-  round_begin     the holder reads the conversation so far; event `round_started`.
+  round_begin     the holder reads the conversation so far; event `round_started`. A flow's claim
+                  does both itself (`round_claimed`), so its holder calls this only when the
+                  last round's tool calls have no results yet, and a governed slot's holder always.
   round_finish    after the model call: the slot is freed and the round billed (tokens to the job
                   and the usage ledger, real cost to fair share), event `round_finished` with the
                   tokens and the tools called. A flow whose model answered without tool calls is
                   done; one that called tools past `max_rounds` fails; otherwise it stays running,
                   with no slot, while its holder runs the tools. A governed slot is done.
   round_requeue   the tool results join the conversation and the flow goes back to the queue for
-                  its next round, as new work (QueuePolicy.flow_rounds); a failed tool fails it.
+                  its next round, as new work (QueuePolicy.flow_rounds), preferring the executor
+                  that served this round (QueuePolicy.affinity); a failed tool fails it.
+  rounds_end      both of the last two in one transaction, for rounds whose tools their holder
+                  ran before writing the round's end (quick tools: scheduler/flows/runner.py),
+                  several flows' rounds at once (a worker batches them; `round_end` for one).
 
 All three are fenced like a job's finish: they name the job, its lease and the round, and are
 refused (LeaseLost) unless that lease still holds the job at that round. So a round is billed once:
@@ -24,16 +30,17 @@ their messages are in `Job.conversation`, written in the transaction that ends t
 
 import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from django.db import transaction
 
 from executors.models import Executor
 from executors.tools import ToolOutcome
 from scheduler.core.estimates import round_estimate
-from scheduler.core.locks import lock_job
+from scheduler.core.locks import lock_job, lock_jobs
 from scheduler.core.money import token_split_estimate
 from scheduler.core.selectors import queue_policy
 from scheduler.models import Job, JobEvent, QueuePolicy
@@ -80,10 +87,23 @@ class RoundEnd:
 
 
 def pending_tool_calls(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The tool calls of the last round, when their results are not in the conversation yet."""
-    if conversation and conversation[-1].get("role") == "assistant":
-        return list(conversation[-1].get("tool_calls") or [])
+    """The tool calls of the last round whose results are not in the conversation yet (each
+    result is recorded as its tool ends: `round_tool_record`)."""
+    for at in range(len(conversation) - 1, -1, -1):
+        message = conversation[at]
+        if message.get("role") == "assistant":
+            answered = {m.get("tool_call_id") for m in conversation[at + 1 :]}
+            return [call for call in message.get("tool_calls") or [] if call.get("id") not in answered]
+        if message.get("role") != "tool":
+            return []
     return []
+
+
+def _awaiting_results(conversation: list[dict[str, Any]]) -> bool:
+    """The conversation ends with a round's tool calls, and maybe some of their results, and not
+    yet the next round's: the flow is between its round's end and its requeue."""
+    tail = next((m for m in reversed(conversation) if m.get("role") != "tool"), None)
+    return tail is not None and tail.get("role") == "assistant" and bool(tail.get("tool_calls"))
 
 
 def tool_names(calls: list[dict[str, Any]]) -> list[str]:
@@ -93,16 +113,48 @@ def tool_names(calls: list[dict[str, Any]]) -> list[str]:
 def _held(job_id: int, lease: uuid.UUID, *, rounds: int | None = None) -> "ClockedJob":
     """Lock the job (level 3) if `lease` still holds it, and it has finished `rounds` rounds."""
     job = lock_job(job_id)
-    if job is None or job.status != Job.Status.RUNNING or job.lease != lease or _expired(job):
-        state = "gone" if job is None else job.status
-        raise LeaseLost(f"Lease {lease} no longer holds job {job_id} ({state}).")
-    if rounds is not None and job.rounds != rounds:
-        raise LeaseLost(f"Job {job_id} has finished {job.rounds} rounds, not {rounds}: this round was recorded.")
+    if job is None:
+        raise LeaseLost(f"Lease {lease} no longer holds job {job_id} (gone).")
+    lost = _lost(job, lease, rounds=rounds)
+    if lost is not None:
+        raise LeaseLost(lost)
     return job
+
+
+def _lost(job: "ClockedJob", lease: uuid.UUID, *, rounds: int | None) -> str | None:
+    """Why `lease` no longer holds the locked job with `rounds` rounds finished, or None."""
+    if job.status != Job.Status.RUNNING or job.lease != lease or _expired(job):
+        return f"Lease {lease} no longer holds job {job.pk} ({job.status})."
+    if rounds is not None and job.rounds != rounds:
+        return f"Job {job.pk} has finished {job.rounds} rounds, not {rounds}: this round was recorded."
+    return None
 
 
 def _expired(job: "ClockedJob") -> bool:
     return job.lease_expires_at is None or job.lease_expires_at <= job.db_now
+
+
+def round_claimed(job: Job) -> RoundStart | None:
+    """The round a flow's claim started, read from the claimed job (its conversation as the claim
+    read it): the claim recorded its `round_started` (`round_started_event`), so the holder goes
+    straight to the model call, with no transaction of its own. None when the last round's tool
+    calls have no results: the holder calls `round_begin`, which handles that."""
+    if job.type != Job.Type.FLOW or pending_tool_calls(job.conversation):
+        return None
+    return RoundStart(round=job.rounds + 1, messages=[*(job.input.get("messages") or []), *job.conversation])
+
+
+def round_started_event(job: Job, *, at: datetime) -> JobEvent:
+    """The `round_started` event of the job's next round (unsaved)."""
+    return job_event(
+        job=job,
+        event=JobEvent.Type.ROUND_STARTED,
+        at=at,
+        round=job.rounds + 1,
+        executor=job.executor_id,
+        worker=job.worker,
+        attempt=job.attempts,
+    )
 
 
 def round_begin(*, job_id: int, lease: uuid.UUID) -> RoundStart:
@@ -132,19 +184,7 @@ def round_begin(*, job_id: int, lease: uuid.UUID) -> RoundStart:
             attempts_end(ends=[AttemptEnd.of(job, tokens=None)], now=now, record=record, wake=True)
             job.save(update_fields=["reservation"])
             return RoundStart(round=job.rounds, messages=messages, pending=pending)
-        events_record(
-            [
-                job_event(
-                    job=job,
-                    event=JobEvent.Type.ROUND_STARTED,
-                    at=now,
-                    round=job.rounds + 1,
-                    executor=job.executor_id,
-                    worker=job.worker,
-                    attempt=job.attempts,
-                )
-            ]
-        )
+        events_record([round_started_event(job, at=now)])
         return RoundStart(round=job.rounds + 1, messages=messages)
 
 
@@ -171,71 +211,203 @@ def round_finish(
     Durable; locks the job (level 3), then ledger rows (4) and team shares (5). Raises LeaseLost
     unless `lease` holds the job at round `round` (so a round is never billed twice)."""
     record = queue_policy()
-    tokens = prompt_tokens + completion_tokens
     with transaction.atomic(durable=True):
         job = _held(job_id, lease, rounds=round - 1)
-        now = job.db_now
-        attempt = AttemptEnd.of(
+        events: list[JobEvent] = []
+        attempt, fields = _round_close(
             job,
-            tokens=tokens,
-            executor=Executor.objects.filter(pk=job.executor_id).only("prices").first() if job.executor_id else None,
+            round=round,
+            message=message,
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
+            error=error,
+            meta=meta,
+            executor=Executor.objects.filter(pk=job.executor_id).only("prices").first() if job.executor_id else None,
+            events=events,
         )
-        total = (job.tokens_used or 0) + tokens
-        job.rounds = round
-        calls = list((message or {}).get("tool_calls") or []) if job.type == Job.Type.FLOW else []
-        events = [
-            job_event(
-                job=job,
-                event=JobEvent.Type.ROUND_FINISHED,
-                at=now,
-                round=round,
-                tokens=tokens,
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                tools=tool_names(calls),
-                executor=job.executor_id,
-                **(meta or {}),
-            )
-        ]
-        fields = ["tokens_used", "cost", "rounds", "reservation"]
-        if job.type == Job.Type.FLOW:
-            job.conversation = [*job.conversation, message]
-            fields.append("conversation")
-            max_rounds = int(job.input.get("max_rounds") or DEFAULT_MAX_ROUNDS)
-            if not calls:
-                result = {"message": message, "rounds": round, "tokens": total}
-                events.append(_end(job, status=Job.Status.DONE, now=now, result=result, tokens=tokens, rounds=round))
-            elif round >= max_rounds:
-                events.append(
-                    _end(
-                        job,
-                        status=Job.Status.FAILED,
-                        now=now,
-                        error="max_rounds",
-                        tokens=tokens,
-                        rounds=round,
-                        max_rounds=max_rounds,
-                    )
-                )
-        elif error:
-            events.append(_end(job, status=Job.Status.FAILED, now=now, error=error, tokens=tokens))
-        else:
-            result = {"tokens": tokens, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
-            events.append(_end(job, status=Job.Status.DONE, now=now, result=result, tokens=tokens))
-        if job.status == Job.Status.RUNNING:
-            job.tokens_used = total
-        else:
-            fields += Job.END_FIELDS
         # Under `continue` the flow keeps its place while its tools run: a slot freed now is not
         # advertised, so the flow's next round (queued when the tools are done) normally takes it
         # rather than newer work of its team; a claim woken by something else may still use it.
         goes_on = job.status == Job.Status.RUNNING and record.flow_rounds == QueuePolicy.FlowRounds.CONTINUE
-        attempts_end(ends=[attempt], now=now, record=record, wake=not goes_on)
+        attempts_end(ends=[attempt], now=job.db_now, record=record, wake=not goes_on)
         job.save(update_fields=list(dict.fromkeys(fields)))
         events_record(events)
-    return RoundEnd(status=job.status, tool_calls=calls if job.status == Job.Status.RUNNING else [])
+    return RoundEnd(
+        status=job.status,
+        tool_calls=list(pending_tool_calls(job.conversation)) if job.status == Job.Status.RUNNING else [],
+    )
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """A flow's round whose model call answered and whose tool calls (if it made any) ran: what
+    `rounds_end` writes, fenced by the job, its lease and the round."""
+
+    job_id: int
+    lease: uuid.UUID
+    round: int
+    message: dict[str, Any]
+    results: list[ToolOutcome] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def round_end(
+    *,
+    job_id: int,
+    lease: uuid.UUID,
+    round: int,
+    message: dict[str, Any],
+    results: list[ToolOutcome],
+    prompt_tokens: int = 0,
+    completion_tokens: int = 0,
+    meta: dict[str, Any] | None = None,
+) -> str:
+    """One round's `rounds_end`; returns the job's status. Raises LeaseLost unless `lease` holds
+    the job at round `round`."""
+    end = RoundOutcome(
+        job_id=job_id,
+        lease=lease,
+        round=round,
+        message=message,
+        results=results,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        meta=meta or {},
+    )
+    written = rounds_end(ends=[end])
+    if job_id not in written:
+        raise LeaseLost(f"Lease {lease} no longer holds job {job_id} at round {round}.")
+    return written[job_id]
+
+
+def rounds_end(*, ends: Sequence[RoundOutcome], wake_others: bool = True) -> dict[int, str]:
+    """`round_finish` and `round_requeue` in one transaction, for flows' rounds whose tool calls
+    their holder ran before writing the rounds' ends (they were quick: scheduler/flows/runner.py),
+    several rounds at once (a worker batches the rounds that end while it writes), so a round
+    costs a share of one write besides its claim. What is written for each is what the two would
+    write one after the other: the round billed and its slot freed (`round_finished`), the tool
+    results in the conversation, the flow queued for its next round (`queued`, preferring the
+    executor that served this one) or ended (done, max_rounds, a failed tool).
+
+    `wake_others`: tell the workers at commit (slots freed, rounds queued). A worker that will
+    claim at once with the capacity it freed says False, as its finishes do, so one claim, not one
+    per worker, answers a round's end.
+
+    Durable; locks the jobs (level 3, ascending id), then ledger rows (4) and team shares (5).
+    Returns job id -> status for the rounds written; a round whose lease no longer holds its job
+    at that round is left out (refused), never billed twice."""
+    record = queue_policy()
+    with transaction.atomic(durable=True):
+        locked = {job.pk: job for job in lock_jobs(sorted({end.job_id for end in ends}))}
+        prices = {
+            e.pk: e for e in Executor.objects.filter(pk__in={job.executor_id for job in locked.values()}).only("prices")
+        }
+        closed: list[tuple[ClockedJob, RoundOutcome, list[str]]] = []
+        attempts: list[AttemptEnd] = []
+        events: list[JobEvent] = []
+        for end in ends:
+            job = locked.pop(end.job_id, None)
+            if job is None or _lost(job, end.lease, rounds=end.round - 1) is not None:
+                continue
+            attempt, fields = _round_close(
+                job,
+                round=end.round,
+                message=end.message,
+                prompt_tokens=end.prompt_tokens,
+                completion_tokens=end.completion_tokens,
+                meta=end.meta,
+                executor=prices.get(job.executor_id) if job.executor_id else None,
+                events=events,
+            )
+            attempts.append(attempt)
+            closed.append((job, end, fields))
+        if not closed:
+            return {}
+        # The rounds billed as they ended (their estimates, before the next rounds' replace them).
+        attempts_end(ends=attempts, now=closed[0][0].db_now, record=record, wake=False)
+        for job, end, fields in closed:
+            if job.status == Job.Status.RUNNING:
+                fields += _round_requeue(job, record, round=end.round, results=end.results, events=events, wake=False)
+            job.save(update_fields=list(dict.fromkeys(fields)))
+        events_record(events)
+        statuses = {job.pk: str(job.status) for job, _, _ in closed}
+        if wake_others:
+            if Job.Status.QUEUED in statuses.values():
+                notify.notify_workers(notify.QUEUED)
+            if any(status != Job.Status.QUEUED for status in statuses.values()):
+                notify.notify_workers(notify.FREED)
+        return statuses
+
+
+def _round_close(
+    job: Job,
+    *,
+    round: int,
+    message: dict[str, Any] | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+    meta: dict[str, Any] | None,
+    executor: Executor | None,
+    events: list[JobEvent],
+    error: str = "",
+) -> tuple[AttemptEnd, list[str]]:
+    """The end of a locked job's round (see `round_finish`), not saved and not yet settled: the
+    round's attempt (for the caller's `attempts_end`) and the fields changed; its events are
+    appended to `events`. `executor` prices the tokens."""
+    tokens = prompt_tokens + completion_tokens
+    now = cast("ClockedJob", job).db_now
+    attempt = AttemptEnd.of(
+        job, tokens=tokens, executor=executor, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
+    )
+    total = (job.tokens_used or 0) + tokens
+    job.rounds = round
+    calls = list((message or {}).get("tool_calls") or []) if job.type == Job.Type.FLOW else []
+    events.append(
+        job_event(
+            job=job,
+            event=JobEvent.Type.ROUND_FINISHED,
+            at=now,
+            round=round,
+            tokens=tokens,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            tools=tool_names(calls),
+            executor=job.executor_id,
+            **(meta or {}),
+        )
+    )
+    fields = ["tokens_used", "cost", "rounds", "reservation"]
+    if job.type == Job.Type.FLOW:
+        job.conversation = [*job.conversation, message]
+        fields.append("conversation")
+        max_rounds = int(job.input.get("max_rounds") or DEFAULT_MAX_ROUNDS)
+        if not calls:
+            result = {"message": message, "rounds": round, "tokens": total}
+            events.append(_end(job, status=Job.Status.DONE, now=now, result=result, tokens=tokens, rounds=round))
+        elif round >= max_rounds:
+            events.append(
+                _end(
+                    job,
+                    status=Job.Status.FAILED,
+                    now=now,
+                    error="max_rounds",
+                    tokens=tokens,
+                    rounds=round,
+                    max_rounds=max_rounds,
+                )
+            )
+    elif error:
+        events.append(_end(job, status=Job.Status.FAILED, now=now, error=error, tokens=tokens))
+    else:
+        result = {"tokens": tokens, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+        events.append(_end(job, status=Job.Status.DONE, now=now, result=result, tokens=tokens))
+    if job.status == Job.Status.RUNNING:
+        job.tokens_used = total
+    else:
+        fields += Job.END_FIELDS
+    return attempt, fields
 
 
 def _end(
@@ -263,12 +435,39 @@ def _end(
     )
 
 
+def _tool_message(result: ToolOutcome) -> dict[str, Any]:
+    content = result.content if result.ok else json.dumps({"error": result.content})
+    return {"role": "tool", "tool_call_id": result.call_id, "content": content}
+
+
+def round_tool_record(*, job_id: int, lease: uuid.UUID, round: int, result: ToolOutcome) -> bool:
+    """Record one tool call's result of round `round` as soon as its tool ends, while the other
+    calls of the round still run: a worker that dies now leaves it recorded, and the claim that
+    picks the flow up runs only the calls still without a result (`pending_tool_calls`). A
+    failure is recorded only when the flow's input says `return_tool_errors` (otherwise it fails
+    the flow in `round_requeue`). Returns whether it recorded the result (False: already there,
+    not a call of this round, or a failure left to the requeue).
+
+    Durable; locks the job (level 3). Raises LeaseLost unless `lease` holds the job at round
+    `round`'s end."""
+    with transaction.atomic(durable=True):
+        job = _held(job_id, lease, rounds=round)
+        waiting = {call.get("id") for call in pending_tool_calls(job.conversation)}
+        if result.call_id not in waiting or not (result.ok or job.input.get("return_tool_errors")):
+            return False
+        job.conversation = [*job.conversation, _tool_message(result)]
+        job.save(update_fields=["conversation"])
+        return True
+
+
 def round_requeue(*, job_id: int, lease: uuid.UUID, round: int, results: list[ToolOutcome]) -> str:
     """After round `round`'s tools ran: their results join the conversation (`role: tool`
-    messages, in call order) and the flow goes back to the queue for round `round + 1`, as new
-    work: ready now under QueuePolicy.flow_rounds = requeue (behind what became ready while it
-    ran), keeping its place under `continue`; either way its wait, for aging, starts now and its
-    next round gets fresh attempts. Event `queued` with each tool's name, time and outcome.
+    messages, in call order; those recorded already as they ended are not added twice) and the
+    flow goes back to the queue for round `round + 1`, as new work: ready now under
+    QueuePolicy.flow_rounds = requeue (behind what became ready while it ran), keeping its place
+    under `continue`; either way its wait, for aging, starts now and its next round gets fresh
+    attempts, and prefers the executor that served this round (`affinity_executor`,
+    QueuePolicy.affinity). Event `queued` with each tool's name, time and outcome.
 
     A failed tool call fails the flow with the tool's error, unless the flow's input says
     `return_tool_errors`, in which case the error goes back to the model as that call's result.
@@ -278,65 +477,68 @@ def round_requeue(*, job_id: int, lease: uuid.UUID, round: int, results: list[To
     record = queue_policy()
     with transaction.atomic(durable=True):
         job = _held(job_id, lease, rounds=round)
-        if not pending_tool_calls(job.conversation):
+        if not _awaiting_results(job.conversation):
             raise LeaseLost(f"Job {job_id} has no tool calls waiting in round {round}.")
-        now = job.db_now
-        job.conversation = [
-            *job.conversation,
-            *(
-                {
-                    "role": "tool",
-                    "tool_call_id": r.call_id,
-                    "content": r.content if r.ok else json.dumps({"error": r.content}),
-                }
-                for r in results
-            ),
-        ]
-        tools = [r.describe() for r in results]
-        failure = next((r for r in results if not r.ok), None)
-        if failure is not None and not job.input.get("return_tool_errors"):
-            event = _end(job, status=Job.Status.FAILED, now=now, error=failure.content, rounds=round, tools=tools)
-            job.save(update_fields=["conversation", *Job.END_FIELDS])
-            events_record([event])
-            return str(job.status)
-        job.return_to_queue()
-        job.attempts, job.error, job.run_after, job.avoid_executor = 0, "", None, None
-        # The next round's prompt holds the whole conversation: its budgets reserve that.
-        job.cost_estimate = round_estimate(job)
-        job.est_prompt_tokens, job.est_completion_tokens = token_split_estimate(
-            type=job.type,
-            requirements=job.requirements,
-            input={**job.input, "messages": [*(job.input.get("messages") or ()), *job.conversation]},
-            estimate=job.cost_estimate,
-        )
-        job.queued_at = now
-        if record.flow_rounds == QueuePolicy.FlowRounds.REQUEUE:
-            job.ready_at = now
-        job.save(
-            update_fields=[
-                "conversation",
-                "cost_estimate",
-                "est_prompt_tokens",
-                "est_completion_tokens",
-                *Job.REQUEUE_FIELDS,
-                "error",
-                "run_after",
-                "avoid_executor",
-                "queued_at",
-                "ready_at",
-            ]
-        )
-        events_record(
-            [
-                job_event(
-                    job=job,
-                    event=JobEvent.Type.QUEUED,
-                    at=now,
-                    round=round + 1,
-                    tools=tools,
-                    flow_rounds=record.flow_rounds,
-                )
-            ]
-        )
-        notify.notify_workers(notify.QUEUED)
+        events: list[JobEvent] = []
+        fields = _round_requeue(job, record, round=round, results=results, events=events, wake=True)
+        job.save(update_fields=fields)
+        events_record(events)
         return str(job.status)
+
+
+def _round_requeue(
+    job: "ClockedJob",
+    record: QueuePolicy,
+    *,
+    round: int,
+    results: list[ToolOutcome],
+    events: list[JobEvent],
+    wake: bool,
+) -> list[str]:
+    """Record a locked flow's tool results and queue its next round, or fail it (see
+    `round_requeue`), not saved: appends the event to `events`, returns the fields changed, and
+    with `wake` wakes the workers at commit when the flow is queued."""
+    now = job.db_now
+    waiting = {call.get("id") for call in pending_tool_calls(job.conversation)}
+    job.conversation = [*job.conversation, *(_tool_message(r) for r in results if r.call_id in waiting)]
+    tools = [r.describe() for r in results]
+    failure = next((r for r in results if not r.ok), None)
+    if failure is not None and not job.input.get("return_tool_errors"):
+        events.append(_end(job, status=Job.Status.FAILED, now=now, error=failure.content, rounds=round, tools=tools))
+        return ["conversation", *Job.END_FIELDS]
+    # The next round prefers the executor that served this one: its model server may still hold
+    # the prefix cache of the conversation so far (QueuePolicy.affinity).
+    job.affinity_executor_id = job.executor_id
+    job.return_to_queue()
+    job.attempts, job.error, job.run_after, job.avoid_executor = 0, "", None, None
+    # The next round's prompt holds the whole conversation: its budgets reserve that.
+    job.cost_estimate = round_estimate(job)
+    job.est_prompt_tokens, job.est_completion_tokens = token_split_estimate(
+        type=job.type,
+        requirements=job.requirements,
+        input={**job.input, "messages": [*(job.input.get("messages") or ()), *job.conversation]},
+        estimate=job.cost_estimate,
+    )
+    job.queued_at = now
+    if record.flow_rounds == QueuePolicy.FlowRounds.REQUEUE:
+        job.ready_at = now
+    events.append(
+        job_event(
+            job=job, event=JobEvent.Type.QUEUED, at=now, round=round + 1, tools=tools, flow_rounds=record.flow_rounds
+        )
+    )
+    if wake:
+        notify.notify_workers(notify.QUEUED)
+    return [
+        "conversation",
+        "cost_estimate",
+        "est_prompt_tokens",
+        "est_completion_tokens",
+        *Job.REQUEUE_FIELDS,
+        "error",
+        "run_after",
+        "avoid_executor",
+        "affinity_executor",
+        "queued_at",
+        "ready_at",
+    ]

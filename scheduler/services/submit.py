@@ -64,6 +64,9 @@ class JobSpec:
     # Switches the entry point needs on besides the job's kind (the /v1/ endpoints: `openai`),
     # checked first with the same cached switches, so a switch turned off is refused at once.
     features: tuple[str, ...] = ()
+    # A session the job continues (the /v1/ header X-Telemachus-Session): it prefers the executor
+    # that served the session's last call in its team (QueuePolicy.affinity).
+    affinity_key: str = ""
 
 
 def job_submit(
@@ -79,6 +82,7 @@ def job_submit(
     features: tuple[str, ...] = (),
     key: ApiKey | None = None,
     wake: bool = True,
+    affinity_key: str = "",
 ) -> Job:
     """Admit a job and persist it `queued` with its `queued` event, in one transaction.
 
@@ -100,7 +104,10 @@ def job_submit(
     unknown_model naming it; 404 model_not_found on /v1/).
 
     `wake` False: the workers are not woken, because the caller claims the job itself at once
-    (scheduler/gateway/onehop.py), and that claim wakes them if it leaves the job queued."""
+    (scheduler/gateway/onehop.py), and that claim wakes them if it leaves the job queued.
+
+    `affinity_key`: the session the job continues; it prefers the executor that served the last
+    call of that session in its team (one more query, only with a key)."""
     spec = JobSpec(
         team=team,
         type=type,
@@ -110,6 +117,7 @@ def job_submit(
         meta=meta or {},
         run_after=run_after,
         features=features,
+        affinity_key=affinity_key,
     )
     (job,) = _submit(user=user, specs=[spec], key=key, wake=wake)
     return job
@@ -204,6 +212,7 @@ def _admit(
     budgets.fill(locked[0])
     _within_budgets(budgets, admitted, now, indexed=indexed)
     _within_depth(record, admitted, now, indexed=indexed)
+    _sessions_continue([item.job for item in admitted])
     jobs = Job.objects.bulk_create([item.job for item in admitted])
     events = []
     for item in admitted:
@@ -287,8 +296,26 @@ def _check(
         run_after=spec.run_after,
         ready_at=ready,
         queued_at=ready,
+        affinity_key=spec.affinity_key,
     )
     return _Admitted(job=job, requested=spec.priority, allowed=allowed, source=source, executors=usable)
+
+
+def _sessions_continue(jobs: list[Job]) -> None:
+    """Each job that continues a session prefers the executor that served the session's last
+    placed call in its team (job_affinity_idx): the model server that may still hold the prefix
+    cache of the conversation. One query per session submitted."""
+    sessions = {(job.team_id, job.affinity_key) for job in jobs if job.affinity_key}
+    preferred = {
+        (team_id, key): Job.objects.filter(team_id=team_id, affinity_key=key, executor__isnull=False)
+        .order_by("-id")
+        .values_list("executor_id", flat=True)
+        .first()
+        for team_id, key in sessions
+    }
+    for job in jobs:
+        if job.affinity_key:
+            job.affinity_executor_id = preferred[(job.team_id, job.affinity_key)]
 
 
 def _placeable(

@@ -60,6 +60,7 @@ from scheduler.services.finish import FinishReport, Outcome, jobs_finish
 from scheduler.services.history import history_next_in, history_record
 from scheduler.services.lease import jobs_release, leases_renew
 from scheduler.services.recover import jobs_recover
+from scheduler.services.rounds import LeaseLost, RoundOutcome, rounds_end
 from scheduler.worker.dispatch import failure_outcome, model_call_outcome
 from scheduler.worker.flight import InFlight
 from scheduler.worker.probes import heartbeat_check, probe_serve
@@ -80,6 +81,8 @@ DEFAULT_CONCURRENCY = 64
 # The longest a waiting worker sleeps with nothing waking it. Notifications, its own finishes and
 # the claim's `wake_in` do the waking; this is a safety net for a bug in them, not how work flows.
 DEFAULT_IDLE_POLL = 2.0
+# The most flows' round ends one transaction writes.
+ROUND_END_BATCH = 64
 
 
 class Worker:
@@ -103,6 +106,8 @@ class Worker:
         self.grace = grace
         self.inflight: dict[int, InFlight] = {}
         self.outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
+        # Flows' rounds ended with their quick tools, written in batches (`_round_ender`).
+        self.round_ends: asyncio.Queue[tuple[RoundOutcome, asyncio.Future[str | None]]] = asyncio.Queue()
         self.wake = asyncio.Event()
         self.breaker_gate = asyncio.Lock()
         self.to_release: dict[int, uuid.UUID] = {}
@@ -153,6 +158,7 @@ class Worker:
         await self._recover_once()
         background = [
             asyncio.create_task(self._finisher(), name="finisher"),
+            asyncio.create_task(self._round_ender(), name="round-ender"),
             asyncio.create_task(self._heartbeat(), name="heartbeat"),
             asyncio.create_task(self._recovery(), name="recovery"),
             asyncio.create_task(self._probes(), name="probes"),
@@ -369,11 +375,14 @@ class Worker:
             log.info("job %d: aborting dispatch (%s)", job_id, reason)
             asyncio.create_task(_stop(flight))
 
-    def flight_ended(self, job_id: int) -> None:
-        """A flight that wrote its own end (a flow's round) leaves: its capacity is free."""
+    def flight_ended(self, job_id: int, *, queued: bool = False) -> None:
+        """A flight that wrote its own end (a flow's round) leaves: its capacity is free. `queued`:
+        it queued the flow's next round telling no other worker, so this one claims at once."""
         self.inflight.pop(job_id, None)
         self.processed += 1
         self._capacity_freed()
+        if queued:
+            self.wake.set()
 
     def _capacity_freed(self) -> None:
         self.freed += 1
@@ -449,6 +458,42 @@ class Worker:
                 error=f"the result could not be stored: {exc}"[:2000],
             )
             return await self._retrying(jobs_finish, outcomes=[stored], wake_others=self.stopping)
+
+    async def round_end(self, end: RoundOutcome) -> str:
+        """Write a flow's round's end and its requeue (`rounds_end`), batched with the other rounds
+        of this worker that end meanwhile, as results are, and report to the breaker that its
+        executor answered; returns the job's status. Raises LeaseLost when the write is refused
+        (the lease no longer holds the job at that round)."""
+        written: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        await self.round_ends.put((end, written))
+        status = await written
+        if status is None:
+            raise LeaseLost(f"Lease {end.lease} no longer holds job {end.job_id} at round {end.round}.")
+        return status
+
+    async def _round_ender(self) -> None:
+        while True:
+            batch = [await self.round_ends.get()]
+            while not self.round_ends.empty() and len(batch) < ROUND_END_BATCH:
+                batch.append(self.round_ends.get_nowait())
+            try:
+                written = await self._retrying(rounds_end, ends=[end for end, _ in batch], wake_others=self.stopping)
+            except Exception as exc:  # bad data, not an outage: each round's runner ends its job
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            answered = [
+                DispatchReport(executor_id=f.claim.executor.pk, ok=True, executor_fault=False)
+                for end, _ in batch
+                if (f := self.inflight.get(end.job_id)) is not None and f.claim.executor is not None
+            ]
+            for end, future in batch:
+                if not future.done():
+                    future.set_result(written.get(end.job_id))
+            # The servers answered: one report for the batch, after the rounds' flights have ended
+            # (so the worker claims first), in a transaction of its own.
+            await self.dispatches_report(answered)
 
     async def dispatches_report(self, dispatches: list[DispatchReport]) -> None:
         """Tell the breakers how dispatches ended, outside the finisher (a flow's round, whose end

@@ -291,3 +291,29 @@ def test_the_async_governed_slot_and_an_error_inside_it(processes, member_setup,
     assert (job.status, job.tokens_used) == ("failed", 7)
     assert job.error == "RuntimeError: the app's own call failed"
     assert not Slot.objects.exists()
+
+
+def test_the_async_governed_slot_is_granted_as_soon_as_it_is_claimed(processes, member_setup, model_server):
+    # Given the only slot busy with a chat for 2 s (a polling wait would by then read every 0.5 s)...
+    alice = member_setup[0]
+    model_server(latency_ms=2000)
+    chat = submit_chat(alice, "a")
+    processes.worker("w", concurrency=4)
+    wait_until(lambda: Job.objects.get(pk=chat.pk).status == "running", timeout=20, what="the chat running")
+
+    # When app code waits for a governed slot behind it...
+    async def app() -> tuple[int, float]:
+        try:
+            async with governed_slot(user=alice, team="a", model="m", timeout=60) as slot:
+                granted = time.time()
+                slot.report(tokens=1)
+            return slot.job_id, granted
+        finally:
+            await sync_to_async(close_connection)()
+
+    job_id, granted = asyncio.run(app())
+
+    # Then it had its slot within a notification's time of the claim that took it, not a poll's.
+    started = JobEvent.objects.get(job_id=job_id, event="started").at.timestamp()
+    assert Job.objects.get(pk=chat.pk).status == "done"
+    assert granted - started < 0.2, granted - started  # about 0.03 s here; polling read every 0.5 s

@@ -14,7 +14,7 @@ from scheduler.services.claim import job_claim
 from scheduler.services.finish import Outcome, jobs_finish
 from scheduler.services.recover import jobs_recover
 from scheduler.services.requeue import job_requeue
-from scheduler.services.rounds import LeaseLost, round_begin, round_finish, round_requeue
+from scheduler.services.rounds import LeaseLost, round_begin, round_finish, round_requeue, round_tool_record
 from scheduler.services.submit import job_submit
 
 pytestmark = pytest.mark.django_db
@@ -216,6 +216,43 @@ class TestCrashes:
         job = Job.objects.get(pk=flow.pk)
         assert (job.status, job.rounds, job.tokens_used) == ("queued", 1, 4)
         assert JobEvent.objects.filter(job=flow, event="round_finished").count() == 1
+
+    def test_death_while_the_tools_ran_reruns_only_those_without_a_result(self, member_setup):
+        # Given a round whose model called two tools, the first recorded as it ended...
+        alice = member_setup[0]
+        flow = submit_flow(alice)
+        claim = claim_one()
+        round_begin(job_id=flow.pk, lease=claim.lease)
+        both = {"role": "assistant", "content": None, "tool_calls": calling(1)["tool_calls"] + calling(2)["tool_calls"]}
+        round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=both)
+        assert round_tool_record(job_id=flow.pk, lease=claim.lease, round=1, result=echoed(1))
+        assert not round_tool_record(job_id=flow.pk, lease=claim.lease, round=1, result=echoed(1)), "once"
+
+        # When its worker dies before the second ends, and the flow is claimed again...
+        expire(flow.pk)
+        jobs_recover()
+        again = claim_one()
+        start = round_begin(job_id=flow.pk, lease=again.lease)
+
+        # Then only the second call runs again; each result is in the conversation once.
+        assert [call["id"] for call in start.pending] == ["call_2"]
+        round_requeue(job_id=flow.pk, lease=again.lease, round=1, results=[echoed(2)])
+        job = Job.objects.get(pk=flow.pk)
+        assert job.status == "queued"
+        assert [m.get("tool_call_id") for m in job.conversation] == [None, "call_1", "call_2"]
+
+    def test_all_results_recorded_before_the_requeue(self, member_setup):
+        # A worker that recorded every result and died before requeueing leaves a conversation
+        # ready for the next round: the next claim calls the model, with no tools to run.
+        alice = member_setup[0]
+        flow = submit_flow(alice)
+        claim = claim_one()
+        round_begin(job_id=flow.pk, lease=claim.lease)
+        round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=calling(1))
+        round_tool_record(job_id=flow.pk, lease=claim.lease, round=1, result=echoed(1))
+        round_requeue(job_id=flow.pk, lease=claim.lease, round=1, results=[echoed(1)])
+        job = Job.objects.get(pk=flow.pk)
+        assert job.status == "queued" and [m.get("tool_call_id") for m in job.conversation] == [None, "call_1"]
 
 
 class TestOrder:
