@@ -5,7 +5,7 @@ import pytest
 
 from scheduler.models import Job, JobEvent
 from scheduler.services.claim import job_claim
-from scheduler.services.rounds import round_begin, round_finish
+from scheduler.services.rounds import round_finish
 from tests.conftest import job_body
 
 pytestmark = pytest.mark.django_db
@@ -66,7 +66,7 @@ class TestFlow:
         alice = member_setup[0]
         flow = submit(api(alice), flow_body(tools=["echo"])).json()
         (claim,) = job_claim(worker="w", limit=1).claims
-        round_begin(job_id=flow["id"], lease=claim.lease)
+        # A flow's claim starts its round (round_started); the worker goes straight to the model.
         round_finish(
             job_id=flow["id"],
             lease=claim.lease,
