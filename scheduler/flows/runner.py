@@ -2,22 +2,26 @@
 
 One claim of a flow is one round:
 
-    round_begin ──> model call (the slot held) ──> round_finish: slot freed, round billed
-                ──> the tool calls, in the worker's tool threads (no slot held, no transaction
-                    open, the lease still heartbeated) ──> round_requeue: results recorded, the
-                    flow back in the queue for its next round, as new work
+    claim (round_started) ──> model call (the slot held) ──> round_finish: slot freed, round billed
+                          ──> the tool calls, in the worker's tool threads (no slot held, no
+                              transaction open, the lease still heartbeated) ──> round_requeue:
+                              results recorded, the flow back in the queue for its next round,
+                              as new work
+
+so a flow waiting for its next round holds no slot and no worker capacity, and other jobs take the
+slot between rounds. The claim starts the round itself (`round_claimed`); `round_begin` runs only
+when the last round's tool calls have no results yet (their worker stopped).
 
 The tool calls start as soon as the model has answered. When they are all done within
 TELEMACHUS_FLOW_QUICK_TOOLS_MS (an echo, a lookup), the round's end and the next round's queueing
 are written together (rounds_end, which the worker batches with other rounds that end meanwhile,
 `host.round_end`): one write instead of two, the slot held those few milliseconds longer.
 
-so a flow waiting for its next round holds no slot and no worker capacity, and other jobs take the
-slot between rounds. A failed model call ends like any job's attempt (the worker's finisher:
-jobs_finish, retried with backoff, or failed); either way the dispatch reaches the executor's
-breaker through the worker's one path (`dispatches_report`, or the finisher's). A cancel aborts
-the model call upstream or abandons the tools, and the fenced writes that follow are refused. The
-services (scheduler/services/rounds.py) say what a crash at each point leaves behind.
+A failed model call ends like any job's attempt (the worker's finisher: jobs_finish, retried with
+backoff, or failed); either way the dispatch reaches the executor's breaker through the worker's
+one path (`dispatches_report`, or the finisher's). A cancel aborts the model call upstream or
+abandons the tools, and the fenced writes that follow are refused. The services
+(scheduler/services/rounds.py) say what a crash at each point leaves behind.
 """
 
 import asyncio
