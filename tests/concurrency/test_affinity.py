@@ -78,12 +78,11 @@ def round_waits(job: Job) -> dict[int, float]:
     return waits
 
 
-@pytest.mark.parametrize("affinity", ["prefer", "off"])
-def test_with_room_a_flows_rounds_stay_on_one_executor(processes, member_setup, two_servers, affinity):
-    # Given two model servers of four slots each and six 20-round flows sharing them, so the
-    # least-loaded executor changes from one round to the next...
+def test_with_room_a_flows_rounds_stay_on_one_executor(processes, member_setup, two_servers):
+    # Given two model servers of four slots each and six 20-round flows sharing them (more flows
+    # than one server has slots, so both serve), affinity on...
     alice = member_setup[0]
-    QueuePolicy.objects.update_or_create(pk=1, defaults={"affinity": affinity})
+    QueuePolicy.objects.update_or_create(pk=1, defaults={"affinity": "prefer"})
     servers = two_servers(latency_ms=100, max_concurrency=4)
     flows = [submit_flow(alice, 20) for _ in range(6)]
     processes.worker("w1", concurrency=8)
@@ -98,17 +97,18 @@ def test_with_room_a_flows_rounds_stay_on_one_executor(processes, member_setup, 
         what="the flows done",
     )
 
-    # Then with affinity each flow made at least 95% of its model calls on one server; without
-    # it they wander (the same setup, so the test can fail).
-    shares = []
+    # Then both servers served, and each flow made at least 95% of its model calls on one of
+    # them. (Without affinity, whether rounds wander depends on timing: seen both ways, so it is
+    # no control here; tests/scheduler/test_affinity.py checks placement with affinity off and on
+    # deterministically.)
+    shares, per_server = [], Counter()
     for flow in flows:
         calls = served(servers, flow)
         assert sum(calls.values()) == 20
         shares.append(max(calls.values()) / 20)
-    if affinity == "prefer":
-        assert min(shares) >= 0.95, shares
-    else:
-        assert min(shares) < 0.95, shares
+        per_server.update(calls)
+    assert min(shares) >= 0.95, shares
+    assert len(+per_server) == 2, per_server
     assert not Slot.objects.exists()
 
 

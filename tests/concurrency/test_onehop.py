@@ -86,13 +86,16 @@ def test_a_team_cap_of_two_holds_on_the_wire_with_twenty_calls_through_two_api_p
     assert stats["prefixes"]["x"]["peak"] == 2
     assert stats["requests"] == 20
     assert sampler.peak["team"][team.pk] == 2
-    # ...each job finished exactly once, and API processes ran some of them themselves.
+    # ...each job finished exactly once, and an API process ran at least one itself (how many
+    # depends on which claim reaches the claim lock first: a claim whose call is not next leaves
+    # it to the workers, so more than one is a race, not a guarantee).
     jobs = Job.objects.filter(team=team)
     assert sorted(jobs.values_list("status", flat=True)) == ["done"] * 20
     finished = Counter(JobEvent.objects.filter(event="finished", job__in=jobs).values_list("job_id", flat=True))
     assert len(finished) == 20 and set(finished.values()) == {1}
     assert not JobEvent.objects.filter(event="finish_refused").exists()
-    assert in_process(jobs) >= 2
+    ran_here = in_process(jobs)
+    assert ran_here >= 1, f"{ran_here} calls ran in an API process"
     assert not Slot.objects.exists()
 
 
