@@ -223,22 +223,26 @@ def print_shared(rows: list[dict], *, latency_ms: float) -> None:
 # --- part 2 ----------------------------------------------------------------------------------------
 
 
+def flow_jobs(user, team, *, flows: int, rounds: int) -> list[Job]:
+    return [
+        Job(
+            type="flow",
+            user=user,
+            team=team,
+            requirements={"model": MODEL, "est_tokens": 10},
+            model=MODEL,
+            cost_estimate=10,
+            input=flow_input(rounds),
+        )
+        for _ in range(flows)
+    ]
+
+
 def calls_per_second(user, team, *, kind: str, flows: int, rounds: int, slots: int) -> dict:
     reset(slots=slots)
     queue_policy_update(changes={"flow_rounds": "requeue"}, by=None)
     if kind == "flows":
-        jobs = [
-            Job(
-                type="flow",
-                user=user,
-                team=team,
-                requirements={"model": MODEL, "est_tokens": 10},
-                model=MODEL,
-                cost_estimate=10,
-                input=flow_input(rounds),
-            )
-            for _ in range(flows)
-        ]
+        jobs = flow_jobs(user, team, flows=flows, rounds=rounds)
     else:
         jobs = [chat_job(user, team) for _ in range(flows * rounds)]
     procs = start_workers()
@@ -275,21 +279,6 @@ def print_rates(rows: list[dict], *, slots: int, latency_ms: float) -> None:
 
 
 # --- part 3 ----------------------------------------------------------------------------------------
-
-
-def flow_jobs(user, team, *, flows: int, rounds: int) -> list[Job]:
-    return [
-        Job(
-            type="flow",
-            user=user,
-            team=team,
-            requirements={"model": MODEL, "est_tokens": 10},
-            model=MODEL,
-            cost_estimate=10,
-            input=flow_input(rounds),
-        )
-        for _ in range(flows)
-    ]
 
 
 def hit_rate(flow_ids: list[int]) -> float:

@@ -44,7 +44,7 @@ from scheduler.services.claim import Claim, job_claim
 from scheduler.services.events import job_step_record
 from scheduler.services.finish import FinishReport, Outcome, jobs_finish
 from scheduler.services.lease import leases_renew
-from scheduler.worker.dispatch import model_call_outcome
+from scheduler.worker.dispatch import model_call_outcome, pooled_driver
 from scheduler.worker.runner import worker_database_settings
 from telemachus.control import notify
 
@@ -163,7 +163,7 @@ class OwnCalls:
         try:
             assert claim.executor is not None  # a /v1/ call is a model call: it holds a slot
             try:
-                flight.driver = self._driver(claim.executor)
+                flight.driver = pooled_driver(self.drivers, claim.executor)
             except Exception as exc:  # a driver that cannot be built fails its job, as in the worker
                 log.error("job %d: no driver for executor %s: %s", job.pk, claim.executor.name, exc)
                 error = f"executor {claim.executor.name} has no usable driver: {exc}"
@@ -232,12 +232,6 @@ class OwnCalls:
             return
         for event in events:
             log.warning("executor %s: %s %s", event.meta.get("executor_name"), event.event, event.meta)
-
-    def _driver(self, executor: Any) -> ExecutorDriver:
-        driver, retired = self.drivers.get(executor)
-        if retired is not None:
-            asyncio.create_task(_close_when_idle(retired))
-        return driver
 
     def abort(self, flight: Flight, reason: str) -> None:
         """Stop a flight's dispatch (its job was canceled, or its lease is lost): the driver closes
@@ -327,9 +321,3 @@ async def _stop(flight: Flight) -> None:
     assert flight.task is not None
     if flight.driver is None or not await flight.driver.cancel(flight.job_id):
         flight.task.cancel()
-
-
-async def _close_when_idle(driver: ExecutorDriver) -> None:
-    while driver.busy:
-        await asyncio.sleep(1)
-    await driver.aclose()

@@ -2,10 +2,13 @@
 and by an API process that runs the call it holds (scheduler/gateway/onehop.py), so the two cannot
 differ in what they send the executor or in what they store."""
 
+import asyncio
 import logging
 import time
 
 from executors.contract import DeltaSink, DispatchError, ExecutorDriver, StepSink
+from executors.models import Executor
+from executors.registry import DriverPool
 from scheduler.core.jobtypes import job_output, job_request
 from scheduler.metrics import dispatch_observe
 from scheduler.services.claim import Claim
@@ -67,3 +70,18 @@ def failure_outcome(claim: Claim, exc: DispatchError) -> Outcome:
         retry_after=exc.retry_after,
         meta={"status": exc.status, **({"timed_out": True} if exc.timed_out else {})},
     )
+
+
+def pooled_driver(pool: DriverPool, executor: Executor) -> ExecutorDriver:
+    """The pool's driver for this version of the executor's row; a driver it replaced (the row was
+    edited) is closed once its calls in flight are done. Must run in the event loop."""
+    driver, retired = pool.get(executor)
+    if retired is not None:
+        asyncio.create_task(_close_when_idle(retired))
+    return driver
+
+
+async def _close_when_idle(driver: ExecutorDriver) -> None:
+    while driver.busy:
+        await asyncio.sleep(1)
+    await driver.aclose()

@@ -61,7 +61,7 @@ from scheduler.services.history import history_next_in, history_record
 from scheduler.services.lease import jobs_release, leases_renew
 from scheduler.services.recover import jobs_recover
 from scheduler.services.rounds import LeaseLost, RoundOutcome, rounds_end
-from scheduler.worker.dispatch import failure_outcome, model_call_outcome
+from scheduler.worker.dispatch import failure_outcome, model_call_outcome, pooled_driver
 from scheduler.worker.flight import InFlight
 from scheduler.worker.probes import heartbeat_check, probe_serve
 from telemachus.control import notify
@@ -313,10 +313,7 @@ class Worker:
         flight.task = asyncio.create_task(self._dispatch(flight), name=f"job-{job.pk}")
 
     def _driver(self, executor: Executor) -> ExecutorDriver:
-        driver, retired = self.drivers.get(executor)
-        if retired is not None:
-            asyncio.create_task(_close_when_idle(retired))
-        return driver
+        return pooled_driver(self.drivers, executor)
 
     async def _dispatch(self, flight: InFlight) -> None:
         job = flight.claim.job
@@ -700,9 +697,3 @@ async def _stop(flight: InFlight) -> None:
     assert flight.task is not None
     if flight.driver is None or not await flight.driver.cancel(flight.claim.job.pk):
         flight.task.cancel()
-
-
-async def _close_when_idle(driver: ExecutorDriver) -> None:
-    while driver.busy:
-        await asyncio.sleep(1)
-    await driver.aclose()

@@ -13,6 +13,7 @@ from executors.models import Executor
 from scheduler.core.locks import lock_claim
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
 from scheduler.services.submit import job_submit
+from tests.concurrency.test_flows import submit_flow
 from tests.processes import http_json, wait_until
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -38,20 +39,6 @@ def two_servers(processes, member_setup):
         return servers
 
     return start
-
-
-def submit_flow(user, rounds: int) -> Job:
-    return job_submit(
-        user=user,
-        team="a",
-        type="flow",
-        requirements={"model": "m", "est_tokens": 10},
-        input={
-            "messages": [{"role": "user", "content": f"work [rounds:{rounds}]"}],
-            "tools": ["echo"],
-            "max_rounds": 200,
-        },
-    )
 
 
 def served(servers: dict[str, tuple[str, Executor]], job: Job) -> Counter:
