@@ -160,10 +160,12 @@ def test_two_api_hosts_and_two_worker_hosts_share_caps_streams_recovery_and_metr
     # gamma never held more than its cap, though it waited with slots free for it,
     gamma = Job.objects.filter(team__slug="gamma").values_list("team_id", flat=True).first()
     assert sampler.peak["team"][gamma] == GAMMA_CAP
-    # both worker hosts claimed, and any other claim was an API host running a /v1/ call it held
-    # (one hop: scheduler/gateway/onehop.py),
+    # several hosts claimed under those caps: a worker host, and any other claimer was a worker
+    # host or an API host running a /v1/ call it held (one hop: scheduler/gateway/onehop.py). Not
+    # necessarily both worker hosts: a worker that frees a slot claims the next job itself, so one
+    # can keep the queue to itself (section 3 shows the other one taking over),
     claimers = set(Job.objects.filter(pk__in=ids).values_list("worker", flat=True))
-    assert set(WORKER_HOSTS) <= claimers, claimers
+    assert len(claimers) >= 2 and claimers & set(WORKER_HOSTS), claimers
     assert all(name.startswith("api:") for name in claimers - set(WORKER_HOSTS)), claimers
     # and beta (weight 3) was served ahead of alpha's older backlog: of the starts from beta's
     # first submit until one of the two had nothing left, most were beta's (FIFO: none).
@@ -230,7 +232,9 @@ def test_two_api_hosts_and_two_worker_hosts_share_caps_streams_recovery_and_metr
         what="the slow jobs to run",
     )
     held = Counter(Job.objects.filter(model="slow", status="running").values_list("worker", flat=True))
-    victim = held.most_common(1)[0][0]
+    # The worker host holding the most (an API host may hold the /v1/ calls it ran itself).
+    victim = max(WORKER_HOSTS, key=lambda host: held[host])
+    assert held[victim] >= 1, held
     rescuer = next(host for host in WORKER_HOSTS if host != victim)
     doomed = set(Job.objects.filter(status="running", worker=victim).values_list("pk", flat=True))
     time.sleep(1)  # mid-run: the model takes 2.5 s to start answering
