@@ -24,18 +24,21 @@ If the app dies holding the slot, its lease runs out and recovery fails the job 
 run it). If the job is canceled (an operator, the dashboard) the slot's `lost` is set; leaving the
 block then raises LeaseLost, unless the block raised already. `timeout` bounds the wait in the
 queue: past it, the job is canceled and TimeoutError raised. A running worker is needed, as for
-any queued work. The async twin waits on the process's job feed (the job's notification, heard
-through the process's one listener) and reads the job only when it changed; the sync one, which
-has no event loop to hear with, reads it with a backoff (20 ms growing to 0.5 s).
+any queued work. Both wait on a job feed (scheduler/gateway/feed.py: the job's notification, heard
+through one listener) and read the job only when it changed, or WAKE_MAX seconds passed: the async
+twin on its event loop's feed, the sync one on the feed of an event loop run in a daemon thread
+while any sync wait of the process is under way (`_SyncFeed`), so sync waits share its listener.
 """
 
+import asyncio
 import os
 import threading
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -43,7 +46,7 @@ from django.contrib.auth.models import User
 from django.db import DatabaseError, connection
 
 from executors.models import Executor
-from scheduler.gateway.feed import JobFeed
+from scheduler.gateway.feed import JobFeed, Watch
 from scheduler.models import Job
 from scheduler.services.cancel import job_cancel
 from scheduler.services.lease import leases_renew
@@ -51,9 +54,9 @@ from scheduler.services.rounds import LeaseLost, round_begin, round_finish
 from scheduler.services.submit import job_submit
 from telemachus.errors import Conflict
 
-POLL_FIRST, POLL_MAX = 0.02, 0.5
-# The async wait reads the job when the feed says it changed, and at least this often besides.
+# A wait reads the job when the feed says it changed, and at least this often besides.
 WAKE_MAX = 5.0
+T = TypeVar("T")
 
 
 @dataclass
@@ -117,18 +120,25 @@ class governed_slot:
     # --- sync ---------------------------------------------------------------------------------
 
     def __enter__(self) -> GovernedSlot:
-        self.job_id = self._submit()
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        delay = POLL_FIRST
+        _sync_feed.enter()
+        watch: Watch | None = None
         try:
+            mark = _sync_feed.run(_feed_mark())
+            self.job_id = self._submit()
+            deadline = None if self.timeout is None else time.monotonic() + self.timeout
+            watch = _sync_feed.run(_feed_watch(self.job_id, mark))
             while (slot := self._granted()) is None:
-                if deadline is not None and time.monotonic() >= deadline:
+                left = WAKE_MAX if deadline is None else deadline - time.monotonic()
+                if left <= 0:
                     raise TimeoutError(f"no slot for job {self.job_id} within {self.timeout}s")
-                time.sleep(delay)
-                delay = min(delay * 1.5, POLL_MAX)
+                _sync_feed.run(_watch_changed(watch, min(left, WAKE_MAX)))
         except BaseException:
             self._withdraw()
             raise
+        finally:
+            if watch is not None:
+                _sync_feed.run(_watch_close(watch))
+            _sync_feed.leave()
         return self._hold(slot)
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
@@ -251,3 +261,76 @@ class governed_slot:
             job_cancel(job_id=self.job_id, reason="withdrawn before its slot was used", bill=False)
         except Conflict:
             pass
+
+
+# --- the sync waiters' job feed ----------------------------------------------------------------
+
+
+class _SyncFeed:
+    """An event loop in a daemon thread, for the sync waits of the process: its job feed, and the
+    feed's one listener, serve every sync `governed_slot` waiting at the time. It starts with the
+    first wait and stops (its listener's connection closed) when the last one ends, so a process
+    that waited once holds no connection for it afterwards."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.waiting = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+
+    def enter(self) -> asyncio.AbstractEventLoop:
+        with self.lock:
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                self.thread = threading.Thread(target=self.loop.run_forever, name="governed-slot-feed", daemon=True)
+                self.thread.start()
+            self.waiting += 1
+            return self.loop
+
+    def leave(self) -> None:
+        with self.lock:
+            self.waiting -= 1
+            if self.waiting or self.loop is None or self.thread is None:
+                return
+            loop, thread, self.loop, self.thread = self.loop, self.thread, None, None
+            asyncio.run_coroutine_threadsafe(_tasks_cancel(), loop).result()
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join()
+            loop.close()
+
+    def run(self, step: Coroutine[Any, Any, T]) -> T:
+        """Run `step` on the loop and wait for its result (the calling thread blocks)."""
+        assert self.loop is not None, "run outside enter/leave"
+        return asyncio.run_coroutine_threadsafe(step, self.loop).result()
+
+
+_sync_feed = _SyncFeed()
+
+
+async def _tasks_cancel() -> None:
+    """Cancel the loop's other tasks (the listener's, the feed's) and wait until they end."""
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _feed_mark() -> tuple[int, int] | None:
+    return JobFeed.current().mark()
+
+
+async def _feed_watch(job_id: int, mark: tuple[int, int] | None) -> Watch:
+    """A watch on the job, taken: the caller reads the job next, so a change from here on wakes it."""
+    watch = JobFeed.current().watch(job_id, since=mark)
+    watch.take()
+    return watch
+
+
+async def _watch_changed(watch: Watch, timeout: float) -> None:
+    """Sleep until the watched job changed or `timeout` passed, and take the change."""
+    await watch.wait(timeout)
+    watch.take()
+
+
+async def _watch_close(watch: Watch) -> None:
+    watch.close()

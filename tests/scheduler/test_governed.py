@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from quotas.models import QuotaPolicy, Usage
 from scheduler import governed_slot
+from scheduler.flows import governed
 from scheduler.models import Job, JobEvent, Slot
 from scheduler.services.claim import job_claim
 from scheduler.services.recover import jobs_recover
@@ -56,6 +57,37 @@ def test_waits_for_its_claim_then_bills_what_it_reports(member_setup):
         "round_finished",
         "finished",
     ]
+
+
+def test_the_sync_wait_wakes_on_the_jobs_notification(member_setup, monkeypatch):
+    # Given a fallback read only every 60 s, and the reads of the job counted
+    alice = member_setup[0]
+    monkeypatch.setattr(governed, "WAKE_MAX", 60.0)
+    reads = []
+    granted = governed.governed_slot._granted
+    monkeypatch.setattr(governed.governed_slot, "_granted", lambda self: reads.append(1) or granted(self))
+    claimed_at = []
+
+    def claim_late() -> None:
+        # When: the claim comes a second after the job is queued (the waiter asleep by then)
+        deadline = time.monotonic() + 10
+        while not Job.objects.filter(type="governed", status="queued").exists():
+            assert time.monotonic() < deadline, "no governed job was queued"
+            time.sleep(0.01)
+        time.sleep(1.0)
+        claimed_at.append(time.monotonic())
+        assert len(job_claim(worker="w", limit=1).claims) == 1
+        connection.close()
+
+    claimer = threading.Thread(target=claim_late)
+    claimer.start()
+    with governed_slot(user=alice, team="a", model="m") as slot:
+        woke_after = time.monotonic() - claimed_at[0]
+    claimer.join()
+    # Then: the claim's notification woke it at once, and the job was read only when it changed
+    assert woke_after < 2.0, f"woke {woke_after:.2f}s after the claim: on the fallback, not the notification"
+    assert len(reads) <= 3, f"{len(reads)} reads: the wait polled the job"
+    assert Job.objects.get(pk=slot.job_id).status == "done"
 
 
 def test_a_timeout_leaves_the_queue(member_setup):
