@@ -6,7 +6,7 @@ from quotas.models import QuotaPolicy
 from scheduler.models import Job
 from scheduler.services.cancel import job_cancel
 from scheduler.services.claim import job_claim
-from scheduler.services.rounds import round_begin, round_finish
+from scheduler.services.rounds import round_finish
 from scheduler.services.submit import job_submit
 
 pytestmark = pytest.mark.django_db
@@ -115,8 +115,7 @@ def test_a_running_flow_shows_its_round(admin_client_with_data, member_setup):
         requirements={"model": "m"},
         input={"messages": [{"role": "user", "content": "go"}], "tools": ["echo"]},
     )
-    (claim,) = job_claim(worker="w", limit=1).claims
-    round_begin(job_id=flow.pk, lease=claim.lease)
+    (claim,) = job_claim(worker="w", limit=1).claims  # the claim starts round 1 (round_started)
     page = admin_client_with_data.get("/admin/scheduler/job/").content.decode()
     assert "round 1" in page
     round_finish(job_id=flow.pk, lease=claim.lease, round=1, message={"role": "assistant", "content": "ok"})

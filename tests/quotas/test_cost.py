@@ -13,7 +13,7 @@ from scheduler.models import Job, JobEvent, Slot
 from scheduler.services.cancel import job_cancel
 from scheduler.services.claim import job_claim
 from scheduler.services.finish import Outcome, jobs_finish
-from scheduler.services.rounds import round_begin, round_finish
+from scheduler.services.rounds import round_claimed, round_finish
 from scheduler.services.submit import job_submit
 from telemachus.errors import QuotaExceeded
 from telemachus.keys.services import api_key_create
@@ -120,7 +120,8 @@ class TestPricing:
             input={"messages": [{"role": "user", "content": "plan"}]},
         )
         (claim,) = job_claim(worker="w").claims
-        start = round_begin(job_id=job.pk, lease=claim.lease)
+        start = round_claimed(claim.job)  # the round the claim started, as the worker takes it
+        assert start is not None
         round_finish(
             job_id=job.pk,
             lease=claim.lease,

@@ -9,7 +9,7 @@ from executors.models import Executor
 from quotas.models import QuotaPolicy, Usage
 from scheduler.models import Job, Slot
 from scheduler.services.claim import job_claim
-from scheduler.services.rounds import round_begin, round_finish, round_requeue
+from scheduler.services.rounds import round_finish, round_requeue
 from scheduler.services.submit import job_submit
 from tests.conftest import chat_body
 from tests.processes import wait_until
@@ -81,8 +81,7 @@ class TestEstimates:
         )
         first = Job.objects.get(pk=flow.pk).cost_estimate
         assert first == 4 + 2 + 50
-        (claim,) = job_claim(worker="w", limit=1).claims
-        round_begin(job_id=flow.pk, lease=claim.lease)
+        (claim,) = job_claim(worker="w", limit=1).claims  # the claim starts round 1
         round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=calling(1))
         round_requeue(job_id=flow.pk, lease=claim.lease, round=1, results=[echoed(1)])
         # The assistant's call (4, no text) and the tool's answer (4 + 2 words) join the prompt.

@@ -16,7 +16,7 @@ from executors.tools import ToolOutcome
 from scheduler.live.snapshot import dashboard_state
 from scheduler.models import Job, QueuePolicy
 from scheduler.services.claim import job_claim
-from scheduler.services.rounds import round_begin, round_finish, round_requeue
+from scheduler.services.rounds import round_finish, round_requeue
 from scheduler.services.submit import job_submit
 from telemachus.asgi import application
 from telemachus.models import AuditEvent, FeatureSwitch, Team
@@ -314,8 +314,7 @@ def test_a_running_flow_shows_its_round(member_setup):
         requirements={"model": "m"},
         input={"messages": [{"role": "user", "content": "go"}], "tools": ["echo"]},
     )
-    (claim,) = job_claim(worker="w", limit=1).claims
-    round_begin(job_id=flow.pk, lease=claim.lease)
+    (claim,) = job_claim(worker="w", limit=1).claims  # the claim starts round 1
     call = {"id": "c1", "type": "function", "function": {"name": "echo", "arguments": "{}"}}
     round_finish(
         job_id=flow.pk, lease=claim.lease, round=1, message={"role": "assistant", "content": None, "tool_calls": [call]}

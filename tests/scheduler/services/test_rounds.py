@@ -10,11 +10,19 @@ from executors.tools import ToolOutcome
 from quotas.models import QuotaPolicy, Usage
 from scheduler.live.snapshot import dashboard_state
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot, TeamShare
-from scheduler.services.claim import job_claim
+from scheduler.services.claim import Claim, job_claim
 from scheduler.services.finish import Outcome, jobs_finish
 from scheduler.services.recover import jobs_recover
 from scheduler.services.requeue import job_requeue
-from scheduler.services.rounds import LeaseLost, round_begin, round_finish, round_requeue, round_tool_record
+from scheduler.services.rounds import (
+    LeaseLost,
+    RoundStart,
+    round_begin,
+    round_claimed,
+    round_finish,
+    round_requeue,
+    round_tool_record,
+)
 from scheduler.services.submit import job_submit
 
 pytestmark = pytest.mark.django_db
@@ -54,6 +62,12 @@ def claim_one(worker="w"):
     return claim
 
 
+def round_start(claim: Claim) -> RoundStart:
+    """The round a claim of the flow starts, as the worker takes it: the claim started it
+    (`round_claimed`), unless the last round's tool calls have no results yet (`round_begin`)."""
+    return round_claimed(claim.job) or round_begin(job_id=claim.job.pk, lease=claim.lease)
+
+
 def expire(job_id: int) -> None:
     Job.objects.filter(pk=job_id).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
 
@@ -64,8 +78,9 @@ class TestOneRound:
         flow = submit_flow(alice)
         claim = claim_one()
 
-        start = round_begin(job_id=flow.pk, lease=claim.lease)
+        start = round_start(claim)
         assert start.round == 1 and start.pending == []
+        assert JobEvent.objects.filter(job=flow, event="round_started").count() == 1, "the claim's, once"
         assert start.messages == [{"role": "user", "content": "go [rounds:3]"}]
 
         end = round_finish(
@@ -90,7 +105,6 @@ class TestOneRound:
         alice = member_setup[0]
         flow = submit_flow(alice)
         claim = claim_one()
-        round_begin(job_id=flow.pk, lease=claim.lease)
         round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=calling(1))
         before = Job.objects.get(pk=flow.pk)
 
@@ -105,14 +119,13 @@ class TestOneRound:
 
         # The next claim is round 2, with the whole conversation.
         again = claim_one()
-        start = round_begin(job_id=flow.pk, lease=again.lease)
+        start = round_start(again)
         assert start.round == 2 and start.messages[1:] == job.conversation
 
     def test_an_answer_without_tool_calls_ends_the_flow(self, member_setup):
         alice = member_setup[0]
         flow = submit_flow(alice)
         claim = claim_one()
-        round_begin(job_id=flow.pk, lease=claim.lease)
         end = round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=answer("42"), completion_tokens=5)
         assert end.status == "done" and not end.tools_to_run
         job = Job.objects.get(pk=flow.pk)
@@ -124,7 +137,6 @@ class TestOneRound:
         alice = member_setup[0]
         flow = submit_flow(alice, max_rounds=1)
         claim = claim_one()
-        round_begin(job_id=flow.pk, lease=claim.lease)
         assert round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=calling(1)).status == "failed"
         job = Job.objects.get(pk=flow.pk)
         assert (job.status, job.error, job.rounds) == ("failed", "max_rounds", 1)
@@ -135,7 +147,6 @@ class TestToolFailures:
         alice = member_setup[0]
         flow = submit_flow(alice)
         claim = claim_one()
-        round_begin(job_id=flow.pk, lease=claim.lease)
         round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=calling(1))
         assert round_requeue(job_id=flow.pk, lease=claim.lease, round=1, results=[echoed(1, ok=False)]) == "failed"
         job = Job.objects.get(pk=flow.pk)
@@ -145,7 +156,6 @@ class TestToolFailures:
         alice = member_setup[0]
         flow = submit_flow(alice, return_tool_errors=True)
         claim = claim_one()
-        round_begin(job_id=flow.pk, lease=claim.lease)
         round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=calling(1))
         assert round_requeue(job_id=flow.pk, lease=claim.lease, round=1, results=[echoed(1, ok=False)]) == "queued"
         last = Job.objects.get(pk=flow.pk).conversation[-1]
@@ -157,7 +167,6 @@ class TestFencing:
         alice = member_setup[0]
         flow = submit_flow(alice)
         claim = claim_one()
-        round_begin(job_id=flow.pk, lease=claim.lease)
         round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=calling(1), completion_tokens=7)
         # The same round again (a retried write whose first try committed) is refused, not billed.
         with pytest.raises(LeaseLost):
@@ -183,14 +192,13 @@ class TestCrashes:
         QuotaPolicy.objects.create(scope="team", subject="a", dimension="ai.tokens", limit=10_000, window="day")
         flow = submit_flow(alice)
         claim = claim_one()
-        round_begin(job_id=flow.pk, lease=claim.lease)
         expire(flow.pk)
         assert jobs_recover().requeued == [flow.pk]
         usage = Usage.objects.get(scope="team", subject="a")
         assert (usage.tokens, usage.reserved_tokens) == (0, 0)
 
         again = claim_one()
-        assert round_begin(job_id=flow.pk, lease=again.lease).round == 1
+        assert round_start(again).round == 1
         with pytest.raises(LeaseLost):  # the dead worker's late result
             round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=answer())
         round_finish(job_id=flow.pk, lease=again.lease, round=1, message=answer(), completion_tokens=3)
@@ -201,13 +209,12 @@ class TestCrashes:
         alice = member_setup[0]
         flow = submit_flow(alice)
         claim = claim_one()
-        round_begin(job_id=flow.pk, lease=claim.lease)
         round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=calling(1), completion_tokens=4)
         expire(flow.pk)
         jobs_recover()
 
         again = claim_one()
-        start = round_begin(job_id=flow.pk, lease=again.lease)
+        start = round_start(again)
         # No model call in this claim: its slot is given back at once, the tools run.
         assert start.pending == calling(1)["tool_calls"] and start.round == 1
         assert not Slot.objects.exists()
@@ -222,7 +229,6 @@ class TestCrashes:
         alice = member_setup[0]
         flow = submit_flow(alice)
         claim = claim_one()
-        round_begin(job_id=flow.pk, lease=claim.lease)
         both = {"role": "assistant", "content": None, "tool_calls": calling(1)["tool_calls"] + calling(2)["tool_calls"]}
         round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=both)
         assert round_tool_record(job_id=flow.pk, lease=claim.lease, round=1, result=echoed(1))
@@ -232,7 +238,7 @@ class TestCrashes:
         expire(flow.pk)
         jobs_recover()
         again = claim_one()
-        start = round_begin(job_id=flow.pk, lease=again.lease)
+        start = round_start(again)
 
         # Then only the second call runs again; each result is in the conversation once.
         assert [call["id"] for call in start.pending] == ["call_2"]
@@ -247,7 +253,6 @@ class TestCrashes:
         alice = member_setup[0]
         flow = submit_flow(alice)
         claim = claim_one()
-        round_begin(job_id=flow.pk, lease=claim.lease)
         round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=calling(1))
         round_tool_record(job_id=flow.pk, lease=claim.lease, round=1, result=echoed(1))
         round_requeue(job_id=flow.pk, lease=claim.lease, round=1, results=[echoed(1)])
@@ -261,7 +266,6 @@ class TestOrder:
         cap("global", None, 1)
         flow = submit_flow(alice)
         claim = claim_one()
-        round_begin(job_id=flow.pk, lease=claim.lease)
         chat = job_submit(
             user=alice,
             team="a",
@@ -279,7 +283,6 @@ class TestOrder:
         QueuePolicy.objects.update_or_create(pk=1, defaults={"flow_rounds": "continue"})
         flow = submit_flow(alice)
         claim = claim_one()
-        round_begin(job_id=flow.pk, lease=claim.lease)
         job_submit(
             user=alice,
             team="a",
@@ -299,7 +302,6 @@ class TestOrder:
         QueuePolicy.objects.update_or_create(pk=1, defaults={"flow_rounds": "continue"})
         flow = submit_flow(alice)
         claim = claim_one()
-        round_begin(job_id=flow.pk, lease=claim.lease)
         urgent = job_submit(
             user=bob,
             team="b",
@@ -321,7 +323,6 @@ class TestBudgets:
         flow = submit_flow(alice, prompt="go [rounds:9]")
         for number in (1, 2):
             claim = claim_one()
-            round_begin(job_id=flow.pk, lease=claim.lease)
             round_finish(job_id=flow.pk, lease=claim.lease, round=number, message=calling(number), completion_tokens=12)
             round_requeue(job_id=flow.pk, lease=claim.lease, round=number, results=[echoed(number)])
         usage = Usage.objects.get(scope="team", subject="a")
@@ -336,12 +337,11 @@ def test_an_operator_requeue_starts_a_failed_flow_afresh(member_setup, operator)
     alice = member_setup[0]
     flow = submit_flow(alice, max_rounds=1)
     claim = claim_one()
-    round_begin(job_id=flow.pk, lease=claim.lease)
     round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=calling(1), completion_tokens=4)
     job = job_requeue(job_id=flow.pk, by=operator)
     assert (job.status, job.rounds, job.conversation, job.error, job.tokens_used) == ("queued", 0, [], "", 4)
     again = claim_one()
-    assert round_begin(job_id=flow.pk, lease=again.lease).round == 1
+    assert round_start(again).round == 1
 
 
 class TestAFlowStartsOnce:
@@ -358,7 +358,6 @@ class TestAFlowStartsOnce:
         Job.objects.filter(pk=flow.pk).update(submitted_at=timezone.now() - timedelta(seconds=5))
         (claim,) = job_claim(worker="w", limit=1).claims
         first = Job.objects.get(pk=flow.pk).started_at
-        round_begin(job_id=flow.pk, lease=claim.lease)
         round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=calling(1))
         round_requeue(job_id=flow.pk, lease=claim.lease, round=1, results=[echoed(1)])
         # Round 2's model call fails and is retried; the worker running the retry dies.
@@ -370,7 +369,6 @@ class TestAFlowStartsOnce:
         jobs_recover()
         (claim,) = job_claim(worker="w", limit=1).claims
         assert Job.objects.get(pk=flow.pk).started_at == first
-        round_begin(job_id=flow.pk, lease=claim.lease)
         # The flow is 100 s old by now; its round has held its slot for a moment only.
         Job.objects.filter(pk=flow.pk).update(started_at=first - timedelta(seconds=100))
         first = first - timedelta(seconds=100)
