@@ -107,6 +107,18 @@ def lock_jobs(job_ids: Sequence[int]) -> "list[ClockedJob]":
     )
 
 
+def lock_jobs_versioned(job_ids: Sequence[int]) -> "list[VersionedJob]":
+    """Lock whole job rows (level 3) in ascending id, with the database clock and the configuration
+    version read in the same statement (flows' round ends, which read the conversation and price
+    by the cached configuration). Must run inside a transaction."""
+    return list(
+        rows_lock(Job.objects, level=Level.JOB, of=("self",))
+        .filter(pk__in=sorted(job_ids))
+        .annotate(db_now=Now(), config_version=version_annotation())
+        .order_by("pk")
+    )
+
+
 def lock_jobs_to_finish(job_ids: Sequence[int]) -> "list[VersionedJob]":
     """Lock job rows (level 3) in ascending id, for the finish of a batch: with the database clock
     and the configuration version read in the same statement, and only the columns a finish reads

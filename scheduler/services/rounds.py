@@ -36,17 +36,21 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
 from django.db import transaction
+from django.db.models import Field
 
 from executors.models import Executor
 from executors.tools import ToolOutcome
+from scheduler.core.bulk import update_rows
+from scheduler.core.configuration import configuration, policy_record
 from scheduler.core.estimates import round_estimate
-from scheduler.core.locks import lock_job, lock_jobs
+from scheduler.core.locks import lock_job, lock_jobs_versioned
 from scheduler.core.money import token_split_estimate
 from scheduler.core.selectors import queue_policy
 from scheduler.models import Job, JobEvent, QueuePolicy
 from scheduler.services.attempts import AttemptEnd, attempts_end
 from scheduler.services.events import events_record, job_event
 from telemachus.control import notify
+from telemachus.control.config import config_at
 from telemachus.errors import Conflict
 
 if TYPE_CHECKING:
@@ -298,12 +302,15 @@ def rounds_end(*, ends: Sequence[RoundOutcome], wake_others: bool = True) -> dic
     Durable; locks the jobs (level 3, ascending id), then ledger rows (4) and team shares (5).
     Returns job id -> status for the rounds written; a round whose lease no longer holds its job
     at that round is left out (refused), never billed twice."""
-    record = queue_policy()
     with transaction.atomic(durable=True):
-        locked = {job.pk: job for job in lock_jobs(sorted({end.job_id for end in ends}))}
-        prices = {
-            e.pk: e for e in Executor.objects.filter(pk__in={job.executor_id for job in locked.values()}).only("prices")
-        }
+        locked = {job.pk: job for job in lock_jobs_versioned(sorted({end.job_id for end in ends}))}
+        if not locked:
+            return {}
+        # The policy, prices and quota rules as cached for the configuration version read with
+        # the locks: no statement of their own.
+        snapshot = config_at(next(iter(locked.values())).config_version)
+        record, config = policy_record(snapshot), configuration(snapshot)
+        executors = {e.pk: e for e in config.executors}
         closed: list[tuple[ClockedJob, RoundOutcome, list[str]]] = []
         attempts: list[AttemptEnd] = []
         events: list[JobEvent] = []
@@ -318,7 +325,7 @@ def rounds_end(*, ends: Sequence[RoundOutcome], wake_others: bool = True) -> dic
                 prompt_tokens=end.prompt_tokens,
                 completion_tokens=end.completion_tokens,
                 meta=end.meta,
-                executor=prices.get(job.executor_id) if job.executor_id else None,
+                executor=executors.get(job.executor_id) if job.executor_id else None,
                 events=events,
             )
             attempts.append(attempt)
@@ -326,11 +333,15 @@ def rounds_end(*, ends: Sequence[RoundOutcome], wake_others: bool = True) -> dic
         if not closed:
             return {}
         # The rounds billed as they ended (their estimates, before the next rounds' replace them).
-        attempts_end(ends=attempts, now=closed[0][0].db_now, record=record, wake=False)
-        for job, end, fields in closed:
-            if job.status == Job.Status.RUNNING:
-                fields += _round_requeue(job, record, round=end.round, results=end.results, events=events, wake=False)
-            job.save(update_fields=list(dict.fromkeys(fields)))
+        attempts_end(ends=attempts, now=closed[0][0].db_now, record=record, wake=False, rules=config.rules)
+        written: dict[tuple[str, ...], list[Job]] = {}
+        for held, end, fields in closed:
+            if held.status == Job.Status.RUNNING:
+                fields += _round_requeue(held, record, round=end.round, results=end.results, events=events, wake=False)
+            written.setdefault(tuple(dict.fromkeys(fields)), []).append(held)
+        # One statement per set of fields changed (rounds requeued, flows ended), not one per job.
+        for names, jobs in written.items():
+            update_rows(Job, [_row(job, names) for job in jobs])
         events_record(events)
         statuses = {job.pk: str(job.status) for job, _, _ in closed}
         if wake_others:
@@ -339,6 +350,14 @@ def rounds_end(*, ends: Sequence[RoundOutcome], wake_others: bool = True) -> dic
             if any(status != Job.Status.QUEUED for status in statuses.values()):
                 notify.notify_workers(notify.FREED)
         return statuses
+
+
+def _row(job: Job, names: Sequence[str]) -> dict[str, Any]:
+    """The job's fields `names` as `update_rows` writes them (a foreign key as its id)."""
+    return {
+        "id": job.pk,
+        **{name: getattr(job, cast("Field[Any, Any]", Job._meta.get_field(name)).attname) for name in names},
+    }
 
 
 def _round_close(

@@ -4,6 +4,8 @@ import json
 from datetime import timedelta
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from executors.tools import ToolOutcome
@@ -16,12 +18,14 @@ from scheduler.services.recover import jobs_recover
 from scheduler.services.requeue import job_requeue
 from scheduler.services.rounds import (
     LeaseLost,
+    RoundOutcome,
     RoundStart,
     round_begin,
     round_claimed,
     round_finish,
     round_requeue,
     round_tool_record,
+    rounds_end,
 )
 from scheduler.services.submit import job_submit
 
@@ -140,6 +144,32 @@ class TestOneRound:
         assert round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=calling(1)).status == "failed"
         job = Job.objects.get(pk=flow.pk)
         assert (job.status, job.error, job.rounds) == ("failed", "max_rounds", 1)
+
+
+class TestRoundEndsInABatch:
+    def test_a_batch_of_round_ends_costs_the_statements_of_one(self, member_setup):
+        # Given four flows, each in its first round (the configuration cached by a first end)
+        alice = member_setup[0]
+        flows = [submit_flow(alice) for _ in range(4)]
+        claims = {c.job.pk: c for c in job_claim(worker="w", limit=4).claims}
+        assert len(claims) == 4
+
+        def end(*flows: Job) -> list[RoundOutcome]:
+            return [
+                RoundOutcome(job_id=f.pk, lease=claims[f.pk].lease, round=1, message=calling(1), results=[echoed(1)])
+                for f in flows
+            ]
+
+        rounds_end(ends=end(flows[0]))
+        # When one round ends alone, then two together
+        with CaptureQueriesContext(connection) as alone:
+            rounds_end(ends=end(flows[1]))
+        with CaptureQueriesContext(connection) as together:
+            assert rounds_end(ends=end(*flows[2:])) == {flows[2].pk: "queued", flows[3].pk: "queued"}
+        # Then the two cost what one does: one update for the jobs, one insert for the events
+        assert len(together) == len(alone), [q["sql"][:80] for q in together]
+        assert all(job.status == "queued" and job.rounds == 1 for job in Job.objects.filter(pk__in=claims))
+        assert [m["role"] for m in Job.objects.get(pk=flows[3].pk).conversation] == ["assistant", "tool"]
 
 
 class TestToolFailures:
