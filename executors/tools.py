@@ -142,11 +142,19 @@ def tool_resolve(*, name: str) -> Tool:
         raise ImproperlyConfigured(f"tool {name!r}: cannot import {path}: {exc}") from exc
     if not isinstance(found, Tool):
         raise ImproperlyConfigured(f"tool {name!r}: {path} is not a Tool (decorate it with executors.tools.tool)")
-    try:
-        jsonschema.validators.validator_for(found.parameters).check_schema(found.parameters)
-    except jsonschema.SchemaError as exc:
-        raise ImproperlyConfigured(f"tool {name!r}: its parameters are not a JSON schema: {exc.message}") from exc
+    if _schema_checked.get(path) is not found:
+        try:
+            jsonschema.validators.validator_for(found.parameters).check_schema(found.parameters)
+        except jsonschema.SchemaError as exc:
+            raise ImproperlyConfigured(f"tool {name!r}: its parameters are not a JSON schema: {exc.message}") from exc
+        _schema_checked[path] = found
     return replace(found, name=name)
+
+
+# Tools whose parameters passed the schema check, by path: a flow resolves its tools every round
+# (and again for each call), and checking a schema costs more than the round's other work on the
+# worker's event loop. The import gives the same object until the module is reloaded.
+_schema_checked: dict[str, Tool] = {}
 
 
 def tool_arguments_check(tool: Tool, arguments: Any) -> None:
