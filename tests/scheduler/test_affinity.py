@@ -12,9 +12,9 @@ from scheduler.core.state import ExecutorView
 from scheduler.models import Job, QueuePolicy, Slot
 from scheduler.services.claim import job_claim
 from scheduler.services.finish import job_finish
-from scheduler.services.rounds import round_begin, round_end, round_finish, round_requeue
+from scheduler.services.rounds import round_end, round_finish, round_requeue
 from scheduler.services.submit import job_submit
-from tests.scheduler.services.test_rounds import answer, calling, echoed, submit_flow
+from tests.scheduler.services.test_rounds import answer, calling, echoed, round_start, submit_flow
 
 pytestmark = pytest.mark.django_db
 
@@ -38,8 +38,8 @@ def claim_one(worker: str = "w"):
 
 
 def run_round(claim, n: int, *, quick: bool = False) -> None:
-    """Round n of a flow: begin, the model calls the echo tool, end (and requeue)."""
-    start = round_begin(job_id=claim.job.pk, lease=claim.lease)
+    """Round n of a flow (the claim started it): the model calls the echo tool, end (and requeue)."""
+    start = round_start(claim)
     if quick:
         round_end(job_id=claim.job.pk, lease=claim.lease, round=start.round, message=calling(n), results=[echoed(n)])
         return
@@ -179,7 +179,7 @@ def test_round_end_writes_the_end_and_the_requeue_at_once(two_executors):
     alice, x, y = two_executors
     flow = submit_flow(alice, prompt="go [rounds:2]")
     claim = claim_one()
-    start = round_begin(job_id=flow.pk, lease=claim.lease)
+    start = round_start(claim)
     status = round_end(job_id=flow.pk, lease=claim.lease, round=start.round, message=calling(1), results=[echoed(1)])
     job = Job.objects.get(pk=flow.pk)
     assert status == "queued" == job.status and job.rounds == 1 and not Slot.objects.exists()
@@ -189,7 +189,7 @@ def test_round_end_writes_the_end_and_the_requeue_at_once(two_executors):
 
     # The last round: the model answers, the flow is done (no tools to record).
     claim = claim_one()
-    start = round_begin(job_id=flow.pk, lease=claim.lease)
+    start = round_start(claim)
     assert round_end(job_id=flow.pk, lease=claim.lease, round=start.round, message=answer(), results=[]) == "done"
     assert Job.objects.get(pk=flow.pk).result["rounds"] == 2
 
