@@ -5,9 +5,17 @@ queue policy), kept per configuration version (scheduler/core/configuration.py).
 confirmed by the statement that locks the team rows, so an unchanged configuration costs no
 round trip; if it moved since the process last read it, the submit reads it again and checks
 again. What must be live is read live: the budget ledger (only when a budget applies) and the
-queue depth. Round trips per submit, whatever the configuration: BEGIN; the team lock, which also
-confirms the version, reads the ledger rows and queues the workers' wake-up; the depth; the job
-insert; the event insert; COMMIT (tests/scheduler/services/test_submit.py pins it)."""
+queue depth, which PostgreSQL keeps per team in a tally (scheduler/migrations/0015_queue_tally.py)
+so that no submit counts the queue.
+
+Round trips per submit (tests/scheduler/services/test_submit.py pins them):
+  PostgreSQL, no budget, the default admission: one statement, which commits by itself: it locks
+      the team rows and then their tally rows, confirms the version, inserts the jobs and their
+      events only if the queues have room, and wakes the workers (`_write_at_once`).
+  otherwise (a budget, a policy with an admission of its own, SQLite; and on PostgreSQL a refusal
+      or a moved configuration, to say why): BEGIN; the team lock, which also confirms the version,
+      reads the ledger rows and queues the workers' wake-up; the depth (the tally, or a count on
+      SQLite); the job insert; the event insert; COMMIT (`_write_checked`)."""
 
 from collections import Counter
 from collections.abc import Sequence
@@ -95,7 +103,7 @@ def job_submit(
     (Quota.check) for the
     estimate, the priority the principal may use (priority map: clamped, with an event, or
     refused, per policy) and the policy's admission (the team's queue depth cap: 429 try_later).
-    Nothing is written when a check fails. Locks the team's row while it counts the queue, so
+    Nothing is written when a check fails. Locks the team's row while it reads its queue depth, so
     concurrent submits cannot overfill it. Wakes the workers on commit. With `run_after` (an aware
     datetime) the job waits in the queue, counted against the depth cap, and no claim takes it
     before then (the same not-before time a retry waits on).
@@ -440,7 +448,7 @@ def _at_once_sql(jobs: int, teams: int, events: int, wake: bool) -> str:
     qn = connection.ops.quote_name
     job_table, event_table = qn(Job._meta.db_table), qn(JobEvent._meta.db_table)
     row = "(" + ", ".join(f"%s::{f.cast_db_type(connection)}" for f in _JOB_FIELDS) + ")"
-    columns = ", ".join(qn(f.column) for f in _JOB_FIELDS)
+    columns = ", ".join(qn(str(f.column)) for f in _JOB_FIELDS)
     in_teams = ", ".join(["%s"] * teams)
     wakeup = (
         f"CASE WHEN (SELECT ok FROM go) THEN pg_notify('{notify.WORKERS_CHANNEL}', '{notify.QUEUED}') END"

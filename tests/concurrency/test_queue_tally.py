@@ -74,7 +74,7 @@ def test_two_racing_submits_never_both_pass_a_depth_bound_of_one(member_setup, b
         outcomes: list[str] = []
         threads = [submit_in_thread(alice, "a", outcomes) for _ in range(2)]
         wait_until(
-            lambda: waiting_on_locks(watcher) == 2, timeout=20, what=f"both submits to wait on the team lock: {outcomes}"
+            lambda: waiting_on_locks(watcher) == 2, timeout=20, what=f"both submits to wait on the lock: {outcomes}"
         )
         # When the lock is let go, the two submits race for the one place in the queue...
         blocker.execute("COMMIT")
