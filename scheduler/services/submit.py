@@ -27,6 +27,7 @@ from typing import Any
 import psycopg
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
+from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from django.db.models import TextField, Value
 from django.utils import timezone
 
@@ -524,7 +525,8 @@ def _write_at_once(
             events += 1
     db.ensure_connection()
     # Through Django's wrapper, so it is logged and wrapped like any query.
-    with db._prepare_cursor(_PreparedCursor(db.connection)) as cursor:
+    wrapper = CursorDebugWrapper if db.queries_logged else CursorWrapper
+    with wrapper(_PreparedCursor(db.connection), db) as cursor:
         cursor.execute(_at_once_sql(len(jobs), len(teams), events, wake, not db.get_autocommit()), params)
         ok, _, ids = cursor.fetchone()
     if not ok:
