@@ -6,8 +6,8 @@
                                       [--celery 1x64,2x1,2x16,2x64,4x16]
 
 The same N no-op jobs through each system, on the same machine, the same PostgreSQL (a scratch
-database `telemachus_bench_compare`, created and dropped) and, for Celery, the Redis at REDIS_URL
-(default redis://127.0.0.1:6379/1; the database is flushed):
+database, `telemachus_bench_compare` unless --database names another, created and dropped) and, for
+Celery, the Redis at REDIS_URL (default redis://127.0.0.1:6379/1; the database is flushed):
 
   Telemachus     all four caps in force (global, executor, team and user 1,000 slots each, so
                  they bind nothing but are checked), fair share on, DEBUG off; jobs on a `sim`
@@ -320,6 +320,9 @@ def main() -> None:
         )
     parser.add_argument("--peers-python", help="python of an environment with bench/requirements.txt installed")
     parser.add_argument("--json", help="also write every figure to this file")
+    parser.add_argument(
+        "--database", default=PG_BENCH_DB, help=f"the scratch database, created and dropped (default {PG_BENCH_DB})"
+    )
     parser.add_argument("--peer", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
     if args.peer:
@@ -330,9 +333,9 @@ def main() -> None:
 
     assert args.jobs % min(BULK, args.jobs) == 0, f"--jobs must be under {BULK} or a multiple of it"
     peers = peers_python(args.peers_python)
-    targets = {"redis": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/1"), "database": pg_url(PG_BENCH_DB)}
+    targets = {"redis": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/1"), "database": pg_url(args.database)}
     results: dict[str, list[dict]] = {system: [] for system in SYSTEMS}
-    pg_database(PG_BENCH_DB, "create")
+    pg_database(args.database, "create")
     try:
         for repeat in range(args.repeats):
             order = SYSTEMS[repeat % 3 :] + SYSTEMS[: repeat % 3]
@@ -342,7 +345,7 @@ def main() -> None:
                 results[system].append(run(system, sweep[shift:] + sweep[:shift], args, targets, peers))
                 print(f"repeat {repeat + 1}, {system}: {results[system][-1]}", file=sys.stderr)
     finally:
-        pg_database(PG_BENCH_DB, "drop")
+        pg_database(args.database, "drop")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     report(results, args)

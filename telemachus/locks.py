@@ -17,6 +17,9 @@ that disagree on order are how deadlocks happen.
        key order: taken by the upserts that apply a settlement (quotas/budget.py), not by a SELECT.
     5. team share rows (scheduler.TeamShare), in ascending team id: taken by the upsert that
        charges fair share (scheduler/services/shares.py).
+    6. queue tally rows (scheduler_queue_tally, PostgreSQL), in ascending (team, side): by the
+       submit after its team rows, and by triggers, at commit for a job that leaves or re-enters
+       the queue (scheduler/migrations/0015_queue_tally.py); nothing is locked after them.
 
 Configuration writes (executors, teams, memberships, permissions, quota rules, the policy,
 feature switches) also update the configuration version row (telemachus.ConfigVersion), by

@@ -52,16 +52,20 @@ class AdmissionState:
     """What admission may ask about the queue, computed only when asked (each is one query, once
     per state: a bulk submit asks again for each of a team's jobs)."""
 
-    def __init__(self, *, team: Team, now: datetime) -> None:
+    def __init__(self, *, team: Team, now: datetime, queued: int | None = None) -> None:
         self.team = team
         self.now = now
         # Jobs of the team ahead of this one in the same submission, not yet written.
         self.pending = 0
+        # The depth as the submit read it (the queue tally, PostgreSQL), else counted when asked.
+        self._queued = queued
         self._counted: dict[int, int] = {}
 
     def queued(self, *, at_most: int) -> int:
         """The team's queue depth (with the submission's own jobs ahead of this one), counted no
-        further than `at_most` (cheap on a deep queue)."""
+        further than `at_most` (cheap on a deep queue) unless the submit read it already."""
+        if self._queued is not None:
+            return min(self._queued + self.pending, at_most)
         if at_most not in self._counted:
             self._counted[at_most] = (
                 Job.objects.filter(team=self.team, status=Job.Status.QUEUED).order_by()[:at_most].count()

@@ -5,17 +5,29 @@ queue policy), kept per configuration version (scheduler/core/configuration.py).
 confirmed by the statement that locks the team rows, so an unchanged configuration costs no
 round trip; if it moved since the process last read it, the submit reads it again and checks
 again. What must be live is read live: the budget ledger (only when a budget applies) and the
-queue depth. Round trips per submit, whatever the configuration: BEGIN; the team lock, which also
-confirms the version, reads the ledger rows and queues the workers' wake-up; the depth; the job
-insert; the event insert; COMMIT (tests/scheduler/services/test_submit.py pins it)."""
+queue depth, which PostgreSQL keeps per team in a tally (scheduler/migrations/0015_queue_tally.py)
+so that no submit counts the queue.
+
+Round trips per submit (tests/scheduler/services/test_submit.py pins them):
+  PostgreSQL, no budget, the default admission: one statement, which commits by itself: it locks
+      the team rows and then their tally rows, confirms the version, inserts the jobs and their
+      events only if the queues have room, and wakes the workers (`_write_at_once`).
+  otherwise (a budget, a policy with an admission of its own, SQLite; and on PostgreSQL a refusal
+      or a moved configuration, to say why): BEGIN; the team lock, which also confirms the version,
+      reads the ledger rows and queues the workers' wake-up; the depth (the tally, or a count on
+      SQLite); the job insert; the event insert; COMMIT (`_write_checked`)."""
 
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import lru_cache
 from typing import Any
 
-from django.db import transaction
+import psycopg
+from django.conf import settings
+from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
+from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from django.db.models import TextField, Value
 from django.utils import timezone
 
@@ -27,7 +39,7 @@ from scheduler.core.configuration import Configuration, configuration, grants, p
 from scheduler.core.estimates import job_estimate
 from scheduler.core.jobtypes import MODEL_CALL_TYPES, TASK_TYPES, job_input_check
 from scheduler.core.money import job_money_estimate, token_split_estimate
-from scheduler.core.policy import Admission, AdmissionState, policy_for
+from scheduler.core.policy import Admission, AdmissionState, BaseQueuePolicy, policy_for
 from scheduler.models import Job, JobEvent, QueuePolicy
 from scheduler.rbac import JOB_TYPE_PERMISSION
 from scheduler.services.events import events_record, job_event
@@ -43,7 +55,7 @@ from telemachus.control.config import (
 from telemachus.control.features import feature_require
 from telemachus.errors import DomainError, TryLater, UnknownModel, ValidationFailed
 from telemachus.locks import Level, rows_lock
-from telemachus.models import ApiKey, Team
+from telemachus.models import ApiKey, ConfigVersion, Team
 from telemachus.teams import rbac
 
 # The most jobs one bulk submit may carry.
@@ -94,7 +106,7 @@ def job_submit(
     (Quota.check) for the
     estimate, the priority the principal may use (priority map: clamped, with an event, or
     refused, per policy) and the policy's admission (the team's queue depth cap: 429 try_later).
-    Nothing is written when a check fails. Locks the team's row while it counts the queue, so
+    Nothing is written when a check fails. Locks the team's row while it reads its queue depth, so
     concurrent submits cannot overfill it. Wakes the workers on commit. With `run_after` (an aware
     datetime) the job waits in the queue, counted against the depth cap, and no claim takes it
     before then (the same not-before time a retry waits on).
@@ -164,8 +176,7 @@ def _submit(
     snapshot, fresh = config_current()
     while True:
         try:
-            with transaction.atomic():
-                return _admit(user=user, specs=specs, snapshot=snapshot, indexed=indexed, key=key, wake=wake)
+            return _admit(user=user, specs=specs, snapshot=snapshot, indexed=indexed, key=key, wake=wake)
         except _StaleConfiguration as stale:
             # The same version with different rows can only be a rolled-back or flushed database.
             same = (stale.version or 0) == snapshot.version
@@ -195,7 +206,39 @@ def _admit(
     budgets = admission_budgets(
         subjects={(item.job.team_id, item.job.user_id) for item in admitted}, now=now, rules=conf.rules
     )
-    # One statement: lock the teams' rows (counting their queues is then race-free), confirm the
+    if connection.vendor == "postgresql" and not budgets.accounts and _default_admission(record):
+        _sessions_continue([item.job for item in admitted])
+        jobs = _write_at_once(admitted, record=record, teams=teams, version=snapshot.version, now=now, wake=wake)
+        if jobs is not None:
+            return jobs
+        # Refused, or the configuration moved: the checks below say which, and why.
+    with transaction.atomic():
+        return _write_checked(
+            admitted,
+            record=record,
+            teams=teams,
+            budgets=budgets,
+            snapshot=snapshot,
+            now=now,
+            indexed=indexed,
+            wake=wake,
+        )
+
+
+def _write_checked(
+    admitted: list[_Admitted],
+    *,
+    record: QueuePolicy,
+    teams: list[int],
+    budgets: Budgets,
+    snapshot: ConfigSnapshot,
+    now: datetime,
+    indexed: bool,
+    wake: bool,
+) -> list[Job]:
+    """The live checks in Python (budgets, a custom policy's admission), then the writes, in the
+    caller's transaction."""
+    # One statement: lock the teams' rows (reading their queues is then race-free), confirm the
     # configuration version, read the budgets' ledger rows, and wake the workers on commit.
     budget_columns = budgets.columns()
     wakeup = notify.notify_column(notify.QUEUED) if wake else Value("", output_field=TextField())
@@ -211,29 +254,14 @@ def _admit(
         raise _StaleConfiguration(version)
     budgets.fill(locked[0])
     _within_budgets(budgets, admitted, now, indexed=indexed)
-    _within_depth(record, admitted, now, indexed=indexed)
+    _within_depth(record, admitted, now, indexed=indexed, depths=_depths(teams))
     _sessions_continue([item.job for item in admitted])
     jobs = Job.objects.bulk_create([item.job for item in admitted])
-    events = []
-    for item in admitted:
-        deferred: dict[str, Any] = (
-            {"run_after": item.job.run_after.isoformat()} if item.job.run_after is not None else {}
-        )
-        events.append(
-            job_event(job=item.job, event=JobEvent.Type.QUEUED, at=now, priority=item.job.priority, **deferred)
-        )
-        if item.requested > item.allowed:
-            events.append(
-                job_event(
-                    job=item.job,
-                    event=JobEvent.Type.PRIORITY_CLAMPED,
-                    at=now,
-                    requested=item.requested,
-                    allowed=item.allowed,
-                    reason=item.source,
-                )
-            )
-    events_record(events)
+    events_record(
+        job_event(job=item.job, event=event, at=now, **meta)
+        for item in admitted
+        for event, meta in _submit_events(item)
+    )
     return jobs
 
 
@@ -368,20 +396,159 @@ def _within_budgets(budgets: Budgets, admitted: list[_Admitted], now: datetime, 
             raise _at(exc, i if indexed else None) from None
 
 
-def _within_depth(record: QueuePolicy, admitted: list[_Admitted], now: datetime, *, indexed: bool) -> None:
-    """The policy's admission, with each team's queue counted once and the batch's own jobs ahead
-    of each one counted as queued."""
+def _within_depth(
+    record: QueuePolicy, admitted: list[_Admitted], now: datetime, *, indexed: bool, depths: dict[int, int]
+) -> None:
+    """The policy's admission, with each team's queue read (`depths`, the tally) or counted once,
+    and the batch's own jobs ahead of each one counted as queued."""
     policy = policy_for(record)
     states: dict[int, AdmissionState] = {}
     ahead: Counter[int] = Counter()
     for i, item in enumerate(admitted):
         team = item.job.team
-        state = states.setdefault(team.pk, AdmissionState(team=team, now=now))
+        state = states.setdefault(team.pk, AdmissionState(team=team, now=now, queued=depths.get(team.pk)))
         state.pending = ahead[team.pk]
         admission = policy.admit(item.job, state)
         if admission.decision == Admission.REJECT:
             raise _at(TryLater(admission.reason, retry_after=admission.retry_after or 60), i if indexed else None)
         ahead[team.pk] += 1
+
+
+def _default_admission(record: QueuePolicy) -> bool:
+    """Whether the policy in force admits as BaseQueuePolicy does (the depth cap alone), which the
+    one-statement submit checks in SQL; a policy with an admission of its own is asked in Python."""
+    return type(policy_for(record)).admit is BaseQueuePolicy.admit
+
+
+# The depth of a team's queue from its tally rows (scheduler/migrations/0015_queue_tally.py), with
+# what this transaction changed and has not applied yet (the tally is written at commit).
+_TALLY_DEPTH = "i.n - o.n + scheduler_queue_noted(i.team_id, 'in') - scheduler_queue_noted(i.team_id, 'out')"
+
+
+def _depths(teams: list[int]) -> dict[int, int]:
+    """Each team's queue depth from the tally, read after the team locks (PostgreSQL): a statement
+    of its own, so it sees every submit that held the locks before; a tally that is missing (or
+    SQLite) leaves the team out, and admission counts its queue instead."""
+    if connection.vendor != "postgresql":
+        return {}
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT i.team_id, {_TALLY_DEPTH} FROM scheduler_queue_tally i "
+            "JOIN scheduler_queue_tally o ON o.team_id = i.team_id AND o.side = 'out' "
+            f"WHERE i.side = 'in' AND i.team_id IN ({', '.join(['%s'] * len(teams))})",
+            teams,
+        )
+        return dict(cursor.fetchall())
+
+
+class _PreparedCursor(psycopg.Cursor):
+    """Binds parameters on the server and prepares the statement on its first use on a connection,
+    so the one statement of a submit is planned once per connection, not at every submit (a
+    quarter of a millisecond: it is long). Not behind PgBouncer in transaction pooling, which
+    would run it on a server connection that never saw it prepared (settings.py)."""
+
+    def execute(
+        self, query: Any, params: Any = None, *, prepare: bool | None = None, binary: bool | None = None
+    ) -> Any:
+        prepare = not settings.TELEMACHUS_PGBOUNCER if prepare is None else prepare
+        return super().execute(query, params, prepare=prepare, binary=binary)
+
+
+_JOB_FIELDS = [f for f in Job._meta.concrete_fields if not f.primary_key]
+_EVENT_META = JobEvent._meta.get_field("meta")
+
+
+@lru_cache(maxsize=64)
+def _at_once_sql(jobs: int, teams: int, events: int, wake: bool, pending: bool) -> str:
+    """The one statement of `_write_at_once`, for this many jobs, teams and events; `pending`:
+    inside a transaction, which may have changed the queue (autocommit has nothing pending)."""
+    qn = connection.ops.quote_name
+    job_table, event_table = qn(Job._meta.db_table), qn(JobEvent._meta.db_table)
+    row = "(" + ", ".join(f"%s::{f.cast_db_type(connection)}" for f in _JOB_FIELDS) + ")"
+    columns = ", ".join(qn(str(f.column)) for f in _JOB_FIELDS)
+    depth = _TALLY_DEPTH if pending else "i.n - o.n"
+    wakeup = (
+        f"CASE WHEN (SELECT ok FROM go) THEN pg_notify('{notify.WORKERS_CHANNEL}', '{notify.QUEUED}') END"
+        if wake
+        else "NULL"
+    )
+    return (
+        # Each team's row, then its `in` tally row, locked in ascending team order (the VALUES
+        # list is sorted); a row another transaction changed is read again at its latest.
+        f"WITH depth AS (SELECT t.id, {depth} AS queued, w.room FROM (VALUES "
+        + ", ".join(["(%s::bigint, %s::bigint)"] * teams)
+        + f") AS w (team_id, room) JOIN {qn(Team._meta.db_table)} t ON t.id = w.team_id "
+        "JOIN scheduler_queue_tally i ON i.team_id = t.id AND i.side = 'in' "
+        "JOIN scheduler_queue_tally o ON o.team_id = t.id AND o.side = 'out' "
+        "ORDER BY t.id FOR UPDATE OF t, i), "
+        "go AS (SELECT coalesce((SELECT version FROM "
+        f"{qn(ConfigVersion._meta.db_table)} WHERE id = {ConfigVersion.SINGLETON_ID}), 0) = %s "
+        "AND count(*) = %s AND coalesce(bool_and(queued <= room), false) AS ok FROM depth), "
+        f"inserted AS (INSERT INTO {job_table} ({columns}) SELECT * FROM (VALUES "
+        + ", ".join([row] * jobs)
+        + ") AS v WHERE (SELECT ok FROM go) RETURNING id), "
+        f"recorded AS (INSERT INTO {event_table} ({qn('job_id')}, {qn('executor_id')}, {qn('event')}, {qn('at')}, "
+        f"{qn('meta')}) SELECT j.id, NULL, e.event, %s, e.meta "
+        "FROM (SELECT id, row_number() OVER (ORDER BY id) AS ord FROM inserted) AS j JOIN (VALUES "
+        + ", ".join(["(%s::bigint, %s::varchar, %s::jsonb)"] * events)
+        + ") AS e (ord, event, meta) ON e.ord = j.ord) "
+        f"SELECT (SELECT ok FROM go), {wakeup}, ARRAY(SELECT id FROM inserted ORDER BY id)"
+    )
+
+
+def _write_at_once(
+    admitted: list[_Admitted], *, record: QueuePolicy, teams: list[int], version: int, now: datetime, wake: bool
+) -> list[Job] | None:
+    """Write the jobs and their events in one statement, which commits by itself outside a
+    transaction (PostgreSQL, no budget, the default admission). It locks the teams' rows, then
+    their `in` tally rows (reading them at their latest, whatever this statement's snapshot: two
+    submits of a team are serialized by the lock, and the second sees the first's job), confirms
+    the configuration version, and inserts only if each team's queue has room for its jobs (what
+    BaseQueuePolicy.admit decides); the NOTIFY that wakes the workers goes with them. None when it
+    wrote nothing (a full queue, a stale configuration, a tally missing): the checked path decides
+    then, and says why."""
+    db = connections[DEFAULT_DB_ALIAS]  # not the proxy: the fields' conversions read it often
+    jobs = [item.job for item in admitted]
+    batch = Counter(job.team_id for job in jobs)
+    slugs = {job.team_id: job.team.slug for job in jobs}
+    params: list[Any] = []
+    for team_id in teams:
+        params += [team_id, record.queue_depth_limit(slugs[team_id]) - batch[team_id]]
+    params += [version, len(teams)]
+    for job in jobs:
+        params += [f.get_db_prep_save(getattr(job, f.attname), db) for f in _JOB_FIELDS]
+    params.append(now)
+    events = 0
+    for ord, item in enumerate(admitted, start=1):
+        for event, meta in _submit_events(item):
+            params += [ord, event, _EVENT_META.get_db_prep_save(meta, db)]
+            events += 1
+    db.ensure_connection()
+    # Through Django's wrapper, so it is logged and wrapped like any query.
+    wrapper = CursorDebugWrapper if db.queries_logged else CursorWrapper
+    with wrapper(_PreparedCursor(db.connection), db) as cursor:
+        cursor.execute(_at_once_sql(len(jobs), len(teams), events, wake, not db.get_autocommit()), params)
+        ok, _, ids = cursor.fetchone()
+    if not ok:
+        return None
+    for job, pk in zip(jobs, ids, strict=True):
+        job.pk = pk
+        job._state.adding, job._state.db = False, db.alias
+    return jobs
+
+
+def _submit_events(item: _Admitted) -> list[tuple[str, dict[str, Any]]]:
+    """A submitted job's events: `queued` (with its not-before time, if deferred), and
+    `priority_clamped` when the priority map lowered what it asked for."""
+    job = item.job
+    queued: dict[str, Any] = {"priority": job.priority}
+    if job.run_after is not None:
+        queued["run_after"] = job.run_after.isoformat()
+    events = [(JobEvent.Type.QUEUED.value, queued)]
+    if item.requested > item.allowed:
+        clamped = {"requested": item.requested, "allowed": item.allowed, "reason": item.source}
+        events.append((JobEvent.Type.PRIORITY_CLAMPED.value, clamped))
+    return events
 
 
 def _at(exc: DomainError, index: int | None) -> DomainError:

@@ -39,6 +39,11 @@ def one(user, **kwargs) -> Job:
 ROUND_TRIPS = 6
 
 
+def at_once() -> int:
+    """Without a budget, PostgreSQL writes a job in one statement that commits by itself."""
+    return 1 if connection.vendor == "postgresql" else ROUND_TRIPS
+
+
 @pytest.mark.django_db(transaction=True)
 class TestRoundTrips:
     def test_a_submit_with_configuration_unchanged(self, member_setup, django_assert_num_queries):
@@ -46,8 +51,9 @@ class TestRoundTrips:
         alice = member_setup[0]
         one(alice)
 
-        # Then the next submit runs only what must be live: at most six statements.
-        with django_assert_num_queries(ROUND_TRIPS):
+        # Then the next submit runs only what must be live: one statement on PostgreSQL, six on
+        # SQLite.
+        with django_assert_num_queries(at_once()):
             one(alice)
 
     def test_with_a_budget_in_force(self, member_setup, django_assert_num_queries):
@@ -61,7 +67,7 @@ class TestRoundTrips:
         alice = member_setup[0]
         one(alice)
         # SQLite caps the parameters of one statement (999), so its job inserts go in batches.
-        with django_assert_max_num_queries(ROUND_TRIPS if connection.vendor == "postgresql" else ROUND_TRIPS + 3):
+        with django_assert_max_num_queries(at_once() if connection.vendor == "postgresql" else ROUND_TRIPS + 3):
             assert len(jobs_submit(user=alice, jobs=[spec() for _ in range(100)])) == 100
 
 
