@@ -12,6 +12,14 @@
   last delta before `done`. A comment every 15 s keeps idle
   connections open. Leaving the stream does not cancel the job.
 
+  A flow submitted with `stream: true` streams every round (feed.py's RoundRelay): `delta`
+  (`{"round", "attempt", "offset", "text"}`) for a round's text and `tool_call` (`{"round",
+  "attempt", "index", "id", "name", "offset", "text"}`) for a piece of a tool call's arguments,
+  offsets counted per round and attempt; each round's pieces end before its `round_finished`
+  event, what the stream missed of them completed there from the round's recorded answer. For
+  such a flow every SSE id is a cursor (`<event id>[.<round>.<attempt>.<text sent>.<tool 0
+  sent>...]`), so Last-Event-ID resumes exactly where the client was. A chat's stream is as above.
+
 Opening either counts against the caller's TELEMACHUS_STREAM_RATE: past it, 429 `throttled` with
 Retry-After, in the REST API's shape.
 
