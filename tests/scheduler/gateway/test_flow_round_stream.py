@@ -5,6 +5,7 @@ Real worker, daphne and simllm (which streams tool calls); needs output deltas a
 (PostgreSQL NOTIFY, or Redis)."""
 
 import json
+import signal
 from collections import defaultdict
 from collections.abc import Iterator
 
@@ -14,7 +15,7 @@ import pytest
 from scheduler.models import Job
 from scheduler.services.submit import job_submit
 from tests.processes import Processes
-from tests.scheduler.gateway.conftest import live_deltas, may_chat, model_executor
+from tests.scheduler.gateway.conftest import WORKER_ENV, live_deltas, may_chat, model_executor
 from tests.scheduler.gateway.test_jobs import auth, submit
 
 pytestmark = [
@@ -183,3 +184,37 @@ def test_a_chat_jobs_stream_is_as_before(stack, alice):
     assert "".join(data["text"] for data, _ in deltas) == final["result"]["message"]["content"]
     assert {name for name, _, _ in seen} <= {"job", "event", "status", "delta", "done"}
     assert all(ident == str(data["id"]) for name, data, ident in seen if name == "event")
+
+
+def test_a_round_run_again_after_its_worker_died_starts_over_under_its_next_attempt(
+    servers, processes, alice, slow_writer
+):
+    # Given a streamed flow of 3 rounds on a worker with a short lease, and a client following it
+    model_executor(slow_writer)
+    job = submit_flow(alice, 3)
+    doomed = processes.worker("doomed", concurrency=4, lease=3, **WORKER_ENV)
+    url = f"{servers['base']}/api/jobs/{job.pk}/stream/"
+    pieces = []
+    with httpx.stream("GET", url, headers=auth(alice), timeout=90) as response:
+        for name, data, _ in sse(response):
+            if name in ("delta", "tool_call"):
+                pieces.append((name, data))
+                # When the worker is killed while round 2's tool call is being written
+                if doomed.poll() is None and name == "tool_call" and data["round"] == 2:
+                    doomed.send_signal(signal.SIGKILL)
+                    doomed.wait(timeout=10)
+                    processes.worker("rescuer", concurrency=4, lease=3, **WORKER_ENV)
+            if name == "done":
+                final = data
+    job.refresh_from_db()
+
+    # Then round 2 ran twice, and its second attempt's pieces start it over from offset 0, after
+    # which none of the first attempt's come
+    assert final["status"] == "done" and job.rounds == 3
+    second = [data["attempt"] for _, data in pieces if data["round"] == 2]
+    assert second[0] == 1 and second[-1] == 2 and second == sorted(second)
+    restart = next(data for _, data in pieces if data["round"] == 2 and data["attempt"] == 2)
+    assert restart["offset"] == 0
+    # ... and the last attempt of each round adds up to what the round recorded
+    last = {data["round"]: data["attempt"] for _, data in pieces}
+    assert assemble([(n, d) for n, d in pieces if d["attempt"] == last[d["round"]]]) == recorded(job)
