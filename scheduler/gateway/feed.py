@@ -276,7 +276,7 @@ class RoundRelay:
         if output is None or (attempt is not None and attempt != output.attempt):
             # The recorded answer is of an attempt not followed here: it starts the round over.
             output = self.open[round_no] = RoundOutput(attempt if attempt is not None else 1)
-        self.closed = round_no - 1  # the rounds before it were closed when their ends were read
+        self.closed = round_no - 1  # rounds end in order: this one is the open one its cursors name
         fresh = []
         answer = answer or {}
         wholes = [("", "", "", str(answer.get("content") or ""))]
