@@ -3,9 +3,10 @@
   chat       `input.messages` (and options such as max_tokens) as they are; result: the model's.
   translate  `input = {text, target_lang, source_lang?}` becomes a chat with TRANSLATE_SYSTEM and
              the text as the user message; result `{"text": <the reply>, "model": ...}`.
-  flow       `input = {messages, tools: [names], max_rounds, return_tool_errors}`: each round sends
-             the conversation so far with the tools' JSON schemas in OpenAI `tools` format
-             (scheduler/flows/runner.py runs the rounds).
+  flow       `input = {messages, tools: [names], max_rounds, return_tool_errors, stream?}`: each round
+             sends the conversation so far with the tools' JSON schemas in OpenAI `tools` format
+             (scheduler/flows/runner.py runs the rounds); with `stream`, each round's call streams,
+             and its text and tool-call pieces go to the job's stream, tagged with the round.
   tool       `input = {tool, arguments}`: no executor; the tool runs in the worker's tool threads.
   task       a cpu-node executor's (executors/drivers/cpu.py).
 
@@ -48,8 +49,9 @@ def kind_serves(kind: str, job_type: str) -> bool:
     return False
 
 
-# Input keys that steer the scheduler, never sent to a model server.
-FLOW_ONLY = ("messages", "tools", "max_rounds", "return_tool_errors", "stream")
+# Input keys that steer the scheduler, never sent to a model server. A flow's `stream` stays: it
+# makes each round's model call a streamed one, relayed to the job's stream.
+FLOW_ONLY = ("messages", "tools", "max_rounds", "return_tool_errors")
 TRANSLATE_ONLY = ("text", "target_lang", "source_lang", "messages", "stream")
 
 

@@ -17,6 +17,11 @@ TELEMACHUS_FLOW_QUICK_TOOLS_MS (an echo, a lookup), the round's end and the next
 are written together (rounds_end, which the worker batches with other rounds that end meanwhile,
 `host.round_end`): one write instead of two, the slot held those few milliseconds longer.
 
+A flow submitted with `"stream": true` streams each round's model call: its text and tool-call
+pieces go to the job's stream (`GET /api/jobs/{id}/stream/`) as the model writes them, tagged with
+the round and the round's attempt (a flow's attempts count per round), and they have left before the
+round's end is written, so a relay sees them before `round_finished`.
+
 A failed model call ends like any job's attempt (the worker's finisher: jobs_finish, retried with
 backoff, or failed); either way the dispatch reaches the executor's breaker through the worker's
 one path (`dispatches_report`, or the finisher's). A cancel aborts the model call upstream or
@@ -41,6 +46,7 @@ from executors.tools import ToolOutcome, UnknownTool, tool_invoke
 from scheduler.core.jobtypes import job_request
 from scheduler.metrics import dispatch_observe
 from scheduler.models import Job
+from scheduler.notify.broadcast import DeltaStream
 from scheduler.services.claim import Claim
 from scheduler.services.finish import Outcome
 from scheduler.services.rounds import (
@@ -104,8 +110,11 @@ async def _round(host: RoundHost, flight: InFlight) -> bool:
         request = job_request(job, messages=start.messages)
     except (UnknownTool, ImproperlyConfigured) as exc:
         raise DispatchError(f"flow tools unavailable: {exc}", retryable=False, executor_fault=False) from exc
+    on_delta = DeltaStream(job.pk, attempt=job.attempts, round=start.round) if job.input.get("stream") else None
     began = time.monotonic()
-    result = await flight.driver.execute(request)
+    result = await flight.driver.execute(request, on_delta)
+    if on_delta is not None:
+        await on_delta.flush()  # the round's output goes out before its end is announced
     dispatch_observe(executor=claim.executor, outcome="ok", seconds=time.monotonic() - began)
     message = result.output.get("message") or {"role": "assistant", "content": ""}
     calls = list(message.get("tool_calls") or [])
@@ -120,7 +129,8 @@ async def _round(host: RoundHost, flight: InFlight) -> bool:
             message=message,
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
-            meta={"seconds": round(time.monotonic() - began, 4)},
+            # `attempt`: which of the round's attempts answered (the job stream completes that one).
+            meta={"seconds": round(time.monotonic() - began, 4), "attempt": job.attempts},
         )
         if quick:
             # The tools are done already: the round's end and the next round's queueing in one

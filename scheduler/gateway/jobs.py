@@ -12,6 +12,14 @@
   last delta before `done`. A comment every 15 s keeps idle
   connections open. Leaving the stream does not cancel the job.
 
+  A flow submitted with `stream: true` streams every round (feed.py's RoundRelay): `delta`
+  (`{"round", "attempt", "offset", "text"}`) for a round's text and `tool_call` (`{"round",
+  "attempt", "index", "id", "name", "offset", "text"}`) for a piece of a tool call's arguments,
+  offsets counted per round and attempt; each round's pieces end before its `round_finished`
+  event, what the stream missed of them completed there from the round's recorded answer. For
+  such a flow every SSE id is a cursor (`<event id>[.<round>.<attempt>.<text sent>.<tool 0
+  sent>...]`), so Last-Event-ID resumes exactly where the client was. A chat's stream is as above.
+
 Opening either counts against the caller's TELEMACHUS_STREAM_RATE: past it, 429 `throttled` with
 Retry-After, in the REST API's shape.
 
@@ -28,7 +36,7 @@ from scheduler.api.serializers import JobEventOutput, JobOutput
 from scheduler.gateway.asgi import Reply, Request, api_error
 from scheduler.gateway.auth import TooManyFailures, client_address, credential_for, user_for_session
 from scheduler.gateway.database import db
-from scheduler.gateway.feed import Delta, JobFeed, Relay
+from scheduler.gateway.feed import Delta, JobFeed, Relay, RoundRelay
 from scheduler.models import Job, JobEvent
 from scheduler.rbac import visible_jobs
 from telemachus.http.throttles import caller_ident, rate_parse, rate_take
@@ -136,28 +144,43 @@ async def job_wait(request: Request, reply: Reply, *, user: rbac.Principal, job_
 
 async def job_stream(request: Request, reply: Reply, *, user: rbac.Principal, job_id: int) -> None:
     try:
-        after = int(request.header("last-event-id") or 0)
+        after, rounds = RoundRelay.resume(request.header("last-event-id") or "0")
     except ValueError:
-        after = 0
+        after, rounds = 0, None
     relay = Relay(exact=False)
     with JobFeed.current().watch(job_id, deltas=True) as watch:
         watch.take()
         snapshot = await db(_snapshot, user=user, job_id=job_id, after=after)
         if snapshot is None:
             return await reply.json(404, _not_found(job_id))
-        data, events = snapshot
+        data, events, answers = snapshot
+        if not _streamed_flow(data):
+            rounds = None
+        elif rounds is None:
+            rounds = RoundRelay(closed=await db(_rounds_closed, job_id=job_id, after=after))
         await reply.start(200, SSE_HEADERS)
         await reply.write(_sse("job", data))
         status = data["status"]
-        while True:
+
+        async def send_events() -> None:
+            nonlocal after
             for event in events:
+                if rounds is not None and event["event"] == JobEvent.Type.ROUND_FINISHED:
+                    meta = event["meta"] or {}
+                    round_no = int(meta.get("round") or 0)
+                    for delta, cursor in rounds.close(round_no, meta.get("attempt"), answers.get(round_no), after):
+                        await reply.write(_round_delta(delta, cursor))
                 after = event["id"]
-                await reply.write(_sse("event", event, ident=after))
+                await reply.write(_sse("event", event, ident=rounds.cursor(after) if rounds is not None else after))
+
+        while True:
+            await send_events()
             if data["status"] != status:
                 status = data["status"]
                 await reply.write(_sse("status", {"status": status}))
             if status in Job.TERMINAL:
-                rest = relay.rest(data["result"]) if data["input"].get("stream") and status == Job.Status.DONE else None
+                streamed_chat = rounds is None and data["input"].get("stream") and status == Job.Status.DONE
+                rest = relay.rest(data["result"]) if streamed_chat else None
                 if rest:  # output still on its way, or sent before this stream opened
                     await reply.write(
                         _delta(Delta(relay.attempt or data["attempts"], relay.base + len(relay.sent), rest))
@@ -171,20 +194,55 @@ async def job_stream(request: Request, reply: Reply, *, user: rbac.Principal, jo
                     await reply.write(b": keepalive\n\n")
                     continue
                 changed, _, deltas = watch.take()
-                for delta in relay.accept(deltas):
-                    await reply.write(_delta(delta))
+                if rounds is not None and rounds.behind(deltas):
+                    # A round after the open one writes: the open one ended; its end (and the rest
+                    # of its output) goes first.
+                    snapshot = await db(_snapshot, user=user, job_id=job_id, after=after)
+                    if snapshot is None:
+                        return await reply.end()
+                    data, events, answers = snapshot
+                    await send_events()
+                    events, changed = [], False
+                if rounds is not None:
+                    for delta, cursor in rounds.accept(deltas, after):
+                        await reply.write(_round_delta(delta, cursor))
+                else:
+                    for delta in relay.accept(deltas):
+                        await reply.write(_delta(delta))
                 if changed:
                     snapshot = await db(_snapshot, user=user, job_id=job_id, after=after)
                     if snapshot is None:  # deleted, or no longer visible to this user
                         return await reply.end()
-                    data, events = snapshot
+                    data, events, answers = snapshot
+
+
+def _streamed_flow(data: dict[str, Any]) -> bool:
+    return data["type"] == Job.Type.FLOW and bool(data["input"].get("stream"))
 
 
 def _delta(delta: Delta) -> bytes:
     return _sse("delta", {"attempt": delta.attempt, "offset": delta.offset, "text": delta.text})
 
 
-def _sse(event: str, data: Any, *, ident: int | None = None) -> bytes:
+def _round_delta(delta: Delta, cursor: str) -> bytes:
+    """A flow round's piece: `delta` (its text) or `tool_call` (a piece of a tool call's arguments),
+    with the stream's cursor as its SSE id."""
+    if not delta.part:
+        data = {"round": delta.round, "attempt": delta.attempt, "offset": delta.offset, "text": delta.text}
+        return _sse("delta", data, ident=cursor)
+    tool_call = {
+        "round": delta.round,
+        "attempt": delta.attempt,
+        "index": int(delta.part.removeprefix("tool:")),
+        "id": delta.id,
+        "name": delta.name,
+        "offset": delta.offset,
+        "text": delta.text,
+    }
+    return _sse("tool_call", tool_call, ident=cursor)
+
+
+def _sse(event: str, data: Any, *, ident: int | str | None = None) -> bytes:
     head = f"id: {ident}\n" if ident is not None else ""
     return f"{head}event: {event}\ndata: {json.dumps(data, cls=JSONEncoder)}\n\n".encode()
 
@@ -194,10 +252,27 @@ def _job_data(*, user: rbac.Principal, job_id: int) -> dict[str, Any] | None:
     return None if job is None else JobOutput(job).data
 
 
-def _snapshot(*, user: rbac.Principal, job_id: int, after: int) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
-    """The job as the API shows it, and its events newer than `after`."""
+def _snapshot(
+    *, user: rbac.Principal, job_id: int, after: int
+) -> tuple[dict[str, Any], list[dict[str, Any]], dict[int, dict[str, Any]]] | None:
+    """The job as the API shows it, its events newer than `after`, and, for a streamed flow whose
+    rounds end among those events, those rounds' recorded answers by round (read after the events,
+    so each is there)."""
     data = _job_data(user=user, job_id=job_id)
     if data is None:
         return None
     events = JobEvent.objects.filter(job_id=job_id, pk__gt=after).select_related("executor").order_by("pk")
-    return data, JobEventOutput(events, many=True).data  # type: ignore[return-value]
+    shown: list[dict[str, Any]] = JobEventOutput(events, many=True).data  # type: ignore[assignment]
+    ended = [e["meta"].get("round") for e in shown if e["event"] == JobEvent.Type.ROUND_FINISHED]
+    answers: dict[int, dict[str, Any]] = {}
+    if ended and _streamed_flow(data):
+        conversation = Job.objects.filter(pk=job_id).values_list("conversation", flat=True).first() or []
+        said = [message for message in conversation if message.get("role") == "assistant"]
+        answers = {round_no: said[round_no - 1] for round_no in ended if 0 < round_no <= len(said)}
+    return data, shown, answers
+
+
+def _rounds_closed(*, job_id: int, after: int) -> int:
+    """How many of a flow's rounds ended at or before event `after` (a client that has that event
+    has their output whole)."""
+    return JobEvent.objects.filter(job_id=job_id, pk__lte=after, event=JobEvent.Type.ROUND_FINISHED).count()

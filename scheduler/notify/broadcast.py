@@ -15,8 +15,9 @@ A delta is `{"job", "attempt", "offset", "text"}`: `offset` is where `text` star
 attempt's output, so a receiver can tell a missed delta from the next one and a retry (a new
 attempt starts again at 0) from more output. A piece of a tool call's arguments is a delta of
 its own `part`, `"tool:<index>"`, with offsets of its own and the call's `id` and `name` as far
-as known; a delta without `part` is the reply's text. Deltas are coalesced per job while a send is in
-flight, so a fast model does not cost one message per token."""
+as known; a delta without `part` is the reply's text. A flow's round (scheduler/flows/runner.py)
+adds `round`: its attempts are counted per round, so offsets are per round and attempt. Deltas are
+coalesced per job while a send is in flight, so a fast model does not cost one message per token."""
 
 import asyncio
 import json
@@ -46,9 +47,18 @@ def delta_transport() -> str:
 
 
 def delta_message(
-    *, job_id: int, attempt: int, offset: int, text: str, part: str = "", head: tuple[str, str] | None = None
+    *,
+    job_id: int,
+    attempt: int,
+    offset: int,
+    text: str,
+    part: str = "",
+    head: tuple[str, str] | None = None,
+    round: int = 0,
 ) -> dict[str, Any]:
-    message = {"type": "job.delta", "job": job_id, "attempt": attempt, "offset": offset, "text": text}
+    message: dict[str, Any] = {"type": "job.delta", "job": job_id, "attempt": attempt, "offset": offset, "text": text}
+    if round:
+        message["round"] = round
     if part:
         message.update(part=part, id=head[0] if head else "", name=head[1] if head else "")
     return message
@@ -75,7 +85,7 @@ class DeltaPublisher:
 
     def __init__(self) -> None:
         self.transport = delta_transport()
-        self._pending: dict[tuple[int, int, str], _Pending] = {}
+        self._pending: dict[tuple[int, int, int, str], _Pending] = {}  # (job, round, attempt, part)
         self._sending: set[int] = set()
         self._ready = asyncio.Event()
         self._round_over = asyncio.Event()
@@ -92,11 +102,20 @@ class DeltaPublisher:
         return publisher
 
     def publish(
-        self, *, job_id: int, attempt: int, offset: int, text: str, part: str = "", head: tuple[str, str] | None = None
+        self,
+        *,
+        job_id: int,
+        attempt: int,
+        offset: int,
+        text: str,
+        part: str = "",
+        head: tuple[str, str] | None = None,
+        round: int = 0,
     ) -> None:
-        pending = self._pending.get((job_id, attempt, part))
+        key = (job_id, round, attempt, part)
+        pending = self._pending.get(key)
         if pending is None:
-            pending = self._pending[(job_id, attempt, part)] = _Pending(offset=offset)
+            pending = self._pending[key] = _Pending(offset=offset)
         pending.parts.append(text)
         pending.head = head or pending.head
         self._ready.set()
@@ -118,12 +137,18 @@ class DeltaPublisher:
             await self._ready.wait()
             self._ready.clear()
             batch, self._pending = self._pending, {}
-            self._sending = {job_id for job_id, _, _ in batch}
+            self._sending = {job_id for job_id, _, _, _ in batch}
             messages = [
                 delta_message(
-                    job_id=job_id, attempt=attempt, offset=p.offset, text="".join(p.parts), part=part, head=p.head
+                    job_id=job_id,
+                    attempt=attempt,
+                    offset=p.offset,
+                    text="".join(p.parts),
+                    part=part,
+                    head=p.head,
+                    round=round,
                 )
-                for (job_id, attempt, part), p in batch.items()
+                for (job_id, round, attempt, part), p in batch.items()
             ]
             try:
                 if self.transport == POSTGRES:
@@ -166,10 +191,11 @@ def _delta_payloads(message: dict[str, Any]) -> list[str]:
 
 class DeltaStream:
     """What the worker hands a streaming dispatch (a `DeltaSink`): each delta of the attempt's
-    output goes out, numbered by where it starts. `flush()` before reporting the attempt's end."""
+    output goes out, numbered by where it starts (and, for a flow, tagged with its round).
+    `flush()` before reporting the attempt's end."""
 
-    def __init__(self, job_id: int, *, attempt: int) -> None:
-        self.job_id, self.attempt, self.sent = job_id, attempt, 0
+    def __init__(self, job_id: int, *, attempt: int, round: int = 0) -> None:
+        self.job_id, self.attempt, self.round, self.sent = job_id, attempt, round, 0
         self.tool_sent: dict[int, int] = {}  # tool call index -> length of its arguments sent
         self.publisher = DeltaPublisher.current()
 
@@ -184,10 +210,11 @@ class DeltaStream:
                 text=text,
                 part=tool_part(index),
                 head=(ident, name),
+                round=self.round,
             )
             self.tool_sent[index] = offset + len(text)
             return
-        self.publisher.publish(job_id=self.job_id, attempt=self.attempt, offset=self.sent, text=text)
+        self.publisher.publish(job_id=self.job_id, attempt=self.attempt, offset=self.sent, text=text, round=self.round)
         self.sent += len(text)
 
     async def flush(self) -> None:
