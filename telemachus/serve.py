@@ -39,7 +39,7 @@ def server_argv(server: str, host: str, port: int) -> list[str]:
             "--http",
             "httptools",
             "--ws",
-            "websockets",
+            "websockets-sansio",
             "--lifespan",
             "off",
             "--no-proxy-headers",
