@@ -1,7 +1,8 @@
-"""One hop (scheduler/gateway/onehop.py) with real processes on PostgreSQL: API processes under
-the server bin/run starts (telemachus/serve.py) that claim and run the /v1/ calls they hold, a worker beside them, a real model server that
-counts its concurrent requests. The caps hold on the wire, the queue's order holds across teams,
-and an API process killed mid-call leaves a job that is recovered like a worker's."""
+"""One hop (scheduler/gateway/onehop.py) with real processes on PostgreSQL: API processes (as
+bin/run serves the app: telemachus/serve.py) that claim and run the /v1/ calls they hold, a worker
+beside them, a real model server that counts its concurrent requests. The caps hold on the wire,
+the queue's order holds across teams, and an API process killed mid-call leaves a job that is
+recovered like a worker's."""
 
 import json
 import signal
