@@ -15,8 +15,9 @@ httpx, one keep-alive connection each) three ways to the same simllm server:
               models as `openai/` deployments with their `api_base`; a master key, no database, no
               Redis, no callbacks, telemetry vetoed, logging at ERROR (so no access log), nothing
               fetched from outside: the local model cost map and every other bundled file (LITELLM_LOCAL_*)
-  Telemachus  daphne serving the ASGI app, one `scheduler_worker`, one local-model executor per
-              simllm server, no cap binding
+  Telemachus  the ASGI app served as bin/run serves it (telemachus/serve.py: TELEMACHUS_SERVER,
+              uvicorn unless it says daphne), one `scheduler_worker`, one local-model executor
+              per simllm server, no cap binding
 
 in alternating blocks (the order rotating from block to block) so drift in the machine hits every
 way alike. Each simllm answers after its --latency-ms (every value is a server of its own, all
@@ -76,7 +77,8 @@ from benchlib import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-PG_BENCH_DB = "telemachus_bench_gateway"
+# Another name (BENCH_GATEWAY_DB) lets two checkouts run it at once on one server.
+PG_BENCH_DB = os.environ.get("BENCH_GATEWAY_DB", "telemachus_bench_gateway")
 BODY = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16}
 BLOCKS = 4  # alternations of the ways per model latency and concurrency
 LITELLM_KEY = "sk-bench-only"
@@ -166,10 +168,10 @@ class Stack:
         first = len(self.procs)
         self.spawn("manage.py", "scheduler_worker", "--concurrency", "256", "--name", "bench")
         port = free_port()
-        self.spawn("-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "telemachus.asgi:application")
+        self.spawn("-m", "telemachus.serve", "127.0.0.1", str(port))
         self.servers = self.procs[first:]
         self.api = f"http://127.0.0.1:{port}"
-        wait_http(f"{self.api}/v1/models", "daphne")
+        wait_http(f"{self.api}/v1/models", "the API server")
 
     def spawn(self, *argv: str) -> None:
         self.procs.append(

@@ -1,6 +1,7 @@
 """Real processes for tests: worker processes (`manage.py scheduler_worker`), model servers
-(`manage.py simllm`, the fault server), the ASGI app under daphne, all on 127.0.0.1, against the
-test database."""
+(`manage.py simllm`, the fault server), the ASGI app under the server bin/run starts
+(telemachus/serve.py: TELEMACHUS_SERVER, uvicorn by default), all on 127.0.0.1, against the test
+database."""
 
 import json
 import os
@@ -108,13 +109,13 @@ class Processes:
         return base
 
     def daphne(self, name: str = "daphne", **env: str) -> str:
-        """Serve the ASGI app (telemachus.asgi) with daphne; returns its base URL once it answers."""
+        """Serve the ASGI app (telemachus.asgi) as bin/run does (telemachus/serve.py: uvicorn, or the
+        server TELEMACHUS_SERVER names); returns its base URL once it answers. (Named for the server
+        it started with.)"""
         port = free_port()
-        self.spawn(
-            f"{name}-{port}", "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "telemachus.asgi:application", **env
-        )
+        self.spawn(f"{name}-{port}", "-m", "telemachus.serve", "127.0.0.1", str(port), **env)
         base = f"http://127.0.0.1:{port}"
-        wait_until(lambda: responds(base + "/v1/models"), timeout=60, what="daphne to listen")
+        wait_until(lambda: responds(base + "/v1/models"), timeout=60, what="the API server to listen")
         return base
 
     def stop_all(self) -> None:

@@ -22,6 +22,8 @@ from django.conf import settings
 from django.http.request import split_domain_port, validate_host
 from rest_framework.utils.encoders import JSONEncoder
 
+from telemachus.http.body_limit import body_drain
+
 log = logging.getLogger("telemachus.gateway")
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -226,7 +228,11 @@ async def _read_body(receive: Receive) -> bytes | None:
         chunk = message.get("body", b"")
         chunks.append(chunk)
         size += len(chunk)
-        if size > settings.TELEMACHUS_MAX_BODY_BYTES or not message.get("more_body"):
+        if size > settings.TELEMACHUS_MAX_BODY_BYTES:
+            if message.get("more_body"):
+                await body_drain(receive)  # so the client reads the 413, not a reset
+            return b"".join(chunks)
+        if not message.get("more_body"):
             return b"".join(chunks)
 
 

@@ -388,10 +388,14 @@ def _cancel(*, job_id: int, user: rbac.Principal, reason: str) -> Ending | None:
 
 async def _next_ending(watch: Watch, flight: onehop.Flight | None) -> tuple[Ending | None, list[Delta]]:
     """What the watch has: output, and the job's end if a change may have ended it (from the
-    flight's own finish when this process ran the job and it was answered, with no read)."""
+    flight's own finish when this process ran the job and it was answered, with no read). While
+    this process is writing the flight's finish, the job ends through it: a notification of that
+    end heard first is not read, since the flight's end wakes the watch again."""
     _, maybe_ended, deltas = watch.take()
     if flight is not None and flight.answered:
         return Ending(status=Job.Status.DONE, result=flight.result, error="", cost=flight.cost or ZERO), deltas
+    if flight is not None and flight.finishing and not flight.settled:
+        return None, deltas
     ending = await db(_ending, job_id=watch.job_id) if maybe_ended else None
     return ending, deltas
 

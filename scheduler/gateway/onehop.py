@@ -15,8 +15,10 @@ What the process keeps here is what a worker keeps for a claim, and is held to t
   lease      a heartbeat renews the leases of the calls in flight every third of the lease; a lease
              that is not renewed (lost, recovered, the job canceled) aborts its dispatch. A process
              that dies leaves expired leases, which the workers' recovery requeues or fails.
-  finish     fenced by the lease, as a worker's: a job completes once.
-  breaker    each dispatch's end is told to the executor's breaker, as the worker does.
+  finish     fenced by the lease, as a worker's: a job completes once. Calls whose dispatches end
+             while a finish is being written are finished together, in one `jobs_finish`, as a
+             worker finishes its batch (fewer commits under load; at one call, no wait).
+  breaker    each batch's dispatch ends are told to the executors' breakers, as the worker does.
 """
 
 import asyncio
@@ -65,7 +67,11 @@ class Flight:
     task: asyncio.Task[None] | None = None
     renewed_at: float = 0.0
     aborted: str | None = None
-    ended: bool = False  # its finish was written (or refused): nothing left to abort
+    # Its dispatch has ended and its finish is being written: the job ends through this process,
+    # which tells the call's watch when (`settled`), so a notification of that end heard first
+    # needs no read of the job.
+    finishing: bool = False
+    settled: bool = False  # its run is over, however it ended
     result: dict[str, Any] | None = None
     cost: Decimal | None = None
 
@@ -91,6 +97,8 @@ class OwnCalls:
         self.breaker_gate = asyncio.Lock()
         self._wanted: dict[int, asyncio.Future[Flight | None]] = {}
         self._claimer: asyncio.Task[None] | None = None
+        self._ending: list[tuple[Flight, Outcome, DispatchReport, asyncio.Future[None]]] = []
+        self._finisher: asyncio.Task[None] | None = None
         self._beat: asyncio.Task[None] | None = None
         self._claim_thread = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="telemachus-api-claim", initializer=_claim_connection
@@ -184,49 +192,76 @@ class OwnCalls:
                 log.info("job %d: in-process dispatch aborted: %s", job.pk, flight.aborted or "cancelled")
                 return
             report = DispatchReport(executor_id=claim.executor.pk, ok=outcome.ok, executor_fault=fault)
-            if fault:
-                # No claim of this process runs between an executor's failure and its breaker
-                # hearing of it, as in the worker.
-                async with self.breaker_gate:
-                    finished = await self._finish(outcome)
-                    await self._breaker(report)
-                self._ended(flight, outcome, finished)
-            else:
-                finished = await self._finish(outcome)
-                self._ended(flight, outcome, finished)
-                await self._breaker(report)
+            flight.finishing = True
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._ending.append((flight, outcome, report, done))
+            if self._finisher is None or self._finisher.done():
+                self._finisher = asyncio.create_task(self._finish_ended(), name="onehop-finish")
+            await done
         finally:
             self.flights.pop(flight.job_id, None)
+            flight.settled = True
+            JobFeed.current().ended_here(flight.job_id)
+
+    async def _finish_ended(self) -> None:
+        """Finish every flight whose dispatch has ended, in one `jobs_finish`, until none waits;
+        then tell the breakers. A batch with an executor fault holds the breaker gate throughout:
+        no claim of this process runs between an executor's failure and its breaker hearing of
+        it, as in the worker."""
+        while self._ending:
+            batch, self._ending = self._ending, []
+            outcomes = [outcome for _, outcome, _, _ in batch]
+            reports = [report for _, _, report, _ in batch]
+            try:
+                if any(report.executor_fault for report in reports):
+                    async with self.breaker_gate:
+                        finished = await self._finish(outcomes)
+                        await self._breaker(reports)
+                    self._all_ended(batch, finished)
+                else:
+                    finished = await self._finish(outcomes)
+                    self._all_ended(batch, finished)
+                    await self._breaker(reports)
+            except Exception as exc:  # not an outage (_finish rides those out): recovery takes them
+                log.error("finishing %d in-process call(s) failed (%s); left to recovery", len(batch), exc)
+                self._all_ended(batch, None)
+
+    def _all_ended(
+        self, batch: list[tuple[Flight, Outcome, DispatchReport, asyncio.Future[None]]], report: FinishReport | None
+    ) -> None:
+        for flight, outcome, _, done in batch:
+            self._ended(flight, outcome, report)
+            if not done.done():
+                done.set_result(None)
 
     def _ended(self, flight: Flight, outcome: Outcome, report: FinishReport | None) -> None:
         """The finish is written (or refused): the call may answer from it, without a read."""
-        flight.ended = True
         if report is not None and outcome.ok and flight.job_id in report.accepted:
             flight.result, flight.cost = outcome.result, report.costs.get(flight.job_id, Decimal(0))
         elif report is not None and flight.job_id in report.refused:
             log.warning("job %d: result refused (lease no longer held); dropped", flight.job_id)
-        JobFeed.current().ended_here(flight.job_id)
 
-    async def _finish(self, outcome: Outcome) -> FinishReport | None:
-        """`jobs_finish`, retried through an outage while the lease may still hold; after that the
-        finish would be refused anyway, and recovery takes the job back."""
+    async def _finish(self, outcomes: list[Outcome]) -> FinishReport | None:
+        """`jobs_finish`, retried through an outage while the leases may still hold; after that
+        the finish would be refused anyway, and recovery takes the jobs back."""
         deadline, delay = time.monotonic() + self.lease_seconds, 0.1
+        jobs = ", ".join(str(outcome.job_id) for outcome in outcomes)
         while True:
             try:
-                return await db(jobs_finish, outcomes=[outcome])
+                return await db(jobs_finish, outcomes=outcomes)
             except (OperationalError, InterfaceError) as exc:
                 if time.monotonic() + delay > deadline:
-                    log.error("job %d: result could not be stored (%s); left to recovery", outcome.job_id, exc)
+                    log.error("jobs %s: results could not be stored (%s); left to recovery", jobs, exc)
                     return None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
             except DatabaseError as exc:
-                log.error("job %d: result could not be stored (%s); left to recovery", outcome.job_id, exc)
+                log.error("jobs %s: results could not be stored (%s); left to recovery", jobs, exc)
                 return None
 
-    async def _breaker(self, report: DispatchReport) -> None:
+    async def _breaker(self, reports: list[DispatchReport]) -> None:
         try:
-            events = await db(breaker_record, reports=[report])
+            events = await db(breaker_record, reports=reports)
         except DatabaseError as exc:
             log.warning("could not record a dispatch outcome for the breaker (%s)", exc)
             return
@@ -235,8 +270,9 @@ class OwnCalls:
 
     def abort(self, flight: Flight, reason: str) -> None:
         """Stop a flight's dispatch (its job was canceled, or its lease is lost): the driver closes
-        its request upstream; a finish that would follow is refused anyway."""
-        if flight.aborted is not None or flight.ended or flight.task is None or flight.task.done():
+        its request upstream; a finish that would follow is refused anyway. A flight whose dispatch
+        has ended has nothing left to stop: its finish is under way."""
+        if flight.aborted is not None or flight.finishing or flight.task is None or flight.task.done():
             return
         flight.aborted = reason
         asyncio.create_task(_stop(flight))

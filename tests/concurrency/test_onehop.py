@@ -1,7 +1,8 @@
-"""One hop (scheduler/gateway/onehop.py) with real processes on PostgreSQL: API processes under
-daphne that claim and run the /v1/ calls they hold, a worker beside them, a real model server that
-counts its concurrent requests. The caps hold on the wire, the queue's order holds across teams,
-and an API process killed mid-call leaves a job that is recovered like a worker's."""
+"""One hop (scheduler/gateway/onehop.py) with real processes on PostgreSQL: API processes (as
+bin/run serves the app: telemachus/serve.py) that claim and run the /v1/ calls they hold, a worker
+beside them, a real model server that counts its concurrent requests. The caps hold on the wire,
+the queue's order holds across teams, and an API process killed mid-call leaves a job that is
+recovered like a worker's."""
 
 import json
 import signal
@@ -184,9 +185,9 @@ def test_an_api_process_killed_mid_call_leaves_its_job_to_recovery(processes, ma
         what="the API process to claim its call",
     )
     wait_until(lambda: http_json(f"{server}/stats")["in_flight"] == 1, timeout=10, what="the model call")
-    (daphne,) = [p for p in processes.procs if "daphne" in p.args]
-    daphne.send_signal(signal.SIGKILL)
-    daphne.wait(timeout=10)
+    (api_process,) = [p for p in processes.procs if "telemachus.serve" in p.args]
+    api_process.send_signal(signal.SIGKILL)
+    api_process.wait(timeout=10)
     failed_call.join(timeout=10)
 
     # Then the lease runs out, recovery requeues the job and frees its slot (the team's only one),

@@ -78,23 +78,22 @@ def test_other_paths_are_left_to_django():
 
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
-def test_daphne_reads_a_chunked_job_and_refuses_a_huge_one(processes, member_setup, api):
-    # Given the real ASGI app under daphne...
+@pytest.mark.parametrize("server", ["uvicorn", "daphne"])
+def test_the_server_reads_a_chunked_job_and_refuses_a_huge_one(processes, member_setup, api, server):
+    # Given the real ASGI app under either server bin/run may start...
     alice = member_setup[0]
     token = api(alice)._credentials["HTTP_AUTHORIZATION"]
     port = free_port()
     processes.spawn(
-        "daphne",
+        server,
         "-m",
-        "daphne",
-        "-b",
+        "telemachus.serve",
         "127.0.0.1",
-        "-p",
         str(port),
-        "telemachus.asgi:application",
+        TELEMACHUS_SERVER=server,
         TELEMACHUS_MAX_BODY_BYTES="100000",
     )
-    wait_until(lambda: answers(f"http://127.0.0.1:{port}/api/schema/"), timeout=30, what="daphne to listen")
+    wait_until(lambda: answers(f"http://127.0.0.1:{port}/api/schema/"), timeout=30, what=f"{server} to listen")
 
     def raw_post(chunks: list[bytes]) -> tuple[int, dict]:
         with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:

@@ -1,7 +1,7 @@
-"""The status line daphne sends: an ASGI response has a status but no reason phrase, and Twisted's
-table lacks 429, so a throttled client read `429 Unknown Status`. Both ways a 429 leaves the app
-(Django's exception handler, the gateway's raw ASGI answer ahead of Django) must say
-`Too Many Requests`."""
+"""The status line the server sends: an ASGI response has a status but no reason phrase, and
+Twisted's table lacks 429, so a throttled client read `429 Unknown Status` from daphne. Both ways
+a 429 leaves the app (Django's exception handler, the gateway's raw ASGI answer ahead of Django)
+must say `Too Many Requests`, under either server bin/run may start."""
 
 import http.client
 import json
@@ -31,12 +31,13 @@ def post(base: str, path: str, token: str, body: dict, **headers: str) -> http.c
     return response
 
 
-def test_a_429_says_too_many_requests_from_django_and_from_the_gateway(processes, member_setup):
+@pytest.mark.parametrize("server", ["uvicorn", "daphne"])
+def test_a_429_says_too_many_requests_from_django_and_from_the_gateway(processes, member_setup, server):
     # Given team a's daily token budget, too small for any job...
     alice, *_ = member_setup
     QuotaPolicy.objects.create(scope="team", subject="a", dimension="ai.tokens", limit=1, window="day")
     key = token_for(alice)
-    base = processes.daphne()
+    base = processes.daphne(TELEMACHUS_SERVER=server)
 
     # When alice submits through the job API (Django) and the OpenAI endpoint (the gateway)...
     api = post(base, "/api/jobs/", f"Token {key}", chat_body("a"))

@@ -1,0 +1,65 @@
+"""Notifications sent from a statement the claim or the finish runs anyway, not from one of their
+own: a round trip fewer on every claim and every finish (a worker's, or an API process's one-hop
+call's). A finish that frees slots wakes the workers from the statement that frees them; a claim
+tells live views from the statement that starts its jobs."""
+
+import psycopg
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from scheduler.services.claim import job_claim
+from scheduler.services.finish import Outcome, jobs_finish
+from telemachus.control import notify
+from tests.processes import database_url_for_tests
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def listening(channel: str) -> psycopg.Connection:
+    ears = psycopg.connect(database_url_for_tests().replace("postgres://", "postgresql://"), autocommit=True)
+    ears.execute(f"LISTEN {channel}")
+    return ears
+
+
+def test_the_statement_that_frees_the_slots_wakes_the_workers(member_setup, submit):
+    if connection.vendor != "postgresql":
+        pytest.skip("workers are woken through PostgreSQL's NOTIFY")
+    # Given two running jobs, and a connection listening as a worker does...
+    alice, _, a, _, _ = member_setup
+    submit(alice, a)
+    submit(alice, a)
+    claims = job_claim(worker="w", limit=2).claims
+    assert len(claims) == 2
+    with listening(notify.WORKERS_CHANNEL) as ears:
+        # When both finish together...
+        with CaptureQueriesContext(connection) as finish:
+            report = jobs_finish(
+                outcomes=[Outcome(job_id=c.job.pk, lease=c.lease, ok=True, result={"n": 1}) for c in claims]
+            )
+        heard = [n.payload for n in ears.notifies(timeout=2, stop_after=1)]
+
+    # Then the workers hear once that slots were freed, from the DELETE of the slots itself.
+    assert sorted(report.accepted) == sorted(c.job.pk for c in claims)
+    assert heard == [notify.FREED]
+    waking = [q["sql"] for q in finish.captured_queries if f"'{notify.FREED}'" in q["sql"]]
+    assert len(waking) == 1 and waking[0].startswith("DELETE")
+
+
+def test_the_statement_that_starts_the_jobs_tells_live_views(member_setup, submit):
+    if connection.vendor != "postgresql":
+        pytest.skip("live views are told through PostgreSQL's NOTIFY")
+    # Given two queued jobs, and a connection listening as a live dashboard does...
+    alice, _, a, _, _ = member_setup
+    submit(alice, a)
+    submit(alice, a)
+    with listening(notify.CHANGES_CHANNEL) as ears:
+        # When a worker claims both...
+        with CaptureQueriesContext(connection) as claim:
+            assert len(job_claim(worker="w", limit=2).claims) == 2
+        heard = [n.payload for n in ears.notifies(timeout=2, stop_after=1)]
+
+    # Then live views hear once that jobs were claimed, from the UPDATE that started them.
+    assert heard == ["claimed"]
+    telling = [q["sql"] for q in claim.captured_queries if "'claimed'" in q["sql"]]
+    assert len(telling) == 1 and "UPDATE" in telling[0]
