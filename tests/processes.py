@@ -108,10 +108,9 @@ class Processes:
         wait_until(lambda: answers(base + "/v1/models"), timeout=20, what="simllm to listen")
         return base
 
-    def daphne(self, name: str = "daphne", **env: str) -> str:
+    def api_server(self, name: str = "api", **env: str) -> str:
         """Serve the ASGI app (telemachus.asgi) as bin/run does (telemachus/serve.py: uvicorn, or the
-        server TELEMACHUS_SERVER names); returns its base URL once it answers. (Named for the server
-        it started with.)"""
+        server TELEMACHUS_SERVER names); returns its base URL once it answers."""
         port = free_port()
         self.spawn(f"{name}-{port}", "-m", "telemachus.serve", "127.0.0.1", str(port), **env)
         base = f"http://127.0.0.1:{port}"

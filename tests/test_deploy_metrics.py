@@ -1,5 +1,5 @@
 """deploy/ (the Grafana dashboard, the Prometheus alert rules) against what the app serves: after a
-small scripted run on real processes (daphne and a worker sharing a multiprocess metrics
+small scripted run on real processes (the API server and a worker sharing a multiprocess metrics
 directory, as bin/run starts them; jobs through a sim executor, so histograms have samples), every
 metric that deploy/ queries is a series on the live /metrics, with the labels its selectors and
 groupings name. And the files themselves: the dashboard imports with a datasource input; the
@@ -149,7 +149,7 @@ def live_app(processes, tmp_path, make_user, make_team, make_executor) -> Live:
     """Daphne and a worker after a worker ran three jobs through a sim executor, then, with the
     team capped at one slot, one slow job running and one queued behind it; a budget set; one 502
     (an executor sync that cannot reach its server). Daphne and the worker share one
-    multiprocess directory, as bin/run starts them. With daphne's /metrics at the end."""
+    multiprocess directory, as bin/run starts them. With the API server's /metrics at the end."""
     alice, operator = make_user("alice"), make_user("operator", is_superuser=True)
     make_team("deploy", {alice: "member"})
     make_executor("deploy-sim", models=["m"], max_concurrency=2, meta={"latency_ms": 20})
@@ -158,7 +158,7 @@ def live_app(processes, tmp_path, make_user, make_team, make_executor) -> Live:
     alice_token, operator_token = (token_for(user) for user in (alice, operator))
     multiproc = tmp_path / "prometheus"
     multiproc.mkdir()
-    base = processes.daphne(PROMETHEUS_MULTIPROC_DIR=str(multiproc))
+    base = processes.api_server(PROMETHEUS_MULTIPROC_DIR=str(multiproc))
     processes.worker("deploy-worker", PROMETHEUS_MULTIPROC_DIR=str(multiproc))
 
     def submit(model: str) -> dict:
@@ -181,11 +181,11 @@ def live_app(processes, tmp_path, make_user, make_team, make_executor) -> Live:
         http(f"{base}/api/executors/{unreachable.pk}/sync/", operator_token, {})
     except urllib.error.HTTPError as exc:
         assert exc.code == 502
-    # The worker's heartbeat reaches daphne's scrape through the shared directory.
+    # The worker's heartbeat reaches the API server's scrape through the shared directory.
     wait_until(
         lambda: b"telemachus_worker_heartbeat_timestamp_seconds{" in http(f"{base}/metrics", operator_token)[0],
         timeout=30,
-        what="the worker's heartbeat on daphne's /metrics",
+        what="the worker's heartbeat on the API server's /metrics",
     )
     body, content_type = http(f"{base}/metrics", operator_token)
     assert content_type.startswith("text/plain; version=")

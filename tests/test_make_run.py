@@ -1,5 +1,5 @@
 """What `make run` does on a fresh machine, end to end with the real settings: migrate, seed the
-demo (twice: it must be idempotent and show the admin password once), then bin/run serves daphne
+demo (twice: it must be idempotent and show the admin password once), then bin/run serves the API
 and a worker; a job submitted over HTTP ends `done` with the simulated reply; Ctrl-C stops both.
 
 And how bin/run stops with a slow job in flight: one Ctrl-C lets it finish while the API keeps
@@ -103,7 +103,7 @@ class Run:
             start_new_session=True,
             preexec_fn=ignore,
         )
-        wait_until(lambda: answers(f"{self.base}/schema/"), timeout=60, what="daphne to listen")
+        wait_until(lambda: answers(f"{self.base}/schema/"), timeout=60, what="the API to listen")
         wait_until(lambda: len(children(self.proc.pid)) == 2, timeout=30, what="daphne and the worker")
 
     def ctrl_c(self) -> None:

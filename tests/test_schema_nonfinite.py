@@ -1,6 +1,6 @@
 """What .ci/schemathesis does not send: a number that is not finite. For every POST, PUT and PATCH
 operation of the OpenAPI schema (the gateway's included), `1e999` at every field the operation's
-body declares (and as an extra key of every object), sent to daphne as an operator: no answer is
+body declares (and as an extra key of every object), sent to the API server as an operator: no answer is
 a server error. (`1e999` is valid JSON that Python reads as infinity, which PostgreSQL refuses.)"""
 
 import json
@@ -86,12 +86,12 @@ GATEWAY_BODIES = {
 
 @pytest.fixture(scope="module")
 def base(django_db_setup, django_db_blocker, tmp_path_factory):
-    """daphne with the throttles off (as .ci/schemathesis runs it): each field is one request."""
+    """The API server with the throttles off (as .ci/schemathesis runs it): each field is one request."""
     processes = Processes(tmp_path_factory.mktemp("schema"))
     try:
         with django_db_blocker.unblock():
             # A /v1/ call that got queued (nothing runs it here) answers 504 soon, not in minutes.
-            yield processes.daphne(TELEMACHUS_SUBMIT_RATE="", TELEMACHUS_GATEWAY_TIMEOUT_SECONDS="3")
+            yield processes.api_server(TELEMACHUS_SUBMIT_RATE="", TELEMACHUS_GATEWAY_TIMEOUT_SECONDS="3")
     finally:
         processes.stop_all()
 

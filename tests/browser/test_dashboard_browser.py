@@ -1,5 +1,5 @@
 """The dashboard in a real browser: Playwright drives Debian's chromium (/usr/bin/chromium, installed
-by .ci/run; never a downloaded browser) against daphne serving the real ASGI app.
+by .ci/run; never a downloaded browser) against the real ASGI app, served as bin/run serves it.
 
 An operator signs in, changes a team's weight and an executor's capacity on the page, and the API
 and the audit log show the changes; a member's page has no controls and its socket refuses an
@@ -62,9 +62,9 @@ def server(processes, make_executor):
     executor = make_executor("shared", models=["m"])
     token = token_for(User.objects.get(username="root"))
     port = free_port()
-    processes.spawn("daphne", "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "telemachus.asgi:application")
+    processes.spawn("api", "-m", "telemachus.serve", "127.0.0.1", str(port))
     base = f"http://127.0.0.1:{port}"
-    wait_until(lambda: answers(base + "/healthz"), timeout=30, what="daphne to listen")
+    wait_until(lambda: answers(base + "/healthz"), timeout=30, what="the API to listen")
     return base, token, executor.pk
 
 

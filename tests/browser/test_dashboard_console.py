@@ -1,5 +1,5 @@
 """The dashboard as an operator's console under load, in a real browser: Playwright drives Debian's
-chromium against daphne and a real worker running a 200-job burst on simulated executors.
+chromium against the API server and a real worker running a 200-job burst on simulated executors.
 
 Given two teams' burst (and an idle third team), the operator filters the job list to running
 jobs and cancels one from the page; pages through every job; opens a job's details; sees the
@@ -54,7 +54,7 @@ def burst(team: str, n: int) -> dict:
 @pytest.fixture
 def busy(processes, make_user, make_team, make_executor):
     """Given teams a and b with 120 and 80 jobs queued at once, an idle team c, two sim executors
-    (4 and 2 slots, a few seconds per call) and one disabled one, a worker and daphne."""
+    (4 and 2 slots, a few seconds per call) and one disabled one, a worker and the API server."""
     User = get_user_model()
     User.objects.create_superuser("root", "root@example.com", "operator pass 1")
     alice, bob = make_user("alice"), make_user("bob")
@@ -67,7 +67,7 @@ def busy(processes, make_user, make_team, make_executor):
     make_executor("spare", models=["m"], max_concurrency=2, enabled=False, meta=knobs)
     tokens = {u.username: token_for(u) for u in User.objects.all()}
     env = {"TELEMACHUS_HISTORY_BUCKET_SECONDS": BUCKET}
-    base = processes.daphne(**env)
+    base = processes.api_server(**env)
     processes.worker("w1", concurrency=16, **env)
     api_post(base, tokens["alice"], "/api/jobs/bulk/", burst("a", 120))
     api_post(base, tokens["bob"], "/api/jobs/bulk/", burst("b", 80))

@@ -241,7 +241,7 @@ def restart_postgres() -> None:
     shutil.which("pg_ctlcluster") is None or not os.path.isdir("/etc/postgresql"), reason="needs pg_ctlcluster"
 )
 def test_postgres_restarted_three_times_mid_run(processes, make_user, make_team, never_give_up, api):
-    # Given the API (daphne) and two workers draining 300 jobs...
+    # Given the API (as bin/run serves it) and two workers draining 300 jobs...
     alice = make_user("alice")
     make_team("a", {alice: "member"})
     base = processes.simllm(latency_ms=100)
@@ -250,9 +250,9 @@ def test_postgres_restarted_three_times_mid_run(processes, make_user, make_team,
     )
     token = api(alice)._credentials["HTTP_AUTHORIZATION"]
     port = free_port()
-    processes.spawn("daphne", "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "telemachus.asgi:application")
+    processes.spawn("api", "-m", "telemachus.serve", "127.0.0.1", str(port))
     queue_url = f"http://127.0.0.1:{port}/api/queue/"
-    wait_until(lambda: answers(f"http://127.0.0.1:{port}/api/schema/"), timeout=30, what="daphne to listen")
+    wait_until(lambda: answers(f"http://127.0.0.1:{port}/api/schema/"), timeout=30, what="the API to listen")
     job_ids = submit_many([(alice, "a")], 300)
     workers = [processes.worker(f"w{i}", concurrency=8, lease=LEASE) for i in range(2)]
     wait_until(lambda: Job.objects.filter(status="done").exists(), timeout=60, what="work to start")

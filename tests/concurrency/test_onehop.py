@@ -72,7 +72,7 @@ def test_a_team_cap_of_two_holds_on_the_wire_with_twenty_calls_through_two_api_p
     alice, bob = member(make_user, "alice"), member(make_user, "bob")
     team = make_team("a", {alice: "member", bob: "member"})
     QuotaPolicy.objects.create(scope="team", subject="a", dimension="ai.concurrency", limit=2)
-    apis = [processes.daphne(f"api{i}", **ENV) for i in range(2)]
+    apis = [processes.api_server(f"api{i}", **ENV) for i in range(2)]
     processes.worker("w1", concurrency=16, **ENV)
     tokens = [token_for(alice), token_for(bob)]
 
@@ -115,7 +115,7 @@ def test_fair_share_across_two_teams_holds_through_v1_as_through_workers(process
     TeamShare.objects.create(team=team_a, usage=1e9, updated_at=timezone.now())
     QueuePolicy.objects.update_or_create(pk=1, defaults={"half_life_seconds": 3600})
     env = {**ENV, "TELEMACHUS_GATEWAY_ONE_HOP": one_hop}
-    apis = [processes.daphne(f"api{i}", **env) for i in range(2)]
+    apis = [processes.api_server(f"api{i}", **env) for i in range(2)]
     processes.worker("w1", concurrency=16, **ENV)
     tokens = {"a": token_for(alice), "b": token_for(bob)}
 
@@ -164,7 +164,7 @@ def test_an_api_process_killed_mid_call_leaves_its_job_to_recovery(processes, ma
     team = make_team("a", {alice: "member"})
     QuotaPolicy.objects.create(scope="team", subject="a", dimension="ai.concurrency", limit=1)
     lease = {"TELEMACHUS_LEASE_SECONDS": "2"}
-    api = processes.daphne("api", **ENV, **lease)
+    api = processes.api_server("api", **ENV, **lease)
     processes.worker("w1", concurrency=4, lease=2, **ENV)
     token = token_for(alice)
     outcome: dict = {}

@@ -1,7 +1,7 @@
 """A Telemachus deployment on the hosts of tests/multihost/netns.py, configured as docs/deploy.md
 says: production settings (DEBUG off, a SECRET_KEY, ALLOWED_HOSTS, behind a TLS-terminating load
-balancer), one PostgreSQL and one Redis on their own hosts, two API hosts (daphne, the command
-bin/run serves with, after collectstatic), two worker hosts (`manage.py scheduler_worker`) and two
+balancer), one PostgreSQL and one Redis on their own hosts, two API hosts (telemachus/serve.py, the
+command bin/run serves with, after collectstatic), two worker hosts (`manage.py scheduler_worker`) and two
 model servers (`manage.py simllm`), each host with its own var and metrics directories.
 
 The test client plays the load balancer: it sends `X-Forwarded-Proto: https` and counts the
@@ -142,12 +142,10 @@ class Cluster:
             )
         for host, proc in zip(API_HOSTS, static, strict=True):
             assert proc.wait(timeout=60) == 0, f"collectstatic failed on {host}: see {proc.log_path}"
-            argv = [sys.executable, "-m", "daphne", "-b", self.address(host), "-p", str(API_PORT)]
-            self.procs[host] = self.net.run(
-                host, host, [*argv, "telemachus.asgi:application"], self.env(host, metrics=True), cwd=ROOT
-            )
+            argv = [sys.executable, "-m", "telemachus.serve", self.address(host), str(API_PORT)]
+            self.procs[host] = self.net.run(host, host, argv, self.env(host, metrics=True), cwd=ROOT)
         for host in API_HOSTS:
-            self.on_client(wait_listening, self.address(host), API_PORT, timeout=60, what=f"daphne on {host}")
+            self.on_client(wait_listening, self.address(host), API_PORT, timeout=60, what=f"the API on {host}")
         for host in WORKER_HOSTS:
             self.on_client(wait_listening, self.address(host), WORKER_METRICS_PORT, timeout=60, what=host)
 

@@ -231,12 +231,12 @@ def test_a_worker_heartbeat_is_its_time_until_it_stops_cleanly():
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_dead_workers_last_beat_stays_and_a_stopped_one_goes(processes, tmp_path, operator, api):
-    """As bin/run runs them: daphne and workers sharing a multiprocess directory. A worker that
+    """As bin/run runs them: the API server and workers sharing a multiprocess directory. A worker that
     stops on SIGTERM takes its series with it; one killed keeps its last beat, which ages, so an
     alert on the age of the beat fires for it and only for it."""
     multiproc = tmp_path / "prometheus"
     multiproc.mkdir()
-    base = processes.daphne(PROMETHEUS_MULTIPROC_DIR=str(multiproc))
+    base = processes.api_server(PROMETHEUS_MULTIPROC_DIR=str(multiproc))
     stopped = processes.worker("stopped", PROMETHEUS_MULTIPROC_DIR=str(multiproc))
     killed = processes.worker("killed", PROMETHEUS_MULTIPROC_DIR=str(multiproc))
     token = token_for(operator)

@@ -37,7 +37,7 @@ def test_a_429_says_too_many_requests_from_django_and_from_the_gateway(processes
     alice, *_ = member_setup
     QuotaPolicy.objects.create(scope="team", subject="a", dimension="ai.tokens", limit=1, window="day")
     key = token_for(alice)
-    base = processes.daphne(TELEMACHUS_SERVER=server)
+    base = processes.api_server(TELEMACHUS_SERVER=server)
 
     # When alice submits through the job API (Django) and the OpenAI endpoint (the gateway)...
     api = post(base, "/api/jobs/", f"Token {key}", chat_body("a"))

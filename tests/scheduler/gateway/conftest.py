@@ -1,4 +1,4 @@
-"""A running stack for the gateway's tests, against the test database: daphne serving the ASGI app
+"""A running stack for the gateway's tests, against the test database: the API server serving the ASGI app
 and model servers, started once per module (they take seconds to start), and a worker per test.
 Each test makes its own users, teams and executors; executors reach a model server under a path
 prefix of their own, so the server's counters (GET /stats) are per test."""
@@ -95,7 +95,7 @@ WORKER_ENV = {
 
 @pytest.fixture(scope="module")
 def servers(django_db_setup, django_db_blocker, tmp_path_factory):
-    """daphne and the model servers, once per module."""
+    """The API server and the model servers, once per module."""
     processes = Processes(tmp_path_factory.mktemp("servers"))
     try:
         with django_db_blocker.unblock():
@@ -105,7 +105,7 @@ def servers(django_db_setup, django_db_blocker, tmp_path_factory):
                 trickle=processes.simllm(latency_ms=50, models="m", output_tokens=8, tokens_per_s=8),
                 faults=processes.faultserver(),
                 # Serves a whole module: bad-credential counts of one test must not throttle the next.
-                base=processes.daphne(TELEMACHUS_AUTH_FAILURES_PER_ADDRESS="1000"),
+                base=processes.api_server(TELEMACHUS_AUTH_FAILURES_PER_ADDRESS="1000"),
             )
     finally:
         processes.stop_all()

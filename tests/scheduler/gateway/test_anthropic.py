@@ -1,4 +1,4 @@
-"""Anthropic's Messages API as apps use it: the official `anthropic` package against daphne, real
+"""Anthropic's Messages API as apps use it: the official `anthropic` package against the API server, real
 workers and a real model server that speaks chat completions. Every call is a governed `chat` job
 under the team's caps; errors come in Anthropic's shape."""
 

@@ -1,7 +1,7 @@
 """A streamed flow on the job stream (`GET /api/jobs/{id}/stream/`): each round's tool-call pieces
 arrive while that round's model call writes them, tagged with the round, in order; a client that
 reconnects with Last-Event-ID gets no piece twice and none missing; a chat's stream is as it was.
-Real worker, daphne and simllm (which streams tool calls); needs output deltas across processes
+Real worker, API server and simllm (which streams tool calls); needs output deltas across processes
 (PostgreSQL NOTIFY, or Redis)."""
 
 import json

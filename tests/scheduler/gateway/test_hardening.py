@@ -1,4 +1,4 @@
-"""The gateway's own request handling (what it answers before any job runs), on a running daphne
+"""The gateway's own request handling (what it answers before any job runs), on a running API server
 behind a (pretend) TLS proxy: numbers that are not finite are a 400 naming the JSON path, never a
 500; its responses carry the security headers Django's own responses carry."""
 
@@ -24,11 +24,11 @@ SECURITY_HEADERS = (
 
 @pytest.fixture(scope="module")
 def base(django_db_setup, django_db_blocker, tmp_path_factory):
-    """daphne alone, once per module: nothing here needs a worker or a model server."""
+    """The API server alone, once per module: nothing here needs a worker or a model server."""
     processes = Processes(tmp_path_factory.mktemp("gateway"))
     try:
         with django_db_blocker.unblock():
-            yield processes.daphne(**DAPHNE_ENV)
+            yield processes.api_server(**DAPHNE_ENV)
     finally:
         processes.stop_all()
 

@@ -1,4 +1,4 @@
-"""API keys as apps use them, against daphne, real workers and real model servers: a key made over
+"""API keys as apps use them, against the API server, real workers and real model servers: a key made over
 the API works with the official `openai` SDK on /v1/ and with plain HTTP on /api/, is bound to its
 models, its slots and its money, and stops working in every API process once revoked. Its secret
 is nowhere to be found afterwards: not in the database, not in a log."""
@@ -61,7 +61,7 @@ def sdk(stack, secret: str, **options) -> OpenAI:
 
 def test_a_key_on_v1_and_api_then_revoked_everywhere_within_a_second(stack, team_a, processes, tmp_path_factory):
     stack.executor(stack.simllm, models=["m", "e"])
-    second = processes.daphne("daphne2")  # another API process, as behind a load balancer
+    second = processes.api_server("api2")  # another API process, as behind a load balancer
     created = make_key(stack, team_a, models=["m"])
     secret = created["key"]
     assert secret.startswith("tm-")
@@ -132,7 +132,7 @@ def assert_nowhere(secret: str, *, logs: Path) -> None:
         ).stdout
         assert "telemachus_apikey" in dump and "telemachus_personaltoken" in dump and needle not in dump
     files = list(logs.rglob("*.log"))
-    assert any(f.name.startswith("daphne") for f in files) and any(f.name.startswith("w1") for f in files)
+    assert any(f.name.startswith("api") for f in files) and any(f.name.startswith("w1") for f in files)
     for log in files:
         assert needle not in log.read_text(errors="replace"), log
 
@@ -188,7 +188,7 @@ def test_a_money_budget_of_a_fraction_of_a_cent(stack, team_a):
 
 
 def test_bad_keys_from_one_address_are_throttled(stack, team_a, processes):
-    base = processes.daphne("daphne-strict", TELEMACHUS_AUTH_FAILURES_PER_ADDRESS="3")
+    base = processes.api_server("api-strict", TELEMACHUS_AUTH_FAILURES_PER_ADDRESS="3")
     for guess in range(3):
         assert http(stack, f"tm-guess{guess}", base).get("/v1/models").status_code == 401
     throttled = http(stack, "tm-guess3", base).get("/v1/models")

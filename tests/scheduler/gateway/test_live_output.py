@@ -40,7 +40,7 @@ def live_stack(processes: Processes, transport: str, on_postgres: bool, apis: in
         env = {"REDIS_URL": url, "REDIS_PREFIX": f"test-{uuid.uuid4().hex[:8]}"}
     server = processes.simllm(latency_ms=500, models="m", output_tokens=8, tokens_per_s=8)
     processes.worker("w", concurrency=8, **WORKER_ENV, **env)
-    return [processes.daphne(f"api{i}", **env) for i in range(apis)], server
+    return [processes.api_server(f"api{i}", **env) for i in range(apis)], server
 
 
 def warm(api: str, user) -> None:

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible endpoint as apps use it: the official `openai` package against daphne,
+"""The OpenAI-compatible endpoint as apps use it: the official `openai` package against the API server,
 real workers and real model servers. Every call is a governed job: queued, placed under caps,
 canceled when its caller leaves."""
 
@@ -356,7 +356,7 @@ class TestErrors:
 
     def test_a_call_that_waits_too_long_is_504_and_canceled(self, stack, alice):
         executor = stack.executor(stack.slow)
-        impatient = stack.processes.daphne("impatient", TELEMACHUS_GATEWAY_TIMEOUT_SECONDS="1.5")
+        impatient = stack.processes.api_server("impatient", TELEMACHUS_GATEWAY_TIMEOUT_SECONDS="1.5")
         client = OpenAI(base_url=f"{impatient}/v1", api_key=token(alice), max_retries=0)
         with pytest.raises(openai.InternalServerError) as caught:
             client.chat.completions.create(model="m", messages=HELLO)

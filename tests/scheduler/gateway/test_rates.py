@@ -1,4 +1,4 @@
-"""Rates at the gateway's entries, on a running daphne: /v1/ calls and opens of the job API's wait
+"""Rates at the gateway's entries, on a running API server: /v1/ calls and opens of the job API's wait
 and stream, per user, each refused past its rate with 429 and Retry-After in its surface's shape."""
 
 import httpx
@@ -16,7 +16,7 @@ def base(django_db_setup, django_db_blocker, tmp_path_factory):
     processes = Processes(tmp_path_factory.mktemp("rates"))
     try:
         with django_db_blocker.unblock():
-            yield processes.daphne(TELEMACHUS_OPENAI_RATE="3/min", TELEMACHUS_STREAM_RATE="3/min")
+            yield processes.api_server(TELEMACHUS_OPENAI_RATE="3/min", TELEMACHUS_STREAM_RATE="3/min")
     finally:
         processes.stop_all()
 

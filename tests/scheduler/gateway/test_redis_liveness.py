@@ -1,7 +1,7 @@
 """With REDIS_URL set, live connections stay up while idle: the channel layer's blocking read
 (BZPOPMIN, 5 s) must not outlast the Redis client's socket timeout, or every idle dashboard socket
 is closed with 1011 and the job feed logs a timeout every few seconds. Against a real Redis on
-127.0.0.1:6379 (a database and key prefix of this test's own), with daphne."""
+127.0.0.1:6379 (a database and key prefix of this test's own), with the API server."""
 
 import asyncio
 import re
@@ -46,7 +46,7 @@ def redis_env():
 
 
 def test_idle_dashboards_and_a_stream_stay_up_for_a_minute(processes, member_setup, operator, redis_env):
-    # Given daphne on a real Redis, an operator's session, and a job nobody runs (no worker)...
+    # Given the API server on a real Redis, an operator's session, and a job nobody runs (no worker)...
     alice = may_chat(member_setup[0])
     browser = Client()
     browser.force_login(operator)
@@ -54,7 +54,7 @@ def test_idle_dashboards_and_a_stream_stay_up_for_a_minute(processes, member_set
     body = chat_body("a")
     job = job_submit(user=alice, team="a", type="chat", requirements=body["requirements"], input=body["input"])
     key = token(alice)
-    base = processes.daphne(**redis_env)
+    base = processes.api_server(**redis_env)
     port = urlparse(base).port
     log_path = next(p.log_path for p in processes.procs if str(port) in str(p.log_path))
 

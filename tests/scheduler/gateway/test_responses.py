@@ -1,5 +1,5 @@
 """OpenAI's Responses API as apps and agents use it: the official `openai` package and the OpenAI
-Agents SDK (its default model, OpenAIResponsesModel) against daphne, real workers and a real model
+Agents SDK (its default model, OpenAIResponsesModel) against the API server, real workers and a real model
 server that speaks chat completions. Every call is a governed `chat` job under the team's caps."""
 
 import asyncio

@@ -1,5 +1,5 @@
 """X-Telemachus-Session on /v1/: the calls of one conversation prefer the executor that served its
-last call (round affinity for apps that run their own agent loop), through daphne, a real worker
+last call (round affinity for apps that run their own agent loop), through the API server, a real worker
 and a real model server."""
 
 import httpx
