@@ -41,6 +41,9 @@ HOSTS = {
 }
 API_HOSTS = ("api1", "api2")
 WORKER_HOSTS = ("worker1", "worker2")
+# Each worker host runs two calls at a time: an executor cap of 4 then binds only when several
+# hosts claim at once, and a worker that frees a slot cannot keep the queue to itself.
+WORKER_CONCURRENCY = 2
 API_PORT, MODEL_PORT, WORKER_METRICS_PORT = 8000, 9100, 9101
 LEASE_SECONDS = 4
 
@@ -136,7 +139,7 @@ class Cluster:
                 "--name",
                 host,
                 "--concurrency",
-                "16",
+                str(WORKER_CONCURRENCY),
                 metrics=True,
                 TELEMACHUS_METRICS_BIND=bind,
             )
