@@ -54,7 +54,7 @@ from telemachus.control.config import (
 )
 from telemachus.control.features import feature_require
 from telemachus.errors import DomainError, TryLater, UnknownModel, ValidationFailed
-from telemachus.locks import Level, rows_lock
+from telemachus.locks import Level, for_update_sql, rows_lock
 from telemachus.models import ApiKey, ConfigVersion, Team
 from telemachus.teams import rbac
 
@@ -473,14 +473,15 @@ def _at_once_sql(jobs: int, teams: int, events: int, wake: bool, pending: bool) 
         else "NULL"
     )
     return (
-        # Each team's row, then its `in` tally row, locked in ascending team order (the VALUES
-        # list is sorted); a row another transaction changed is read again at its latest.
+        # Each team's row (level 0), then its `in` tally row (level 6, nothing is locked after
+        # it), in ascending team order (the VALUES list is sorted); a row another transaction
+        # changed is read again at its latest.
         f"WITH depth AS (SELECT t.id, {depth} AS queued, w.room FROM (VALUES "
         + ", ".join(["(%s::bigint, %s::bigint)"] * teams)
         + f") AS w (team_id, room) JOIN {qn(Team._meta.db_table)} t ON t.id = w.team_id "
         "JOIN scheduler_queue_tally i ON i.team_id = t.id AND i.side = 'in' "
         "JOIN scheduler_queue_tally o ON o.team_id = t.id AND o.side = 'out' "
-        "ORDER BY t.id FOR UPDATE OF t, i), "
+        "ORDER BY t.id" + for_update_sql(level=Level.CONFIGURATION, of="t, i") + "), "
         "go AS (SELECT coalesce((SELECT version FROM "
         f"{qn(ConfigVersion._meta.db_table)} WHERE id = {ConfigVersion.SINGLETON_ID}), 0) = %s "
         "AND count(*) = %s AND coalesce(bool_and(queued <= room), false) AS ok FROM depth), "
