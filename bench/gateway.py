@@ -580,7 +580,8 @@ def report(runs: list[dict], args: argparse.Namespace) -> None:
     transport = "Redis" if args.redis else ("NOTIFY" if args.backend == "postgres" else "none (text at the end)")
     print(
         f"\n{args.backend}, deltas through {transport}; {len(runs)} run(s), "
-        f"{args.requests} requests per way and point ({args.requests // 4} streamed); "
+        f"{args.requests} requests per way and point "
+        f"({f'{args.requests // 4} streamed' if args.stream_concurrency else 'no streaming'}); "
         "a range is the lowest to the highest run\n"
     )
     best_mark = "LiteLLM best (--num_workers)" if proxies else "LiteLLM (not run)"
