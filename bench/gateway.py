@@ -292,15 +292,15 @@ class Way:
 
 async def load(
     url: str, body: dict, *, concurrency: int, total: int, headers: dict[str, str], stream: bool = False
-) -> tuple[list[tuple[float, float, float, int | None]], float]:
+) -> tuple[list[tuple[float, float, float, int | None, int]], float]:
     """`total` requests from `concurrency` clients: (sent at, answered at, latency or time to first
-    token in ms, job id) each, on the wall clock (time.time) so they line up with the job's stamps;
+    token in ms, job id, chunks with text) each, on the wall clock (time.time) so they line up with the job's stamps;
     and the seconds they took together. The clients are made before the clock starts: making one
     (its TLS context) blocks the event loop for milliseconds, which would land on the requests of
     the clients already sending."""
     import httpx
 
-    results: list[tuple[float, float, float, int | None]] = []
+    results: list[tuple[float, float, float, int | None, int]] = []
     left = total
 
     async def client(http: httpx.AsyncClient) -> None:
@@ -312,14 +312,19 @@ async def load(
                 async with http.stream("POST", url, json={**body, "stream": True}, headers=headers) as response:
                     response.raise_for_status()
                     first = None
+                    chunks = 0
                     async for line in response.aiter_lines():
-                        if first is None and has_content(line):
-                            first = (time.perf_counter() - started) * 1000
-                results.append((sent, time.time(), first or 0.0, _job(response)))
+                        if has_content(line):
+                            chunks += 1
+                            if first is None:
+                                first = (time.perf_counter() - started) * 1000
+                if first is None:  # a stream without text has no first token to time
+                    raise RuntimeError(f"{url}: a streamed answer without content")
+                results.append((sent, time.time(), first, _job(response), chunks))
             else:
                 response = await http.post(url, json=body, headers=headers)
                 response.raise_for_status()
-                results.append((sent, time.time(), (time.perf_counter() - started) * 1000, _job(response)))
+                results.append((sent, time.time(), (time.perf_counter() - started) * 1000, _job(response), 1))
 
     clients = [httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=1)) for _ in range(concurrency)]
     try:
@@ -345,7 +350,7 @@ def _job(response) -> int | None:
     return int(job) if job else None
 
 
-def phases(results: list[tuple[float, float, float, int | None]]) -> dict[str, float]:
+def phases(results: list[tuple[float, float, float, int | None, int]]) -> dict[str, float]:
     """Medians of the four phases of a call through Telemachus, from the jobs' timestamps."""
     from scheduler.models import Job
 
@@ -361,7 +366,7 @@ def phases(results: list[tuple[float, float, float, int | None]]) -> dict[str, f
         "started -> finished": [],
         "finished -> answered": [],
     }
-    for sent, answered, _, job in results:
+    for sent, answered, _, job, _ in results:
         if job not in stamps:
             continue
         sub, start, end = (stamp.timestamp() for stamp in stamps[job])
@@ -398,6 +403,8 @@ async def blocks(ways: list[Way], body: dict, *, concurrency: int, total: int, s
             "rps": n / wall,
             "cpu_ms": 1000 * servers_cpu / n if way.servers else None,
             "db_cpu_ms": 1000 * database_cpu / n if way.database else None,
+            # The fewest text chunks in one answer: at 1 the first token is the whole answer.
+            "min_chunks": min(r[4] for r in rows[way.name]),
         }
         if way.name == "telemachus" and not stream:
             out[way.name]["phases"] = await asyncio.to_thread(phases, rows[way.name])
@@ -411,6 +418,8 @@ async def measure(ways: list[Way], latencies: list[int], args: argparse.Namespac
             ("m", "calls", args.concurrency, args.requests),
             ("s", "ttft", args.stream_concurrency, args.requests // 4),
         ):
+            if not concurrencies:  # --stream-concurrency '': no streaming at all, not even its warm-up
+                continue
             body = {**BODY, "model": model(kind, latency)}
             stream = kind == "s"
             for way in ways:  # warm up: connections, first-use caches, the worker's driver
@@ -419,12 +428,16 @@ async def measure(ways: list[Way], latencies: list[int], args: argparse.Namespac
                 block = max(concurrency, requests // BLOCKS)
                 by_way = await blocks(ways, body, concurrency=concurrency, total=block, stream=stream)
                 out[key].append({"latency": latency, "concurrency": concurrency, "ways": by_way})
-                print(f"  {key}, {latency} ms, {concurrency} clients: " + summary(by_way), file=sys.stderr)
+                print(f"  {key}, {latency} ms, {concurrency} clients: " + summary(by_way, stream), file=sys.stderr)
     return out
 
 
-def summary(by_way: dict) -> str:
-    return ", ".join(f"{name} p50 {row['p50']:.1f} p99 {row['p99']:.1f} ms" for name, row in by_way.items())
+def summary(by_way: dict, stream: bool) -> str:
+    return ", ".join(
+        f"{name} p50 {row['p50']:.1f} p99 {row['p99']:.1f} ms"
+        + (f" (at least {row['min_chunks']} text chunks)" if stream else "")
+        for name, row in by_way.items()
+    )
 
 
 def run_once(args: argparse.Namespace, env: dict[str, str], peers: str | None, scratch: Path) -> dict:
@@ -506,7 +519,9 @@ def main() -> None:
         "--requests", type=int, default=1000, help="timed requests per way, latency and concurrency (streamed: 1/4)"
     )
     parser.add_argument("--concurrency", type=integers, default=[1, 8, 32])
-    parser.add_argument("--stream-concurrency", type=integers, default=[1, 32])
+    parser.add_argument(
+        "--stream-concurrency", type=integers, default=[1, 32], help="clients for the first token; '' no streaming"
+    )
     parser.add_argument("--latency-ms", type=integers, default=[0, 50], help="simllm's times to answer")
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument(
@@ -565,7 +580,8 @@ def report(runs: list[dict], args: argparse.Namespace) -> None:
     transport = "Redis" if args.redis else ("NOTIFY" if args.backend == "postgres" else "none (text at the end)")
     print(
         f"\n{args.backend}, deltas through {transport}; {len(runs)} run(s), "
-        f"{args.requests} requests per way and point ({args.requests // 4} streamed); "
+        f"{args.requests} requests per way and point "
+        f"({f'{args.requests // 4} streamed' if args.stream_concurrency else 'no streaming'}); "
         "a range is the lowest to the highest run\n"
     )
     best_mark = "LiteLLM best (--num_workers)" if proxies else "LiteLLM (not run)"
@@ -634,6 +650,7 @@ def report(runs: list[dict], args: argparse.Namespace) -> None:
                 ("calls", "throughput", "rps", args.concurrency),
                 ("calls", "CPU per call", "cpu_ms", args.concurrency),
                 ("ttft", "added first token p50", "p50", args.stream_concurrency),
+                ("ttft", "added first token p99", "p99", args.stream_concurrency),
             ):
                 for c in concurrencies:
                     rows = figures(runs, key, latency, c)
