@@ -94,7 +94,13 @@ def test_with_room_a_flows_rounds_stay_on_one_executor(processes, member_setup, 
         assert sum(calls.values()) == 20
         shares.append(max(calls.values()) / 20)
         per_server.update(calls)
-    assert min(shares) >= 0.95, shares
+    # (On failure: where each flow's rounds ran, and what the executors went through meanwhile:
+    # health or breaker changes take an executor out of placement, which is not "room".)
+    assert min(shares) >= 0.95, (
+        shares,
+        {flow.pk: round_executors(flow) for flow in flows},
+        list(JobEvent.objects.filter(job__isnull=True).values_list("executor__name", "event", "meta")),
+    )
     assert len(+per_server) == 2, per_server
     assert not Slot.objects.exists()
 
