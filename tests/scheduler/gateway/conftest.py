@@ -93,6 +93,25 @@ WORKER_ENV = {
 }
 
 
+@pytest.fixture
+def alice(member_setup):
+    """alice in team a (bob in team b), allowed to chat, and no executor yet."""
+    alice, *_rest, shared = member_setup
+    shared.delete()
+    return may_chat(alice)
+
+
+@pytest.fixture(scope="module")
+def slow_writer(servers, tmp_path_factory):
+    """A model server that writes slowly: half a second between pieces of a tool call's
+    arguments, a second and a half in all, so a test can tell live pieces from the end's."""
+    processes = Processes(tmp_path_factory.mktemp("slow-writer"))
+    try:
+        yield processes.simllm(latency_ms=30, models="m", tokens_per_s=2)
+    finally:
+        processes.stop_all()
+
+
 @pytest.fixture(scope="module")
 def servers(django_db_setup, django_db_blocker, tmp_path_factory):
     """The API server and the model servers, once per module."""

@@ -18,7 +18,7 @@ from scheduler.services.policy import queue_policy_update
 from telemachus.control.features import feature_set
 from telemachus.models import Team
 from tests.processes import wait_until
-from tests.scheduler.gateway.conftest import live_deltas, may_chat, token
+from tests.scheduler.gateway.conftest import live_deltas, token
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -44,13 +44,6 @@ def job_of(message_id: str) -> Job:
 
 def cap_team_a(limit: int) -> None:
     quota_policy_create(scope="team", subject="a", dimension="ai.concurrency", limit=limit)
-
-
-@pytest.fixture
-def alice(member_setup):
-    alice, *_rest, shared = member_setup
-    shared.delete()
-    return may_chat(alice)
 
 
 def test_plain(stack, alice):

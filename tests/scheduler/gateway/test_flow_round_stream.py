@@ -15,7 +15,7 @@ import pytest
 from scheduler.models import Job
 from scheduler.services.submit import job_submit
 from tests.processes import Processes
-from tests.scheduler.gateway.conftest import WORKER_ENV, live_deltas, may_chat, model_executor
+from tests.scheduler.gateway.conftest import WORKER_ENV, live_deltas, model_executor
 from tests.scheduler.gateway.test_jobs import auth, submit
 
 pytestmark = [
@@ -33,13 +33,6 @@ def slow_writer(servers, tmp_path_factory):
         yield processes.simllm(latency_ms=30, models="m", tokens_per_s=5)
     finally:
         processes.stop_all()
-
-
-@pytest.fixture
-def alice(member_setup):
-    alice, *_rest, shared = member_setup
-    shared.delete()
-    return may_chat(alice)
 
 
 def submit_flow(user, rounds: int) -> Job:

@@ -19,13 +19,6 @@ from tests.scheduler.gateway.conftest import may_chat, token
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 
-@pytest.fixture
-def alice(member_setup):
-    alice, *_rest, shared = member_setup
-    shared.delete()
-    return may_chat(alice)
-
-
 def submit(user, *, stream: bool = False, team: str = "a") -> Job:
     body = chat_body(team)
     return job_submit(

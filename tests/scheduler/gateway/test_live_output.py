@@ -11,17 +11,10 @@ import pytest
 from scheduler.models import Job
 from tests.conftest import chat_body
 from tests.processes import Processes
-from tests.scheduler.gateway.conftest import WORKER_ENV, may_chat, model_executor, redis_url, token
+from tests.scheduler.gateway.conftest import WORKER_ENV, model_executor, redis_url, token
 from tests.scheduler.gateway.test_jobs import auth, events, submit
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
-
-
-@pytest.fixture
-def alice(member_setup):
-    alice, *_rest, shared = member_setup
-    shared.delete()
-    return may_chat(alice)
 
 
 TRANSPORTS = ["notify", "redis"]

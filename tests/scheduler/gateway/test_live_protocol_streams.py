@@ -15,8 +15,7 @@ import httpx
 import pytest
 
 from scheduler.models import Job
-from tests.processes import Processes
-from tests.scheduler.gateway.conftest import live_deltas, may_chat, token
+from tests.scheduler.gateway.conftest import live_deltas, token
 
 pytestmark = [
     pytest.mark.slow,
@@ -63,24 +62,6 @@ PROTOCOLS = {
     "responses": (responses, "/v1/responses", {"input": "Paris", "tools": [{"type": "function", "name": "weather", "parameters": PARAMETERS}]}),
     "messages": (messages, "/v1/messages", {"max_tokens": 64, "messages": USER, "tools": [{"name": "weather", "input_schema": PARAMETERS}]}),
 }  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def slow_writer(servers, tmp_path_factory):
-    """A model server that writes slowly: half a second between pieces of a tool call's
-    arguments, a second and a half in all, so the test can tell live pieces from the end's."""
-    processes = Processes(tmp_path_factory.mktemp("slow-writer"))
-    try:
-        yield processes.simllm(latency_ms=30, models="m", tokens_per_s=2)
-    finally:
-        processes.stop_all()
-
-
-@pytest.fixture
-def alice(member_setup):
-    alice, *_rest, shared = member_setup
-    shared.delete()
-    return may_chat(alice)
 
 
 def stream(stack, alice, path: str, body: dict, read) -> tuple[float | None, list[str], float | None, list[str]]:

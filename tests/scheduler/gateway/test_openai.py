@@ -20,7 +20,7 @@ from scheduler.services.policy import queue_policy_update
 from telemachus.control.features import feature_set
 from telemachus.models import Team
 from tests.processes import wait_until
-from tests.scheduler.gateway.conftest import WORKER_ENV, live_deltas, may_chat, token
+from tests.scheduler.gateway.conftest import WORKER_ENV, live_deltas, token
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -45,14 +45,6 @@ def sdk(stack, user, **options) -> OpenAI:
 
 def job_of(completion_id: str) -> Job:
     return Job.objects.get(pk=int(completion_id.removeprefix("chatcmpl-")))
-
-
-@pytest.fixture
-def alice(member_setup):
-    """alice in team a (bob in team b), allowed to chat, and no executor yet."""
-    alice, *_rest, shared = member_setup
-    shared.delete()
-    return may_chat(alice)
 
 
 class TestModels:

@@ -10,8 +10,7 @@ import pytest
 from openai import OpenAI
 
 from scheduler.models import Job
-from tests.processes import Processes
-from tests.scheduler.gateway.conftest import live_deltas, may_chat, token
+from tests.scheduler.gateway.conftest import live_deltas, token
 
 pytestmark = [
     pytest.mark.slow,
@@ -29,23 +28,6 @@ WEATHER = [
         },
     }
 ]
-
-
-@pytest.fixture(scope="module")
-def slow_writer(servers, tmp_path_factory):
-    """A model server that writes a tool call's arguments a piece every half second."""
-    processes = Processes(tmp_path_factory.mktemp("slow-writer"))
-    try:
-        yield processes.simllm(latency_ms=30, models="m", tokens_per_s=2)
-    finally:
-        processes.stop_all()
-
-
-@pytest.fixture
-def alice(member_setup):
-    alice, *_rest, shared = member_setup
-    shared.delete()
-    return may_chat(alice)
 
 
 def assembled(pieces: list) -> list[dict]:
