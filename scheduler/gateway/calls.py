@@ -27,7 +27,7 @@ from django.conf import settings
 
 from executors.contract import EMBEDDINGS_API
 from quotas.models import ZERO, money_text
-from scheduler.core.configuration import configuration
+from scheduler.core.configuration import configuration, grants
 from scheduler.gateway import onehop, shapes
 from scheduler.gateway.asgi import Reply, Request
 from scheduler.gateway.auth import TooManyFailures, client_address, credential_for
@@ -37,7 +37,7 @@ from scheduler.models import Job, JobEvent
 from scheduler.services.cancel import job_cancel
 from scheduler.services.submit import job_submit
 from telemachus import errors
-from telemachus.control.config import config_current, config_snapshot
+from telemachus.control.config import ConfigSnapshot, config_current, config_snapshot
 from telemachus.control.features import OPENAI, feature_require
 from telemachus.http.throttles import caller_ident, rate_parse, rate_take
 from telemachus.models import ApiKey, Team
@@ -202,9 +202,10 @@ class Caller:
 def caller_for(*, authorization: str | None, team: str | None, confirm: bool, address: str) -> Caller:
     """Authenticate the key or token, find the team the call acts for and refuse the call (403
     feature_disabled) if the `openai` switch is off for that team or for everyone: the one point
-    every /v1/ call passes once its caller and team are known. The switches are the cached ones;
-    with `confirm` False, those this process last used, unconfirmed (no query), for a submit,
-    which confirms its configuration and checks the switch again. A refusal is believed only
+    every /v1/ call passes once its caller and team are known. The team, the memberships and the
+    switches are the cached configuration; with `confirm` False, what this process last used,
+    unconfirmed (no query), for a submit, which confirms its configuration and checks membership
+    and the switch again. A refusal (no such team, not a member, switched off) is believed only
     from a confirmed read. Too many bad credentials from `address`: 429 with Retry-After. Each
     call counts against the caller's TELEMACHUS_OPENAI_RATE (429 rate_limit_exceeded past it)."""
     try:
@@ -222,15 +223,16 @@ def caller_for(*, authorization: str | None, team: str | None, confirm: bool, ad
         raise shapes.not_authenticated()
     user = credential.user
     rate_require(user=user)
-    caller = Caller(user=user, team=team_of(user, team), key=credential.key)
     snapshot, fresh = (config_snapshot(), True) if confirm else config_current()
-    try:
-        feature_require(feature=OPENAI, team=caller.team, switches=configuration(snapshot).features)
-    except errors.FeatureDisabled:
-        if fresh:
-            raise
-        feature_require(feature=OPENAI, team=caller.team, switches=configuration(config_snapshot()).features)
-    return caller
+    while True:
+        try:
+            found = team_of(user, team, snapshot)
+            feature_require(feature=OPENAI, team=found, switches=configuration(snapshot).features)
+            return Caller(user=user, team=found, key=credential.key)
+        except (shapes.OpenAIError, errors.FeatureDisabled):
+            if fresh:
+                raise
+            snapshot, fresh = config_snapshot(), True
 
 
 def rate_require(*, user: rbac.Principal) -> None:
@@ -248,17 +250,20 @@ def rate_require(*, user: rbac.Principal) -> None:
         )
 
 
-def team_of(user: rbac.Principal, slug: str | None) -> Team:
+def team_of(user: rbac.Principal, slug: str | None, snapshot: ConfigSnapshot) -> Team:
     """The team named, if the caller may act in it (it reads as not found otherwise, as other
-    teams' objects do), else the caller's only team."""
+    teams' objects do), else the caller's only team. Read from the configuration snapshot (teams
+    and memberships are configuration), so an unchanged configuration costs no query."""
+    teams = configuration(snapshot).teams
+    allowed = grants(snapshot, user)
     if slug:
-        named = rbac.visible_teams(user).filter(slug=slug).first()
-        if named is None:
+        named = configuration(snapshot).team(slug)
+        if named is None or not (allowed.operator or named.pk in allowed.roles):
             raise shapes.OpenAIError(
                 404, f"No team {slug!r} that you belong to.", code="team_not_found", param=TEAM_HEADER, retry=False
             )
         return named
-    mine = list(rbac.member_teams(user)[:2])
+    mine = [teams[pk] for pk in sorted(allowed.roles) if pk in teams][:2]
     if len(mine) == 1:
         return mine[0]
     if not mine:
