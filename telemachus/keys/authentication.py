@@ -1,9 +1,10 @@
 """Who a key or token is: one lookup shared by the REST API (DRF, `CredentialAuthentication`) and
 the gateway's paths (/v1/, job waits and streams: scheduler/gateway/auth.py).
 
-Every request looks its credential up (one indexed query on the digest); nothing is cached, so a
-revoked key or token is refused by every API process from the moment the revoke commits. The
-`last_used_at` stamp is written at most once a minute per credential."""
+Every request looks its credential up (one indexed query on the digest, its SQL compiled once:
+telemachus/compiled.py); no credential is cached, so a revoked key or token is refused by every
+API process from the moment the revoke commits. The `last_used_at` stamp is written at most once
+a minute per credential."""
 
 from dataclasses import dataclass
 from datetime import timedelta
@@ -16,6 +17,7 @@ from rest_framework.exceptions import AuthenticationFailed, Throttled
 from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 
+from telemachus.compiled import CompiledQuery
 from telemachus.keys.digests import is_api_key, secret_digests
 from telemachus.keys.failures import auth_failure_record, auth_retry_after
 from telemachus.keys.models import ApiKey, PersonalToken
@@ -67,15 +69,22 @@ def credential_authenticate(*, secret: str, address: str) -> Credential | None:
     return found
 
 
+# A digest is unique: at most one row matches, so no ordering is asked for.
+_KEY_BY_DIGEST = CompiledQuery(
+    lambda digests: ApiKey.objects.select_related("principal", "team").filter(
+        digest__in=digests, revoked_at__isnull=True
+    )[:1]
+)
+_TOKEN_BY_DIGEST = CompiledQuery(
+    lambda digests: PersonalToken.objects.select_related("user").filter(digest__in=digests)[:1]
+)
+
+
 def _lookup(secret: str) -> Credential | None:
     now = timezone.now()
     digests = secret_digests(secret)
     if is_api_key(secret):
-        key = (
-            ApiKey.objects.select_related("principal", "team")
-            .filter(digest__in=digests, revoked_at__isnull=True)
-            .first()
-        )
+        key = _KEY_BY_DIGEST.first(digests=digests)
         if key is None or key.principal is None or not key.principal.is_active:
             return None
         if key.expires_at is not None and key.expires_at <= now:
@@ -83,7 +92,7 @@ def _lookup(secret: str) -> Credential | None:
         if key.last_used_at is None or now - key.last_used_at >= LAST_USED_EVERY:
             ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
         return Credential(user=key.principal, key=key)
-    token = PersonalToken.objects.select_related("user").filter(digest__in=digests).first()
+    token = _TOKEN_BY_DIGEST.first(digests=digests)
     if token is None or not token.user.is_active:
         return None
     if token.last_used_at is None or now - token.last_used_at >= LAST_USED_EVERY:
