@@ -4,12 +4,15 @@ what it cannot compile rather than give other rows."""
 from datetime import timedelta
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
+from django.db.models.functions import Now
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from telemachus.compiled import CompiledQuery
+from telemachus.control.config import version_annotation
 from telemachus.keys.models import ApiKey
+from telemachus.locks import Level, rows_lock
 from telemachus.models import Team
 
 pytestmark = pytest.mark.django_db
@@ -90,3 +93,26 @@ def test_a_value_its_lookup_rewrites_is_refused(keys):
     query = CompiledQuery(lambda name: ApiKey.objects.filter(name__icontains=name))
     with pytest.raises(ValueError, match="rewritten"):
         query(name="k")
+
+
+def test_annotations_deferred_fields_and_row_locks(keys):
+    def build(ids):
+        return (
+            rows_lock(ApiKey.objects, level=Level.JOB, of=("self",))
+            .filter(pk__in=ids)
+            .annotate(db_now=Now(), config_version=version_annotation())
+            .order_by("pk")
+            .only("pk", "name", "team_id")
+        )
+
+    query = CompiledQuery(build)
+    ids = [key.pk for key in keys[1:]]
+    with transaction.atomic():
+        compiled, orm = query(ids=ids), list(build(ids))
+    assert [(k.pk, k.name, k.team_id, k.config_version) for k in compiled] == [
+        (k.pk, k.name, k.team_id, k.config_version) for k in orm
+    ]
+    assert all(k.db_now is not None for k in compiled)
+    assert (
+        compiled[0].get_deferred_fields() == orm[0].get_deferred_fields() and "digest" in orm[0].get_deferred_fields()
+    )
