@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     VersionedJob = WithAnnotations[Job, Versioned]
 
 
-def lock_claim(*, as_stored: bool = False) -> tuple[QueuePolicy, datetime]:
+def lock_claim(*, as_stored: bool = False, commit_unflushed: bool = False) -> tuple[QueuePolicy, datetime]:
     """Lock the claim lock, then read the database clock, with what costs nothing more in the same
     statement: the configuration version (`policy.config_version`, scheduler/core/configuration.py) and
     when the next retry's backoff ends (`policy.next_retry`, job_retry_idx) and whether any tool job
@@ -46,6 +46,9 @@ def lock_claim(*, as_stored: bool = False) -> tuple[QueuePolicy, datetime]:
     stands: any change to it moves the version, and a change cannot commit while the lock is held.
     It comes back as the scheduler may use it (scheduler/core/bounds.py: an out-of-bounds stored
     value is replaced, never trusted); `as_stored` reads the row as it is, for its editor.
+    `commit_unflushed` (the claim's): on PostgreSQL the same statement sets `synchronous_commit`
+    off for this transaction, so its commit does not wait for the WAL flush (why that is safe for
+    a claim: docs/gateway.md, "The claim's commit").
 
     Must run inside a transaction. The time is the database's, so leases do not depend on the
     worker hosts' clocks agreeing, and it is read once the lock is held: a statement's timestamp is
@@ -62,8 +65,9 @@ def lock_claim(*, as_stored: bool = False) -> tuple[QueuePolicy, datetime]:
             # not have it. Creating it concurrently is harmless: one insert wins, the other is ignored.
             QueuePolicy.objects.bulk_create([QueuePolicy(pk=QueuePolicy.SINGLETON_ID)], ignore_conflicts=True)
             cursor.execute(lock, [QueuePolicy.SINGLETON_ID])
-        cursor.execute(_CLOCK_SQL[connection.vendor == "postgresql"])
-        now, version, next_retry, tools_queued = cursor.fetchone()
+        postgres = connection.vendor == "postgresql"
+        cursor.execute(_CLOCK_SQL[postgres] + (_UNFLUSHED_SQL if postgres and commit_unflushed else ""))
+        now, version, next_retry, tools_queued, *_ = cursor.fetchone()
     if connection.vendor != "postgresql":
         # SQLite's operations convert its text timestamps; the base class has no such method.
         now, next_retry = (
@@ -92,6 +96,8 @@ def _clock_sql(now: str) -> str:
 
 # By vendor (PostgreSQL or not): the clock, the configuration version and the next retry.
 _CLOCK_SQL = {True: _clock_sql("STATEMENT_TIMESTAMP()"), False: _clock_sql("STRFTIME('%Y-%m-%d %H:%M:%f', 'NOW')")}
+# SET LOCAL synchronous_commit = off, as a column of the clock's statement (no round trip of its own).
+_UNFLUSHED_SQL = ", set_config('synchronous_commit', 'off', true)"
 
 
 def lock_job(job_id: int) -> "ClockedJob | None":
