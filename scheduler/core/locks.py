@@ -7,9 +7,10 @@ from datetime import datetime
 from typing import TYPE_CHECKING, TypedDict
 
 from django.db import connection
-from django.db.models import Q
+from django.db.models import OuterRef, Q, Subquery
 from django.db.models.functions import Now
 
+from executors.models import Executor
 from scheduler.core.configuration import policy_record
 from scheduler.models import Job, QueuePolicy
 from telemachus.control.config import config_at, version_annotation
@@ -29,11 +30,18 @@ class Versioned(Clocked):
     config_version: int
 
 
+class Finishing(Versioned):
+    """What `lock_jobs_to_finish` adds: the failures its executor's breaker has counted."""
+
+    executor_failures: int | None
+
+
 if TYPE_CHECKING:
     from django_stubs_ext import WithAnnotations
 
     ClockedJob = WithAnnotations[Job, Clocked]
     VersionedJob = WithAnnotations[Job, Versioned]
+    FinishedJob = WithAnnotations[Job, Finishing]
 
 
 def lock_claim(*, as_stored: bool = False, commit_unflushed: bool = False) -> tuple[QueuePolicy, datetime]:
@@ -125,14 +133,16 @@ def lock_jobs_versioned(job_ids: Sequence[int]) -> "list[VersionedJob]":
     )
 
 
-def lock_jobs_to_finish(job_ids: Sequence[int]) -> "list[VersionedJob]":
+def lock_jobs_to_finish(job_ids: Sequence[int]) -> "list[FinishedJob]":
     """Lock job rows (level 3) in ascending id, for the finish of a batch: with the database clock
-    and the configuration version read in the same statement, and only the columns a finish reads
-    (the batch's hot path). Must run inside a transaction."""
+    and the configuration version read in the same statement, the failures its executor's breaker
+    has counted (read, not locked: executor rows are never locked with job rows), and only the
+    columns a finish reads (the batch's hot path). Must run inside a transaction."""
+    failures = Executor.objects.filter(pk=OuterRef("executor_id")).values("consecutive_failures")[:1]
     return list(
         rows_lock(Job.objects, level=Level.JOB, of=("self",))
         .filter(pk__in=sorted(job_ids))
-        .annotate(db_now=Now(), config_version=version_annotation())
+        .annotate(db_now=Now(), config_version=version_annotation(), executor_failures=Subquery(failures))
         .order_by("pk")
         .only(*FINISH_READS)
     )

@@ -216,12 +216,12 @@ class OwnCalls:
                 if any(report.executor_fault for report in reports):
                     async with self.breaker_gate:
                         finished = await self._finish(outcomes)
-                        await self._breaker(reports)
+                        await self._breaker(reports, finished)
                     self._all_ended(batch, finished)
                 else:
                     finished = await self._finish(outcomes)
                     self._all_ended(batch, finished)
-                    await self._breaker(reports)
+                    await self._breaker(reports, finished)
             except Exception as exc:  # not an outage (_finish rides those out): recovery takes them
                 log.error("finishing %d in-process call(s) failed (%s); left to recovery", len(batch), exc)
                 self._all_ended(batch, None)
@@ -259,9 +259,10 @@ class OwnCalls:
                 log.error("jobs %s: results could not be stored (%s); left to recovery", jobs, exc)
                 return None
 
-    async def _breaker(self, reports: list[DispatchReport]) -> None:
+    async def _breaker(self, reports: list[DispatchReport], finished: FinishReport | None) -> None:
+        clean = finished.clean if finished is not None else frozenset()
         try:
-            events = await db(breaker_record, reports=reports)
+            events = await db(breaker_record, reports=reports, clean=clean)
         except DatabaseError as exc:
             log.warning("could not record a dispatch outcome for the breaker (%s)", exc)
             return

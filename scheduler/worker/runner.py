@@ -403,14 +403,14 @@ class Worker:
                 # hearing of it (the breaker may take the executor out of placement).
                 async with self.breaker_gate:
                     report = await self._finish(batch)
-                    breaker_events = await self._breaker_record(dispatches)
+                    breaker_events = await self._breaker_record(dispatches, clean=report.clean)
                 self._finished(batch, report)
             else:
                 # Claim again as soon as the results are in; the breaker only records that the
                 # executors answered.
                 report = await self._finish(batch)
                 self._finished(batch, report)
-                breaker_events = await self._breaker_record(dispatches)
+                breaker_events = await self._breaker_record(dispatches, clean=report.clean)
             for event in breaker_events:
                 log.warning("executor %s: %s %s", event.meta.get("executor_name"), event.event, event.meta)
 
@@ -498,12 +498,14 @@ class Worker:
         for event in await self._breaker_record(dispatches):
             log.warning("executor %s: %s %s", event.meta.get("executor_name"), event.event, event.meta)
 
-    async def _breaker_record(self, dispatches: list[DispatchReport]) -> list[ExecutorEvent]:
+    async def _breaker_record(
+        self, dispatches: list[DispatchReport], *, clean: frozenset[int] = frozenset()
+    ) -> list[ExecutorEvent]:
         """Feed the breakers, in a transaction of its own after the finish's (job rows and executor
         rows are never locked together: scheduler/core/locks.py). A failed write is logged, never
         retried with the finish (that would refuse the results the first attempt wrote)."""
         try:
-            return await self.held_db(breaker_record, reports=dispatches)
+            return await self.held_db(breaker_record, reports=dispatches, clean=clean)
         except DatabaseError as exc:
             log.warning("could not record dispatch outcomes for the breaker (%s)", exc)
             return []
