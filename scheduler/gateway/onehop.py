@@ -47,7 +47,7 @@ from scheduler.services.events import job_step_record
 from scheduler.services.finish import FinishReport, Outcome, jobs_finish
 from scheduler.services.lease import leases_renew
 from scheduler.worker.dispatch import model_call_outcome, pooled_driver
-from scheduler.worker.runner import worker_database_settings
+from scheduler.worker.runner import database_outage, worker_database_settings
 from telemachus.control import notify
 
 log = logging.getLogger("telemachus.gateway")
@@ -340,8 +340,21 @@ def _claim_connection() -> None:
 
 
 def _claim_call(*, worker: str, only: frozenset[int], limit: int) -> Any:
-    close_old_connections()
-    return job_claim(worker=worker, only=only, limit=limit)
+    """The claim, on the claim thread's connection. That connection is not pinged before each
+    claim (the worker's settings turn CONN_HEALTH_CHECKS off: a round trip per claim); one found
+    broken by the claim itself (the server restarted, the session was ended) is closed and the
+    claim tried once more on a new connection. The failed claim changed nothing, unless its commit
+    reached the server before the connection broke: then its jobs are running under a lease nobody
+    holds, the second claim does not find them queued, and recovery takes them back when the lease
+    expires, as it would have without the second try."""
+    close_old_connections()  # one that saw an error and no longer answers: closed, reopened
+    try:
+        return job_claim(worker=worker, only=only, limit=limit)
+    except DatabaseError as exc:
+        if not database_outage(exc):
+            raise
+        connection.close()
+        return job_claim(worker=worker, only=only, limit=limit)
 
 
 async def _step_record(claim: Claim, meta: dict[str, Any]) -> None:

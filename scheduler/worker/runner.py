@@ -651,8 +651,14 @@ def _persistent_connection() -> None:
 
 
 def worker_database_settings(settings_dict: dict[str, Any]) -> dict[str, Any]:
-    """A worker's connection settings, from the process's: no pool, kept open, and on PostgreSQL
+    """A worker's connection settings, from the process's: no pool, kept open, not pinged before
+    each use (CONN_HEALTH_CHECKS off: Django would send `SELECT 1` before the first statement after
+    every `close_old_connections()`, a round trip before each claim and finish), and on PostgreSQL
     `idle_in_transaction_session_timeout` (TELEMACHUS_WORKER_IDLE_IN_TRANSACTION_SECONDS). A
+    connection used only by its own loop is checked on error instead: a call that finds it broken
+    fails as an outage (`database_outage`), which the loop retries or backs off from, and the next
+    `close_old_connections()` closes it (Django flags a connection that saw an error), so the retry
+    reconnects (tests/concurrency/test_faults.py cuts them fifty times, and restarts the server). A
     worker frozen mid-transaction (stopped, swapped out, stuck in a pause) would otherwise hold its
     locks until it resumes, the claim lock included, and every claim on every host would wait; the
     server ends such a session after the timeout, its transaction rolled back, and the worker's
@@ -668,7 +674,7 @@ def worker_database_settings(settings_dict: dict[str, Any]) -> dict[str, Any]:
     if postgres and timeout > 0 and not settings.TELEMACHUS_PGBOUNCER:
         flag = f"-c idle_in_transaction_session_timeout={math.ceil(timeout * 1000)}"
         options["options"] = f"{options.get('options', '')} {flag}".strip()
-    return {**settings_dict, "OPTIONS": options, "CONN_MAX_AGE": None}
+    return {**settings_dict, "OPTIONS": options, "CONN_MAX_AGE": None, "CONN_HEALTH_CHECKS": False}
 
 
 def _close_connection() -> None:
