@@ -12,7 +12,8 @@ so they run after the finish that produced the outcomes, not inside it.
 The events are stored by whoever installs a recorder (`events_recorder_install`; the scheduler
 writes them as job-less JobEvent rows), so this module does not know where they go."""
 
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -71,19 +72,40 @@ class DispatchReport:
     executor_fault: bool = False
 
 
-def breaker_record(*, reports: Sequence[DispatchReport]) -> list[ExecutorEvent]:
+# When this process last stamped each executor's `last_seen` from a dispatch that found its breaker
+# closed with no failure counted (time.monotonic(), by executor id).
+_last_seen_stamped: dict[int, float] = {}
+LAST_SEEN_EVERY = 1.0  # seconds
+
+
+def breaker_record(*, reports: Sequence[DispatchReport], clean: Collection[int] = ()) -> list[ExecutorEvent]:
     """Apply dispatch outcomes to the executors' breakers, in order; returns the events written.
 
     A success (or a failure that is the request's fault, like a 400: the server answered) resets
     the count and closes an open or half-open breaker. An executor fault counts; the K-th in a row
-    opens a closed breaker, and any fault reopens a half-open one (the trial failed)."""
+    opens a closed breaker, and any fault reopens a half-open one (the trial failed).
+
+    `clean`: executors the caller saw, in the finish of these dispatches (`FinishReport.clean`),
+    with their breaker closed and no failure counted. When every report is an answer from such an
+    executor, the only thing left to write is `last_seen`, which this process stamps at most once
+    every LAST_SEEN_EVERY seconds per executor: a call on a busy executor then costs no statement
+    and no commit here. A fault is always written at once, and a success from an executor the
+    finish did not see clean (a count to reset, a half-open breaker to close) too; what the skip
+    can miss is a failure another process records between the finish's read and this call, a
+    moment as long as the existing one between a dispatch's end and its report."""
     if not reports:
         return []
     if all(r.ok or not r.executor_fault for r in reports):
         # The usual case, every server answered and no breaker to reset: one statement, no lock.
         answered = {r.executor_id for r in reports}
+        started = time.monotonic()
+        if answered.issubset(clean) and all(
+            started - _last_seen_stamped.get(pk, float("-inf")) < LAST_SEEN_EVERY for pk in answered
+        ):
+            return []
         closed = Executor.objects.filter(pk__in=answered, breaker=Executor.Breaker.CLOSED, consecutive_failures=0)
         if closed.update(last_seen=Now()) == len(answered):
+            _last_seen_stamped.update(dict.fromkeys(answered, started))
             return []
     threshold = settings.TELEMACHUS_BREAKER_THRESHOLD
     cooldown = timedelta(seconds=settings.TELEMACHUS_BREAKER_COOLDOWN_SECONDS)
@@ -134,6 +156,11 @@ def breaker_record(*, reports: Sequence[DispatchReport]) -> list[ExecutorEvent]:
         if events:
             changes_notify("breaker")
     return events
+
+
+def last_seen_stamps_forget() -> None:
+    """Forget when `last_seen` was stamped (tests: a new database may reuse an executor's id)."""
+    _last_seen_stamped.clear()
 
 
 def breaker_trial_started(*, executor: Executor, now: datetime) -> None:

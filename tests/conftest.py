@@ -6,6 +6,7 @@ from django.core.cache import cache
 from django.db import connection
 from rest_framework.test import APIClient
 
+from executors.health import last_seen_stamps_forget
 from executors.models import Executor
 from telemachus.control.config import config_cache_clear
 from telemachus.models import Team
@@ -37,6 +38,15 @@ def fresh_configuration_cache():
     config_cache_clear()
     yield
     config_cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def fresh_last_seen_stamps():
+    """Executors' `last_seen` stamps (executors/health.py) do not carry from one test to the next,
+    whose database may give a new executor an id an earlier test's had."""
+    last_seen_stamps_forget()
+    yield
+    last_seen_stamps_forget()
 
 
 @pytest.fixture(autouse=True)

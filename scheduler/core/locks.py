@@ -7,9 +7,10 @@ from datetime import datetime
 from typing import TYPE_CHECKING, TypedDict
 
 from django.db import connection
-from django.db.models import Q
+from django.db.models import OuterRef, Q, Subquery
 from django.db.models.functions import Now
 
+from executors.models import Executor
 from scheduler.core.configuration import policy_record
 from scheduler.models import Job, QueuePolicy
 from telemachus.compiled import CompiledQuery
@@ -30,14 +31,21 @@ class Versioned(Clocked):
     config_version: int
 
 
+class Finishing(Versioned):
+    """What `lock_jobs_to_finish` adds: the failures its executor's breaker has counted."""
+
+    executor_failures: int | None
+
+
 if TYPE_CHECKING:
     from django_stubs_ext import WithAnnotations
 
     ClockedJob = WithAnnotations[Job, Clocked]
     VersionedJob = WithAnnotations[Job, Versioned]
+    FinishedJob = WithAnnotations[Job, Finishing]
 
 
-def lock_claim(*, as_stored: bool = False) -> tuple[QueuePolicy, datetime]:
+def lock_claim(*, as_stored: bool = False, commit_unflushed: bool = False) -> tuple[QueuePolicy, datetime]:
     """Lock the claim lock, then read the database clock, with what costs nothing more in the same
     statement: the configuration version (`policy.config_version`, scheduler/core/configuration.py) and
     when the next retry's backoff ends (`policy.next_retry`, job_retry_idx) and whether any tool job
@@ -47,6 +55,9 @@ def lock_claim(*, as_stored: bool = False) -> tuple[QueuePolicy, datetime]:
     stands: any change to it moves the version, and a change cannot commit while the lock is held.
     It comes back as the scheduler may use it (scheduler/core/bounds.py: an out-of-bounds stored
     value is replaced, never trusted); `as_stored` reads the row as it is, for its editor.
+    `commit_unflushed` (the claim's): on PostgreSQL the same statement sets `synchronous_commit`
+    off for this transaction, so its commit does not wait for the WAL flush (why that is safe for
+    a claim: docs/gateway.md, "The claim's commit").
 
     Must run inside a transaction. The time is the database's, so leases do not depend on the
     worker hosts' clocks agreeing, and it is read once the lock is held: a statement's timestamp is
@@ -63,8 +74,9 @@ def lock_claim(*, as_stored: bool = False) -> tuple[QueuePolicy, datetime]:
             # not have it. Creating it concurrently is harmless: one insert wins, the other is ignored.
             QueuePolicy.objects.bulk_create([QueuePolicy(pk=QueuePolicy.SINGLETON_ID)], ignore_conflicts=True)
             cursor.execute(lock, [QueuePolicy.SINGLETON_ID])
-        cursor.execute(_CLOCK_SQL[connection.vendor == "postgresql"])
-        now, version, next_retry, tools_queued = cursor.fetchone()
+        postgres = connection.vendor == "postgresql"
+        cursor.execute(_CLOCK_SQL[postgres] + (_UNFLUSHED_SQL if postgres and commit_unflushed else ""))
+        now, version, next_retry, tools_queued, *_ = cursor.fetchone()
     if connection.vendor != "postgresql":
         # SQLite's operations convert its text timestamps; the base class has no such method.
         now, next_retry = (
@@ -93,6 +105,8 @@ def _clock_sql(now: str) -> str:
 
 # By vendor (PostgreSQL or not): the clock, the configuration version and the next retry.
 _CLOCK_SQL = {True: _clock_sql("STATEMENT_TIMESTAMP()"), False: _clock_sql("STRFTIME('%Y-%m-%d %H:%M:%f', 'NOW')")}
+# SET LOCAL synchronous_commit = off, as a column of the clock's statement (no round trip of its own).
+_UNFLUSHED_SQL = ", set_config('synchronous_commit', 'off', true)"
 
 
 def lock_job(job_id: int) -> "ClockedJob | None":
@@ -120,11 +134,12 @@ def lock_jobs_versioned(job_ids: Sequence[int]) -> "list[VersionedJob]":
     )
 
 
-def lock_jobs_to_finish(job_ids: Sequence[int]) -> "list[VersionedJob]":
+def lock_jobs_to_finish(job_ids: Sequence[int]) -> "list[FinishedJob]":
     """Lock job rows (level 3) in ascending id, for the finish of a batch: with the database clock
-    and the configuration version read in the same statement, and only the columns a finish reads
-    (the batch's hot path: its SQL is compiled once per batch size, telemachus/compiled.py). Must run
-    inside a transaction."""
+    and the configuration version read in the same statement, the failures its executor's breaker
+    has counted (read, not locked: executor rows are never locked with job rows), and only the
+    columns a finish reads (the batch's hot path: its SQL is compiled once per batch size,
+    telemachus/compiled.py). Must run inside a transaction."""
     return _JOBS_TO_FINISH(ids=sorted(job_ids))
 
 
@@ -153,7 +168,13 @@ _JOBS_TO_FINISH = CompiledQuery(
     lambda ids: (
         rows_lock(Job.objects, level=Level.JOB, of=("self",))
         .filter(pk__in=ids)
-        .annotate(db_now=Now(), config_version=version_annotation())
+        .annotate(
+            db_now=Now(),
+            config_version=version_annotation(),
+            executor_failures=Subquery(
+                Executor.objects.filter(pk=OuterRef("executor_id")).values("consecutive_failures")[:1]
+            ),
+        )
         .order_by("pk")
         .only(*FINISH_READS)
     )

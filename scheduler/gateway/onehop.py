@@ -47,7 +47,7 @@ from scheduler.services.events import job_step_record
 from scheduler.services.finish import FinishReport, Outcome, jobs_finish
 from scheduler.services.lease import leases_renew
 from scheduler.worker.dispatch import model_call_outcome, pooled_driver
-from scheduler.worker.runner import worker_database_settings
+from scheduler.worker.runner import database_outage, worker_database_settings
 from telemachus.control import notify
 
 log = logging.getLogger("telemachus.gateway")
@@ -216,12 +216,12 @@ class OwnCalls:
                 if any(report.executor_fault for report in reports):
                     async with self.breaker_gate:
                         finished = await self._finish(outcomes)
-                        await self._breaker(reports)
+                        await self._breaker(reports, finished)
                     self._all_ended(batch, finished)
                 else:
                     finished = await self._finish(outcomes)
                     self._all_ended(batch, finished)
-                    await self._breaker(reports)
+                    await self._breaker(reports, finished)
             except Exception as exc:  # not an outage (_finish rides those out): recovery takes them
                 log.error("finishing %d in-process call(s) failed (%s); left to recovery", len(batch), exc)
                 self._all_ended(batch, None)
@@ -259,9 +259,10 @@ class OwnCalls:
                 log.error("jobs %s: results could not be stored (%s); left to recovery", jobs, exc)
                 return None
 
-    async def _breaker(self, reports: list[DispatchReport]) -> None:
+    async def _breaker(self, reports: list[DispatchReport], finished: FinishReport | None) -> None:
+        clean = finished.clean if finished is not None else frozenset()
         try:
-            events = await db(breaker_record, reports=reports)
+            events = await db(breaker_record, reports=reports, clean=clean)
         except DatabaseError as exc:
             log.warning("could not record a dispatch outcome for the breaker (%s)", exc)
             return
@@ -339,8 +340,21 @@ def _claim_connection() -> None:
 
 
 def _claim_call(*, worker: str, only: frozenset[int], limit: int) -> Any:
-    close_old_connections()
-    return job_claim(worker=worker, only=only, limit=limit)
+    """The claim, on the claim thread's connection. That connection is not pinged before each
+    claim (the worker's settings turn CONN_HEALTH_CHECKS off: a round trip per claim); one found
+    broken by the claim itself (the server restarted, the session was ended) is closed and the
+    claim tried once more on a new connection. The failed claim changed nothing, unless its commit
+    reached the server before the connection broke: then its jobs are running under a lease nobody
+    holds, the second claim does not find them queued, and recovery takes them back when the lease
+    expires, as it would have without the second try."""
+    close_old_connections()  # one that saw an error and no longer answers: closed, reopened
+    try:
+        return job_claim(worker=worker, only=only, limit=limit)
+    except DatabaseError as exc:
+        if not database_outage(exc):
+            raise
+        connection.close()
+        return job_claim(worker=worker, only=only, limit=limit)
 
 
 async def _step_record(claim: Claim, meta: dict[str, Any]) -> None:

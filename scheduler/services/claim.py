@@ -74,9 +74,14 @@ def job_claim(*, worker: str, limit: int = 1, only: Collection[int] | None = Non
     3) with SKIP LOCKED, so a job being canceled at this moment is skipped, not waited for. Writes
     a Slot and a lease per job, marks it running, records `placed` and `started`. Never calls an
     executor: dispatch happens after commit. Then starts queued tool jobs, which need no slot, in
-    what is left of `limit`."""
+    what is left of `limit`.
+
+    On PostgreSQL the commit does not wait for its WAL to reach the disk (synchronous_commit off
+    for this transaction only): a claim lost in a server crash is lost whole, its jobs queued as
+    before it, and the finish that would follow is refused by the lease; any later synchronous
+    commit flushes it first. The reasoning: docs/gateway.md, "The claim's commit"."""
     with transaction.atomic(durable=True):
-        record, now = lock_claim()
+        record, now = lock_claim(commit_unflushed=True)
         state = ClaimState.load(policy=record, now=now)
         chosen: list[tuple[Job, ExecutorView]] = []
         deferred: dict[int, tuple[Job, Account]] = {}

@@ -47,6 +47,9 @@ class FinishReport:
     # What each accepted job cost in all (its attempts so far), for an answer made from the
     # report without reading the job again (scheduler/gateway/onehop.py).
     costs: dict[int, Decimal] = field(default_factory=dict)
+    # Executors of the jobs it finished or requeued whose breaker it saw closed with no failure
+    # counted, for the breaker's report (executors/health.py `breaker_record`, `clean`).
+    clean: frozenset[int] = frozenset()
 
 
 def retry_delay(*, attempt: int, retry_after: float | None) -> float:
@@ -173,6 +176,15 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
         refused=refused,
         retrying=[row["id"] for row in retrying],
         costs={job.pk: job.cost for job in finished},
+        clean=frozenset(
+            executor.pk
+            for job_id, job in held.items()
+            if job_id not in refused
+            and job.executor_failures == 0
+            and job.executor_id is not None
+            and (executor := executors.get(job.executor_id)) is not None
+            and executor.breaker == executor.Breaker.CLOSED
+        ),
     )
 
 

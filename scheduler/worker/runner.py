@@ -403,14 +403,14 @@ class Worker:
                 # hearing of it (the breaker may take the executor out of placement).
                 async with self.breaker_gate:
                     report = await self._finish(batch)
-                    breaker_events = await self._breaker_record(dispatches)
+                    breaker_events = await self._breaker_record(dispatches, clean=report.clean)
                 self._finished(batch, report)
             else:
                 # Claim again as soon as the results are in; the breaker only records that the
                 # executors answered.
                 report = await self._finish(batch)
                 self._finished(batch, report)
-                breaker_events = await self._breaker_record(dispatches)
+                breaker_events = await self._breaker_record(dispatches, clean=report.clean)
             for event in breaker_events:
                 log.warning("executor %s: %s %s", event.meta.get("executor_name"), event.event, event.meta)
 
@@ -498,12 +498,14 @@ class Worker:
         for event in await self._breaker_record(dispatches):
             log.warning("executor %s: %s %s", event.meta.get("executor_name"), event.event, event.meta)
 
-    async def _breaker_record(self, dispatches: list[DispatchReport]) -> list[ExecutorEvent]:
+    async def _breaker_record(
+        self, dispatches: list[DispatchReport], *, clean: frozenset[int] = frozenset()
+    ) -> list[ExecutorEvent]:
         """Feed the breakers, in a transaction of its own after the finish's (job rows and executor
         rows are never locked together: scheduler/core/locks.py). A failed write is logged, never
         retried with the finish (that would refuse the results the first attempt wrote)."""
         try:
-            return await self.held_db(breaker_record, reports=dispatches)
+            return await self.held_db(breaker_record, reports=dispatches, clean=clean)
         except DatabaseError as exc:
             log.warning("could not record dispatch outcomes for the breaker (%s)", exc)
             return []
@@ -649,8 +651,14 @@ def _persistent_connection() -> None:
 
 
 def worker_database_settings(settings_dict: dict[str, Any]) -> dict[str, Any]:
-    """A worker's connection settings, from the process's: no pool, kept open, and on PostgreSQL
+    """A worker's connection settings, from the process's: no pool, kept open, not pinged before
+    each use (CONN_HEALTH_CHECKS off: Django would send `SELECT 1` before the first statement after
+    every `close_old_connections()`, a round trip before each claim and finish), and on PostgreSQL
     `idle_in_transaction_session_timeout` (TELEMACHUS_WORKER_IDLE_IN_TRANSACTION_SECONDS). A
+    connection used only by its own loop is checked on error instead: a call that finds it broken
+    fails as an outage (`database_outage`), which the loop retries or backs off from, and the next
+    `close_old_connections()` closes it (Django flags a connection that saw an error), so the retry
+    reconnects (tests/concurrency/test_faults.py cuts them fifty times, and restarts the server). A
     worker frozen mid-transaction (stopped, swapped out, stuck in a pause) would otherwise hold its
     locks until it resumes, the claim lock included, and every claim on every host would wait; the
     server ends such a session after the timeout, its transaction rolled back, and the worker's
@@ -666,7 +674,7 @@ def worker_database_settings(settings_dict: dict[str, Any]) -> dict[str, Any]:
     if postgres and timeout > 0 and not settings.TELEMACHUS_PGBOUNCER:
         flag = f"-c idle_in_transaction_session_timeout={math.ceil(timeout * 1000)}"
         options["options"] = f"{options.get('options', '')} {flag}".strip()
-    return {**settings_dict, "OPTIONS": options, "CONN_MAX_AGE": None}
+    return {**settings_dict, "OPTIONS": options, "CONN_MAX_AGE": None, "CONN_HEALTH_CHECKS": False}
 
 
 def _close_connection() -> None:

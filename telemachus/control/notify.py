@@ -35,7 +35,8 @@ tells the worker when the next of those is due, so nobody needs to send anything
 This module is in the lowest layer because every layer sends: configuration triggers and the
 audit log here, breaker and health changes in executors, the job services in scheduler."""
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import dj_database_url
@@ -89,18 +90,37 @@ def changes_notify(what: str) -> None:
             cursor.execute("SELECT pg_notify(%s, %s)", [CHANGES_CHANNEL, what])
 
 
-def notify_job_watchers(changes: Iterable[tuple[int, str]]) -> None:
-    """Queue a "changed" notice for API processes watching these jobs: (job id, event) pairs, the
-    last event of each job kept. One statement per call, however many jobs. Call inside the
+@contextmanager
+def job_watchers_told(changes: Iterable[tuple[int, str]]) -> Iterator[None]:
+    """Queue a "changed" notice for API processes watching these jobs, (job id, event) pairs with
+    the last event of each job kept, from the first statement run inside the block (the caller's
+    INSERT of the events that record the changes), so the notice costs no round trip of its own:
+    that statement runs as `WITH notified AS (SELECT pg_notify(...)), changed AS (<statement>)
+    SELECT changed.* FROM changed, notified`, which returns what the statement returned. A
+    statement that returns no row would send nothing, so the caller's must return one per row it
+    writes (an INSERT with RETURNING: Django's bulk_create on PostgreSQL). Use inside the
     transaction that makes the change; nothing is sent on SQLite."""
-    if connection.vendor != "postgresql":
-        return
     latest = dict(changes)
-    if not latest:
+    if connection.vendor != "postgresql" or not latest:
+        yield
         return
     payloads = chunked_payloads(CHANGED, [f"{job_id}:{event}" for job_id, event in latest.items()])
-    with connection.cursor() as cursor:
-        cursor.execute(*notify_statement(JOBS_CHANNEL, payloads))
+    notifying, notify_params = notify_statement(JOBS_CHANNEL, payloads)
+    pending = True
+
+    def riding(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]) -> Any:
+        nonlocal pending
+        if not pending or many:
+            return execute(sql, params, many, context)
+        pending = False
+        wrapped = f"WITH notified AS ({notifying}), changed AS ({sql}) SELECT changed.* FROM changed, notified"
+        return execute(wrapped, [*notify_params, *(params or ())], many, context)
+
+    with connection.execute_wrapper(riding):
+        yield
+    if pending:  # the block ran no statement: send the notice on its own
+        with connection.cursor() as cursor:
+            cursor.execute(notifying, notify_params)
 
 
 def config_notify_plpgsql() -> str:

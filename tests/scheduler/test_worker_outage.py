@@ -40,3 +40,8 @@ def test_behind_a_pooler_it_sends_none(settings):
     settings.TELEMACHUS_PGBOUNCER, settings.TELEMACHUS_WORKER_IDLE_IN_TRANSACTION_SECONDS = True, 15
     shown = worker_database_settings(POSTGRES)
     assert shown["OPTIONS"] == {} and shown["CONN_MAX_AGE"] is None
+
+
+def test_a_workers_connection_is_checked_on_error_not_pinged_before_each_use(settings):
+    # Its loop retries a call that found it broken, on a new connection (tests/concurrency/test_faults.py).
+    assert worker_database_settings(POSTGRES)["CONN_HEALTH_CHECKS"] is False

@@ -63,3 +63,36 @@ def test_the_statement_that_starts_the_jobs_tells_live_views(member_setup, submi
     assert heard == ["claimed"]
     telling = [q["sql"] for q in claim.captured_queries if "'claimed'" in q["sql"]]
     assert len(telling) == 1 and "UPDATE" in telling[0]
+
+
+def test_job_watchers_hear_from_the_statement_that_records_the_events(member_setup, submit):
+    if connection.vendor != "postgresql":
+        pytest.skip("API processes watch jobs through PostgreSQL's NOTIFY")
+    # Given a queued job, and a connection listening as an API process watching jobs does...
+    alice, _, a, _, _ = member_setup
+    job = submit(alice, a)
+    with listening(notify.JOBS_CHANNEL) as ears:
+        # When it is claimed and finished...
+        with CaptureQueriesContext(connection) as statements:
+            [claim] = job_claim(worker="w").claims
+            jobs_finish(outcomes=[Outcome(job_id=job.pk, lease=claim.lease, ok=True, result={"n": 1})])
+        heard = [n.payload for n in ears.notifies(timeout=2, stop_after=2)]
+
+    # Then the watchers hear of its start and of its end, each at its commit, and neither claim
+    # nor finish ran a statement of its own to tell them: the events' INSERT carried the notice.
+    assert heard == [f"{notify.CHANGED}{job.pk}:started", f"{notify.CHANGED}{job.pk}:finished"]
+    telling = [q["sql"] for q in statements.captured_queries if notify.JOBS_CHANNEL in q["sql"]]
+    assert len(telling) == 2 and all('INSERT INTO "scheduler_jobevent"' in sql for sql in telling)
+
+
+def test_a_block_that_writes_nothing_still_tells_the_watchers(transactional_db):
+    if connection.vendor != "postgresql":
+        pytest.skip("API processes watch jobs through PostgreSQL's NOTIFY")
+    with listening(notify.JOBS_CHANNEL) as ears:
+        # When the block runs no statement for the notice to ride on...
+        with notify.job_watchers_told([(7, "started"), (7, "finished")]):
+            pass
+        heard = [n.payload for n in ears.notifies(timeout=2, stop_after=1)]
+
+    # Then it is sent on its own, the last event of the job kept.
+    assert heard == [f"{notify.CHANGED}7:finished"]

@@ -1,0 +1,45 @@
+"""What one model call costs the database on PostgreSQL, past its submit (test_submit.py pins that):
+its claim, its finish and its breaker report, as an API process makes them for a one-hop call and
+a worker for a job (issue #22). The notices to watchers ride on the events' INSERT, the claim's
+commit does not wait for the flush, and an answer from an executor the finish saw clean writes
+nothing more within the second."""
+
+import pytest
+
+from executors.health import DispatchReport, breaker_record
+from scheduler.services.claim import job_claim
+from scheduler.services.finish import Outcome, jobs_finish
+
+pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+
+# Claim: BEGIN; the claim lock; the clock, configuration version and synchronous_commit; slot counts;
+# the queue's heads; team shares; the job marked running; its slot; its events (with their notice);
+# fair share's entry charge; COMMIT.
+CLAIM = 11
+# Finish: BEGIN; the job locked (with its executor's failures); its end; its event (with its
+# notice); its slot freed (waking the workers); fair share; COMMIT. (A call that costs something
+# adds its spend row; this executor is free.)
+FINISH = 7
+
+
+def call(alice, team, submit, django_assert_num_queries) -> None:
+    submit(alice, team)
+    with django_assert_num_queries(CLAIM):
+        [claim] = job_claim(worker="w").claims
+    assert claim.executor is not None
+    with django_assert_num_queries(FINISH):
+        report = jobs_finish(outcomes=[Outcome(job_id=claim.job.pk, lease=claim.lease, ok=True, result={})])
+    with django_assert_num_queries(0):
+        breaker_record(reports=[DispatchReport(executor_id=claim.executor.pk, ok=True)], clean=report.clean)
+
+
+def test_a_calls_claim_finish_and_breaker_report(member_setup, submit, django_assert_num_queries):
+    # Given the configuration read and the executor's last_seen stamped by an earlier call...
+    alice, _, a, _, shared = member_setup
+    submit(alice, a)
+    [claim] = job_claim(worker="w").claims
+    report = jobs_finish(outcomes=[Outcome(job_id=claim.job.pk, lease=claim.lease, ok=True, result={})])
+    breaker_record(reports=[DispatchReport(executor_id=shared.pk, ok=True)], clean=report.clean)
+    # When the next calls are claimed and finished, each costs what is pinned.
+    call(alice, a, submit, django_assert_num_queries)
+    call(alice, a, submit, django_assert_num_queries)
