@@ -203,9 +203,8 @@ def _admit(
         for i, spec in enumerate(specs)
     ]
     teams = sorted({item.job.team_id for item in admitted})
-    budgets = admission_budgets(
-        subjects={(item.job.team_id, item.job.user_id) for item in admitted}, now=now, rules=conf.rules
-    )
+    subjects = {(item.job.team_id, item.job.user_id) for item in admitted}
+    budgets = admission_budgets(subjects=subjects, now=now, rules=conf.admission_rules(subjects))
     if connection.vendor == "postgresql" and not budgets.accounts and _default_admission(record):
         _sessions_continue([item.job for item in admitted])
         jobs = _write_at_once(admitted, record=record, teams=teams, version=snapshot.version, now=now, wake=wake)
