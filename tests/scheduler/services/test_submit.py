@@ -12,7 +12,7 @@ from quotas.budget import admission_budgets
 from quotas.models import QuotaPolicy
 from scheduler.core.configuration import configuration
 from scheduler.models import Job, JobEvent, QueuePolicy
-from scheduler.services.submit import MAX_BULK, JobSpec, job_submit, jobs_submit
+from scheduler.services.submit import _JOB_FIELDS, MAX_BULK, JobSpec, job_submit, jobs_submit
 from telemachus.control import notify as signals
 from telemachus.control.config import config_snapshot
 from telemachus.errors import Forbidden, QuotaExceeded, TryLater, UnknownModel, ValidationFailed
@@ -203,6 +203,12 @@ def test_a_submit_wakes_the_workers_when_it_commits(member_setup):
         jobs_submit(user=alice, jobs=[spec(), spec()])
         notes = [n.payload for n in listener.notifies(timeout=5, stop_after=2)]
     assert notes == [signals.QUEUED, signals.QUEUED]
+
+
+def test_every_job_column_stores_none_as_null():
+    """The one-statement submit passes an empty column as NULL without its field's conversion
+    (scheduler/services/submit.py, _JOB_PREPS): true of every column of a job."""
+    assert [f.name for f in _JOB_FIELDS if f.get_db_prep_save(None, connection) is not None] == []
 
 
 def test_a_submit_checks_exactly_the_budgets_that_count_its_jobs(member_setup, make_user):
