@@ -42,14 +42,17 @@ class Job(models.Model):
     PRIORITY_MIN, PRIORITY_MAX = -100, 100
 
     type = models.CharField(max_length=16, choices=Type.choices)
-    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs")
-    team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="jobs")
+    # No index of their own: job_user_status_idx and job_team_status_idx start with them (Meta).
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs", db_index=False)
+    team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="jobs", db_index=False)
     priority = models.SmallIntegerField(default=0)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED)
     requirements = models.JSONField(default=dict)
     # requirements["model"], copied into a column so the claim can filter and index on it.
     model = models.CharField(max_length=200)
-    executor = models.ForeignKey(Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+    executor = models.ForeignKey(
+        Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs", db_index=False
+    )
     cost_estimate = models.PositiveBigIntegerField(default=0)
     # The estimate split for pricing: the prompt's counted tokens, and the completion's (max_tokens,
     # or what est_tokens leaves after the prompt). With the executor's prices it is the money
@@ -59,8 +62,12 @@ class Job(models.Model):
     # What its attempts cost, all told (tokens x the executor's prices), in TELEMACHUS_CURRENCY.
     cost = money_field(default=ZERO)
     # The app key that submitted it (its `user` is then the key's own user): telemachus/keys/.
-    key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
-    parent_flow = models.ForeignKey("self", null=True, blank=True, on_delete=models.CASCADE, related_name="children")
+    key = models.ForeignKey(
+        ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs", db_index=False
+    )
+    parent_flow = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.CASCADE, related_name="children", db_index=False
+    )
     submitted_at = models.DateTimeField(default=timezone.now)
     # Its place in line within a priority: when it became ready to run. Set at submit; a flow's
     # next round becomes ready when the previous one ends (QueuePolicy.flow_rounds = requeue), or
@@ -86,12 +93,16 @@ class Job(models.Model):
     deferred_until = models.DateTimeField(null=True, blank=True)
     # A retry waits until `run_after` and prefers an executor other than the one that failed.
     run_after = models.DateTimeField(null=True, blank=True)
-    avoid_executor = models.ForeignKey(Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    avoid_executor = models.ForeignKey(
+        Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="+", db_index=False
+    )
     # Round affinity (QueuePolicy.affinity): the executor this job's next start prefers, whose
     # model server may still hold the prefix cache of the conversation so far. A flow's next round
     # prefers the executor that served its last one; a /v1/ call that continues a session
     # (`affinity_key`, from X-Telemachus-Session) prefers the one that served the session's last call.
-    affinity_executor = models.ForeignKey(Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    affinity_executor = models.ForeignKey(
+        Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="+", db_index=False
+    )
     affinity_key = models.CharField(max_length=200, blank=True, default="")
     meta = models.JSONField(default=dict, blank=True)
     # A flow's durable state between rounds: rounds finished, and the messages they added after
@@ -99,7 +110,8 @@ class Job(models.Model):
     rounds = models.PositiveIntegerField(default=0)
     conversation = models.JSONField(default=list, blank=True)
     worker = models.CharField(max_length=200, blank=True, default="")
-    lease = models.UUIDField(null=True, blank=True, db_index=True)
+    # No index: every statement that names a lease names its jobs' ids too (the fencing pair).
+    lease = models.UUIDField(null=True, blank=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
@@ -136,6 +148,18 @@ class Job(models.Model):
             # A /v1/ call continuing a session looks up the session's last call in its team.
             models.Index(
                 "team", "affinity_key", models.F("id").desc(), name="job_affinity_idx", condition=~Q(affinity_key="")
+            ),
+            # Foreign keys a submit leaves empty (but for a key or a session's executor), indexed
+            # only where set, so a submit's insert writes no entry in them: every read that uses
+            # them asks for a value (an executor's jobs on the dashboard, a revoked key's queued
+            # jobs), and so do the deletes that cascade or set them null (an executor's, a key's, a
+            # flow's).
+            models.Index("executor", name="job_executor_idx", condition=Q(executor__isnull=False)),
+            models.Index("key", name="job_key_idx", condition=Q(key__isnull=False)),
+            models.Index("parent_flow", name="job_parent_flow_idx", condition=Q(parent_flow__isnull=False)),
+            models.Index("avoid_executor", name="job_avoid_executor_idx", condition=Q(avoid_executor__isnull=False)),
+            models.Index(
+                "affinity_executor", name="job_affinity_executor_idx", condition=Q(affinity_executor__isnull=False)
             ),
         ]
         constraints = [
@@ -246,8 +270,11 @@ class JobEvent(models.Model):
         BREAKER_CLOSED = "breaker_closed"
         HEALTH_CHANGED = "health_changed"
 
-    job = models.ForeignKey(Job, null=True, blank=True, on_delete=models.CASCADE, related_name="events")
-    executor = models.ForeignKey(Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="events")
+    # Indexed by jobevent_job_idx and jobevent_executor_idx (Meta), not each on its own.
+    job = models.ForeignKey(Job, null=True, blank=True, on_delete=models.CASCADE, related_name="events", db_index=False)
+    executor = models.ForeignKey(
+        Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="events", db_index=False
+    )
     event = models.CharField(max_length=32, choices=Type.choices)
     at = models.DateTimeField(default=timezone.now)
     meta = models.JSONField(default=dict, blank=True)
@@ -256,7 +283,12 @@ class JobEvent(models.Model):
         ordering = ["id"]
         indexes = [
             models.Index("job", "id", name="jobevent_job_idx"),
-            models.Index("event", "at", name="jobevent_event_idx"),
+            # Executor events and an executor's delete (which sets its events' executor null) ask
+            # for one executor; a job's `queued` event names none.
+            models.Index("executor", name="jobevent_executor_idx", condition=Q(executor__isnull=False)),
+            # Reads by kind and time (the history's ends and starts, the dashboard's rounds, the
+            # admin's filter) never ask for `queued` events, a submit's one event.
+            models.Index("event", "at", name="jobevent_event_idx", condition=~Q(event="queued")),
         ]
 
     def __str__(self) -> str:

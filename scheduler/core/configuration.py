@@ -7,10 +7,12 @@ configuration they read none of it, on any number of processes and hosts; the fi
 change reads it again. Live state (slots, the ledger, fair-share usage, the queue) is never here.
 Values are shared: treat them as read-only."""
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from executors.models import Executor
 from executors.selectors import executor_teams, usable_executors
+from quotas.budget import BUDGET_DIMENSIONS
 from quotas.concurrency import ConcurrencyCaps, concurrency_caps
 from quotas.models import QuotaPolicy
 from quotas.rules import Rule, quota_rules
@@ -37,6 +39,29 @@ class Configuration:
     executor_teams: dict[int, set[int]]
     # Feature switches: (feature, team id or None) -> enabled.
     features: dict[tuple[str, int | None], bool]
+    # The budget rules (tokens, requests, money) a submit checks, by whom they count
+    # (`_admission_key`), each with its place in `rules`. Built once per version, so a submit looks
+    # only at the rules that may count its jobs, not at every rule (a deployment with a cap or a
+    # budget per user has thousands).
+    _admission: dict[tuple[str, int | None], list[tuple[int, Rule]]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        by_subject: dict[tuple[str, int | None], list[tuple[int, Rule]]] = {}
+        for place, rule in enumerate(self.rules):
+            key = _admission_key(rule)
+            if key is not None:
+                by_subject.setdefault(key, []).append((place, rule))
+        object.__setattr__(self, "_admission", by_subject)
+
+    def admission_rules(self, subjects: Iterable[tuple[int, int]]) -> list[Rule]:
+        """The budget rules that may count jobs of these (team id, user id) pairs, in the order of
+        `rules` (quotas.budget.admission_budgets picks those that do)."""
+        if not self._admission:
+            return []
+        keys: set[tuple[str, int | None]] = {("global", None)}
+        for team_id, user_id in subjects:
+            keys |= {("team", team_id), ("user", user_id)}
+        return [rule for _, rule in sorted(pair for key in keys for pair in self._admission.get(key, ()))]
 
     def team(self, slug: str) -> Team | None:
         team_id = self.team_ids.get(slug)
@@ -103,3 +128,14 @@ def _load(version: int) -> Configuration:
         executor_teams=executor_teams(executors=executors),
         features=feature_switches(),
     )
+
+
+def _admission_key(rule: Rule) -> tuple[str, int | None] | None:
+    """Whom a budget rule counts at submit, as quotas.rules.Rule.applies matches it: everyone, a
+    team or a user (a key's rule counts its user's jobs); None for a rule that is no budget, or an
+    executor's (checked at the claim, when the executor is known)."""
+    if rule.dimension not in BUDGET_DIMENSIONS or rule.scope == QuotaPolicy.Scope.EXECUTOR:
+        return None
+    if rule.scope == QuotaPolicy.Scope.GLOBAL:
+        return ("global", None)
+    return ("team" if rule.scope == QuotaPolicy.Scope.TEAM else "user", rule.subject_id)

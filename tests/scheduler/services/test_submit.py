@@ -4,14 +4,19 @@ and never trusted past a change, and bulk submits that are all or nothing."""
 import psycopg
 import pytest
 from django.db import connection
+from django.utils import timezone
 from guardian.shortcuts import remove_perm
 
 from executors.models import Executor
+from quotas.budget import admission_budgets
 from quotas.models import QuotaPolicy
+from scheduler.core.configuration import configuration
 from scheduler.models import Job, JobEvent, QueuePolicy
-from scheduler.services.submit import MAX_BULK, JobSpec, job_submit, jobs_submit
+from scheduler.services.submit import _JOB_FIELDS, MAX_BULK, JobSpec, job_submit, jobs_submit
 from telemachus.control import notify as signals
+from telemachus.control.config import config_snapshot
 from telemachus.errors import Forbidden, QuotaExceeded, TryLater, UnknownModel, ValidationFailed
+from telemachus.models import ApiKey, Team
 from telemachus.teams.services import team_member_remove
 
 pytestmark = pytest.mark.django_db
@@ -61,6 +66,18 @@ class TestRoundTrips:
         QuotaPolicy.objects.create(scope="team", subject="a", dimension="ai.tokens", limit=10_000, window="day")
         one(alice)
         with django_assert_num_queries(ROUND_TRIPS):
+            one(alice)
+
+    def test_rules_that_count_no_submit_read_no_ledger(self, member_setup, django_assert_num_queries):
+        # Given a concurrency cap and an executor's budget: neither is checked at submit
+        # (Configuration.admission_rules), so the submit stays one statement on PostgreSQL.
+        alice, executor = member_setup[0], member_setup[4]
+        QuotaPolicy.objects.create(scope="team", subject="a", dimension="ai.concurrency", limit=5)
+        QuotaPolicy.objects.create(
+            scope="executor", subject=executor.name, dimension="ai.tokens", limit=10, window="day"
+        )
+        one(alice)
+        with django_assert_num_queries(at_once()):
             one(alice)
 
     def test_a_bulk_submit_costs_what_one_does(self, member_setup, django_assert_max_num_queries):
@@ -186,3 +203,41 @@ def test_a_submit_wakes_the_workers_when_it_commits(member_setup):
         jobs_submit(user=alice, jobs=[spec(), spec()])
         notes = [n.payload for n in listener.notifies(timeout=5, stop_after=2)]
     assert notes == [signals.QUEUED, signals.QUEUED]
+
+
+def test_every_job_column_stores_none_as_null():
+    """The one-statement submit passes an empty column as NULL without its field's conversion
+    (scheduler/services/submit.py, _JOB_PREPS): true of every column of a job."""
+    assert [f.name for f in _JOB_FIELDS if f.get_db_prep_save(None, connection) is not None] == []
+
+
+def test_a_submit_checks_exactly_the_budgets_that_count_its_jobs(member_setup, make_user):
+    """Configuration.admission_rules picks, per version, what admission_budgets would find among
+    all the rules: budgets of everyone, the job's team, its user and the user's keys; not other
+    teams' or users', not an executor's, not caps."""
+    _, bob, team_a, _, executor = member_setup
+    # Carol's id is no team's, so a rule matched by the wrong kind of id would show.
+    carol = [make_user(f"u{i}") for i in range(3)][-1]
+    assert carol.pk not in {team_a.pk, bob.pk} | set(Team.objects.values_list("pk", flat=True))
+    key = ApiKey.objects.create(team=team_a, name="k", principal=carol, digest="d" * 64, prefix="p")
+    for scope, subject in [
+        ("global", ""),
+        ("team", "a"),
+        ("team", "b"),
+        ("user", carol.username),
+        ("user", "bob"),
+        ("key", str(key.pk)),
+        ("executor", executor.name),
+    ]:
+        for dimension, window in (("ai.tokens", "day"), ("ai.requests", "minute"), ("ai.concurrency", "")):
+            QuotaPolicy.objects.create(scope=scope, subject=subject, dimension=dimension, limit=1000, window=window)
+    conf = configuration(config_snapshot())
+    subjects = {(team_a.pk, carol.pk)}
+
+    picked = admission_budgets(subjects=subjects, now=timezone.now(), rules=conf.admission_rules(subjects))
+    from_all = admission_budgets(subjects=subjects, now=timezone.now(), rules=conf.rules)
+
+    assert [a.rule for a in picked.accounts] == [a.rule for a in from_all.accounts]
+    assert sorted((a.rule.scope, a.rule.subject) for a in picked.accounts) == sorted(
+        2 * [("global", ""), ("key", str(key.pk)), ("team", "a"), ("user", carol.username)]
+    )
