@@ -192,8 +192,8 @@ def listen_connection_params() -> dict[str, Any]:
 
 def notify_connection_params() -> dict[str, Any]:
     """Parameters for a separate psycopg connection to the database Django uses (the delta
-    sender's, which NOTIFYs outside any transaction). Django's `prepare_threshold` stays (None
-    unless OPTIONS set it): psycopg's own default prepares a statement run 5 times, and behind a
-    transaction-pooling PgBouncer before 1.21 the next run lands on a server connection that never
-    saw it ("prepared statement ... does not exist")."""
+    sender's, which NOTIFYs outside any transaction). Django's `prepare_threshold` stays (5 on a
+    direct connection, None behind PgBouncer: settings.py): psycopg's own default prepares a
+    statement run 5 times, and behind a transaction-pooling PgBouncer before 1.21 the next run
+    lands on a server connection that never saw it ("prepared statement ... does not exist")."""
     return {k: v for k, v in connection.get_connection_params().items() if k not in {"cursor_factory", "context"}}

@@ -66,10 +66,21 @@ def test_the_listen_url_names_the_server_and_django_names_the_database(settings)
     assert listen_connection_params() == notify_connection_params()
 
 
+def test_without_it_statements_are_bound_and_prepared_on_the_server():
+    shown = settings_with(DATABASE_URL="postgres://app@127.0.0.1:5432/telemachus")
+    assert (shown["options"]["server_side_binding"], shown["options"]["prepare_threshold"]) == (True, 5)
+    shown = settings_with(DATABASE_URL="postgres://app@127.0.0.1:5432/telemachus", DATABASE_PREPARE="0")
+    assert "server_side_binding" not in shown["options"] and "prepare_threshold" not in shown["options"]
+
+
+def test_behind_pgbouncer_parameters_are_bound_in_the_client():
+    shown = settings_with(DATABASE_URL="postgres://app@127.0.0.1:6432/telemachus", TELEMACHUS_PGBOUNCER="1")
+    assert "server_side_binding" not in shown["options"]
+
+
 @pytest.mark.postgres
-def test_connections_of_our_own_never_prepare():
+def test_connections_of_our_own_prepare_as_django_does():
     """The delta sender's connection (NOTIFY in autocommit, the same statement again and again)
-    keeps Django's prepare_threshold: psycopg's own default prepares on the 5th run, and behind
-    PgBouncer 1.18 the 6th lands on a server connection that never saw it."""
-    assert connection.get_connection_params()["prepare_threshold"] is None
-    assert notify_connection_params()["prepare_threshold"] is None
+    keeps Django's prepare_threshold, so behind PgBouncer (None: never) its 6th NOTIFY does not
+    land on a server connection that never saw the statement prepared."""
+    assert notify_connection_params()["prepare_threshold"] == connection.get_connection_params()["prepare_threshold"]
