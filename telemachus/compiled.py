@@ -43,7 +43,7 @@ class _Compiled:
         sql, params = compiler.as_sql()
         found = [slots.get(param) if isinstance(param, int | str) else None for param in params]
         placed = [slot for slot in found if slot is not None]
-        if sorted(placed, key=repr) != sorted(slots.values(), key=repr) or len(set(placed)) != len(placed):
+        if len(placed) != len(slots) or set(placed) != set(slots.values()):
             raise ValueError(f"{queryset.model.__name__}: a value was rewritten by its lookup; it cannot be compiled")
         self.sql = sql
         # Each parameter: the slot of a value (name, index in its list or None), or a constant.

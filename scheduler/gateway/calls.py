@@ -254,16 +254,15 @@ def team_of(user: rbac.Principal, slug: str | None, snapshot: ConfigSnapshot) ->
     """The team named, if the caller may act in it (it reads as not found otherwise, as other
     teams' objects do), else the caller's only team. Read from the configuration snapshot (teams
     and memberships are configuration), so an unchanged configuration costs no query."""
-    teams = configuration(snapshot).teams
-    allowed = grants(snapshot, user)
+    config, allowed = configuration(snapshot), grants(snapshot, user)
     if slug:
-        named = configuration(snapshot).team(slug)
+        named = config.team(slug)
         if named is None or not (allowed.operator or named.pk in allowed.roles):
             raise shapes.OpenAIError(
                 404, f"No team {slug!r} that you belong to.", code="team_not_found", param=TEAM_HEADER, retry=False
             )
         return named
-    mine = [teams[pk] for pk in sorted(allowed.roles) if pk in teams][:2]
+    mine = [config.teams[pk] for pk in sorted(allowed.roles) if pk in config.teams][:2]
     if len(mine) == 1:
         return mine[0]
     if not mine:
