@@ -8,6 +8,7 @@ The first path segment picks the behaviour of `POST /<mode>/v1/chat/completions`
     malformed   200 with a body that is not JSON
     reset       starts an SSE stream, then drops the connection mid-stream
     nousage     a well-formed SSE stream whose chunks carry no usage (the driver must count)
+    bigline     an SSE stream, CRLF line ends, whose one content chunk is a 400 KB line
     nan         a completion with NaN in it (Python's json accepts it; JSON and databases do not)
     nul         a completion whose text holds a NUL character (PostgreSQL's jsonb cannot store it)
     auth        200 only with `Authorization: Bearer $FAULT_EXPECTED_KEY`, else 401 echoing the header
@@ -123,6 +124,15 @@ class FaultServer:
                     {"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(), "more_body": True}
                 )
             return await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+        if mode == "bigline":
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+            )
+            chunk = {"model": MODEL, "choices": [{"index": 0, "delta": {"content": "x" * 400_000}}]}
+            await send(
+                {"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\r\n\r\n".encode(), "more_body": True}
+            )
+            return await send({"type": "http.response.body", "body": b"data: [DONE]\r\n\r\n"})
         if mode == "auth":
             expected = f"Bearer {os.environ.get('FAULT_EXPECTED_KEY', '')}".encode()
             got = headers.get(b"authorization", b"")

@@ -171,6 +171,11 @@ class TestFaults:
         assert caught.value.executor_fault is fault
         assert text in str(caught.value)
 
+    def test_a_stream_line_longer_than_the_read_buffer_is_read_whole(self, faults):
+        deltas: list[str] = []
+        result = run(dispatch(driver(f"{faults}/bigline/v1"), request(stream=True), deltas))
+        assert deltas == ["x" * 400_000] and result.output["message"]["content"] == "x" * 400_000
+
     def test_429_is_retryable_with_retry_after_and_not_the_executors_fault(self, faults):
         with pytest.raises(DispatchError) as caught:
             run(dispatch(driver(f"{faults}/429/v1"), request()))
