@@ -16,7 +16,7 @@ from scheduler.core.locks import lock_claim
 from scheduler.core.policy import policy_for
 from scheduler.core.state import ClaimState, ExecutorView
 from scheduler.models import Job, JobEvent, Slot
-from scheduler.services.events import events_record, job_event
+from scheduler.services.events import events_record, events_riding, job_event
 from scheduler.services.rounds import round_claimed, round_started_event
 from scheduler.services.shares import team_shares_charge
 from scheduler.services.tooljobs import tool_jobs_start
@@ -211,19 +211,6 @@ def _start(chosen: list[tuple[Job, ExecutorView]], *, worker: str, state: ClaimS
         job.input, job.conversation = payloads[job.pk]
     if not chosen:
         return []
-    slots = Slot.objects.bulk_create(
-        [
-            Slot(
-                job=job,
-                executor=view.executor,
-                team_id=job.team_id,
-                user_id=job.user_id,
-                worker=worker,
-                acquired_at=now,
-            )
-            for job, view in chosen
-        ]
-    )
     events = []
     for job, view in chosen:
         events.append(job_event(job=job, event=JobEvent.Type.PLACED, at=now, executor=view.pk, attempt=job.attempts))
@@ -231,7 +218,20 @@ def _start(chosen: list[tuple[Job, ExecutorView]], *, worker: str, state: ClaimS
         if round_claimed(job) is not None:
             # A flow's round starts with its claim: its holder makes no write before the model call.
             events.append(round_started_event(job, at=now))
-    events_record(events)
+    with events_riding(events):  # one statement writes the slots and the events
+        slots = Slot.objects.bulk_create(
+            [
+                Slot(
+                    job=job,
+                    executor=view.executor,
+                    team_id=job.team_id,
+                    user_id=job.user_id,
+                    worker=worker,
+                    acquired_at=now,
+                )
+                for job, view in chosen
+            ]
+        )
     return [
         Claim(job=job, executor=view.executor, slot_id=slot.pk, lease=lease)
         for (job, view), slot in zip(chosen, slots, strict=True)

@@ -91,21 +91,32 @@ def changes_notify(what: str) -> None:
 
 
 @contextmanager
-def job_watchers_told(changes: Iterable[tuple[int, str]]) -> Iterator[None]:
+def job_watchers_told(
+    changes: Iterable[tuple[int, str]], *, riders: Sequence[tuple[str, Sequence[Any]]] = ()
+) -> Iterator[None]:
     """Queue a "changed" notice for API processes watching these jobs, (job id, event) pairs with
     the last event of each job kept, from the first statement run inside the block (the caller's
     INSERT of the events that record the changes), so the notice costs no round trip of its own:
     that statement runs as `WITH notified AS (SELECT pg_notify(...)), changed AS (<statement>)
     SELECT changed.* FROM changed, notified`, which returns what the statement returned. A
     statement that returns no row would send nothing, so the caller's must return one per row it
-    writes (an INSERT with RETURNING: Django's bulk_create on PostgreSQL). Use inside the
-    transaction that makes the change; nothing is sent on SQLite."""
+    writes (an INSERT with RETURNING: Django's bulk_create on PostgreSQL). `riders`, statements
+    that write and return nothing (an INSERT without RETURNING), ride along as CTEs of the same
+    statement: PostgreSQL runs each once, to completion, whatever the statement reads. Use inside
+    the transaction that makes the change; nothing is sent (and no rider given) on SQLite."""
     latest = dict(changes)
-    if connection.vendor != "postgresql" or not latest:
+    if connection.vendor != "postgresql" or not (latest or riders):
         yield
         return
-    payloads = chunked_payloads(CHANGED, [f"{job_id}:{event}" for job_id, event in latest.items()])
-    notifying, notify_params = notify_statement(JOBS_CHANNEL, payloads)
+    ctes, ctes_params = [], []
+    if latest:
+        payloads = chunked_payloads(CHANGED, [f"{job_id}:{event}" for job_id, event in latest.items()])
+        notifying, notify_params = notify_statement(JOBS_CHANNEL, payloads)
+        ctes.append(f"notified AS ({notifying})")
+        ctes_params += notify_params
+    for i, (rider, rider_params) in enumerate(riders):
+        ctes.append(f"rider{i} AS ({rider})")
+        ctes_params += rider_params
     pending = True
 
     def riding(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]) -> Any:
@@ -113,14 +124,18 @@ def job_watchers_told(changes: Iterable[tuple[int, str]]) -> Iterator[None]:
         if not pending or many:
             return execute(sql, params, many, context)
         pending = False
-        wrapped = f"WITH notified AS ({notifying}), changed AS ({sql}) SELECT changed.* FROM changed, notified"
-        return execute(wrapped, [*notify_params, *(params or ())], many, context)
+        told = ", notified" if latest else ""
+        wrapped = f"WITH {', '.join(ctes)}, changed AS ({sql}) SELECT changed.* FROM changed{told}"
+        return execute(wrapped, [*ctes_params, *(params or ())], many, context)
 
     with connection.execute_wrapper(riding):
         yield
-    if pending:  # the block ran no statement: send the notice on its own
+    if pending:  # the block ran no statement: send the notice and the riders on their own
         with connection.cursor() as cursor:
-            cursor.execute(notifying, notify_params)
+            if latest:
+                cursor.execute(notifying, notify_params)
+            for rider, rider_params in riders:
+                cursor.execute(rider, rider_params)
 
 
 def config_notify_plpgsql() -> str:

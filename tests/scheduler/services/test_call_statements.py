@@ -13,9 +13,9 @@ from scheduler.services.finish import Outcome, jobs_finish
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
 # Claim: BEGIN; the claim lock; the clock, configuration version and synchronous_commit; slot counts;
-# the queue's heads; team shares; the job marked running; its slot; its events (with their notice);
+# the queue's heads; team shares; the job marked running; its slot with its events (and their notice);
 # fair share's entry charge; COMMIT.
-CLAIM = 11
+CLAIM = 10
 # Finish: BEGIN; the job locked (with its executor's failures); its end; its event (with its
 # notice); its slot freed (waking the workers); fair share; COMMIT. (A call that costs something
 # adds its spend row; this executor is free.)

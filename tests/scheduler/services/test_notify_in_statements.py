@@ -8,7 +8,9 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
+from scheduler.models import JobEvent
 from scheduler.services.claim import job_claim
+from scheduler.services.events import events_riding, job_event
 from scheduler.services.finish import Outcome, jobs_finish
 from telemachus.control import notify
 from tests.processes import database_url_for_tests
@@ -85,10 +87,13 @@ def test_job_watchers_hear_from_the_statement_that_records_the_events(member_set
     # the SQL sent, wrapped. Either way a notice sent on its own would be a statement here.)
     captured = [q["sql"] for q in statements.captured_queries]
     assert not [sql for sql in captured if sql.upper().startswith("SELECT PG_NOTIFY")], captured
-    inserts = [sql for sql in captured if 'INSERT INTO "scheduler_jobevent"' in sql]
-    assert len(inserts) == 2
+    # The claim's events ride on its slots' INSERT, the finish's are its own INSERT; all written.
+    events = list(JobEvent.objects.filter(job=job).order_by("id").values_list("event", flat=True))
+    assert events == ["queued", "placed", "started", "finished"]
     if not connection.settings_dict["OPTIONS"].get("server_side_binding"):
-        assert all(sql.startswith("WITH notified AS (SELECT pg_notify(") for sql in inserts)
+        inserts = [sql for sql in captured if 'INSERT INTO "scheduler_jobevent"' in sql]
+        assert len(inserts) == 2 and all(sql.startswith("WITH notified AS (SELECT pg_notify(") for sql in inserts)
+        assert 'INSERT INTO "scheduler_slot"' in inserts[0]
 
 
 def test_a_block_that_writes_nothing_still_tells_the_watchers(transactional_db):
@@ -102,3 +107,19 @@ def test_a_block_that_writes_nothing_still_tells_the_watchers(transactional_db):
 
     # Then it is sent on its own, the last event of the job kept.
     assert heard == [f"{notify.CHANGED}7:finished"]
+
+
+def test_events_riding_a_block_that_writes_nothing_are_written_and_told(member_setup, submit):
+    if connection.vendor != "postgresql":
+        pytest.skip("API processes watch jobs through PostgreSQL's NOTIFY")
+    alice, _, a, _, _ = member_setup
+    job = submit(alice, a)
+    with listening(notify.JOBS_CHANNEL) as ears:
+        # When events are to ride on a statement the block never runs...
+        with events_riding([job_event(job=job, event=JobEvent.Type.STEP, detail="x")]):
+            pass
+        heard = [n.payload for n in ears.notifies(timeout=2, stop_after=1)]
+
+    # Then they are written and told on their own.
+    assert heard == [f"{notify.CHANGED}{job.pk}:step"]
+    assert JobEvent.objects.filter(job=job, event=JobEvent.Type.STEP, meta__detail="x").count() == 1
