@@ -1,9 +1,11 @@
-"""ASGI entry point for daphne: HTTP (API, admin, dashboard) and the dashboard's WebSocket.
+"""ASGI entry point for the server bin/run starts (uvicorn or daphne): HTTP (API, admin,
+dashboard) and the dashboard's WebSocket.
 
 The OpenAI-compatible endpoint (/v1/) and the job API's wait and stream paths are served by
 scheduler/gateway before Django sees them: they wait on jobs, and a waiting request there holds no
 thread or database connection (see scheduler/gateway/__init__.py)."""
 
+import gc
 import os
 
 from django.core.asgi import get_asgi_application
@@ -46,3 +48,9 @@ application = ProtocolTypeRouter(
         ),
     }
 )
+
+# What is loaded by now (Django, the apps, the gateway: some 140,000 objects) lives as long as the
+# process: moved out of the cyclic collector's sight, a full collection no longer walks it. One
+# took 20-70 ms on the 2-vCPU test machine, a pause in whatever requests were in flight, which
+# showed in /v1/'s p99; after the freeze it takes microseconds.
+gc.freeze()

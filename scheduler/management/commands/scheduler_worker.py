@@ -1,4 +1,5 @@
 import asyncio
+import gc
 import os
 import socket
 
@@ -52,4 +53,5 @@ class Command(BaseCommand):
             idle_poll=idle_poll,
             grace=grace,
         )
+        gc.freeze()  # what is loaded by now lives as long as the process: see telemachus/asgi.py
         asyncio.run(worker.run())
