@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from django.db import connection
-from django.db.models import Model
+from django.db.models import Field, Model
 
 
 def update_rows(model: type[Model], rows: Sequence[dict[str, Any]], *, key: str = "id") -> int:
@@ -33,3 +33,48 @@ def update_rows(model: type[Model], rows: Sequence[dict[str, Any]], *, key: str 
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         return cursor.rowcount
+
+
+# The INSERT statement of each (model, vendor): built once, like a compiled query.
+_INSERTS: dict[tuple[type[Model], str], tuple[str, str, list[Field[Any, Any]]]] = {}
+
+
+def insert_statement(model: type[Model], objs: Sequence[Model], *, returning: bool = False) -> tuple[str, list[Any]]:
+    """PostgreSQL: one INSERT of the unsaved `objs` (primary keys left to the database), one array
+    per column through UNNEST as Django's bulk_create sends them, with each value prepared by its
+    field as the ORM prepares it (pre_save, get_db_prep_save). The SQL is built once per model:
+    compiling bulk_create's query each time was about a third of the Python time of the claim's
+    slot and event inserts. `returning`: the statement returns the new primary keys, in order."""
+    key = (model, connection.vendor)
+    built = _INSERTS.get(key)
+    if built is None:
+        qn = connection.ops.quote_name
+        fields = [f for f in model._meta.concrete_fields if not f.primary_key and not f.generated]
+        columns = ", ".join(qn(str(f.column)) for f in fields)
+        arrays = ", ".join(f"%s::{f.db_type(connection)}[]" for f in fields)
+        built = _INSERTS[key] = (
+            f"INSERT INTO {qn(model._meta.db_table)} ({columns}) SELECT * FROM UNNEST({arrays})",
+            f" RETURNING {qn(str(model._meta.pk.column))}",  # type: ignore[union-attr]
+            fields,
+        )
+    sql, keys, fields = built
+    if returning:
+        sql += keys
+    params = [[f.get_db_prep_save(f.pre_save(obj, True), connection) for obj in objs] for f in fields]
+    return sql, params
+
+
+def rows_insert(model: type[Model], objs: Sequence[Model]) -> None:
+    """Insert the unsaved `objs` in one statement and give each its primary key, as bulk_create
+    does: `insert_statement` on PostgreSQL, bulk_create elsewhere."""
+    if not objs:
+        return
+    if connection.vendor != "postgresql":
+        model._default_manager.bulk_create(objs)
+        return
+    with connection.cursor() as cursor:
+        cursor.execute(*insert_statement(model, objs, returning=True))
+        keys = cursor.fetchall()
+    for obj, (pk,) in zip(objs, keys, strict=True):
+        obj.pk = pk
+        obj._state.adding, obj._state.db = False, connection.alias

@@ -12,6 +12,7 @@ from django.db.models import Field, JSONField
 from executors.health import breaker_trial_started
 from executors.models import Executor
 from quotas.budget import Account
+from scheduler.core.bulk import rows_insert
 from scheduler.core.locks import lock_claim
 from scheduler.core.policy import policy_for
 from scheduler.core.state import ClaimState, ExecutorView
@@ -218,20 +219,12 @@ def _start(chosen: list[tuple[Job, ExecutorView]], *, worker: str, state: ClaimS
         if round_claimed(job) is not None:
             # A flow's round starts with its claim: its holder makes no write before the model call.
             events.append(round_started_event(job, at=now))
+    slots = [
+        Slot(job=job, executor=view.executor, team_id=job.team_id, user_id=job.user_id, worker=worker, acquired_at=now)
+        for job, view in chosen
+    ]
     with events_riding(events):  # one statement writes the slots and the events
-        slots = Slot.objects.bulk_create(
-            [
-                Slot(
-                    job=job,
-                    executor=view.executor,
-                    team_id=job.team_id,
-                    user_id=job.user_id,
-                    worker=worker,
-                    acquired_at=now,
-                )
-                for job, view in chosen
-            ]
-        )
+        rows_insert(Slot, slots)
     return [
         Claim(job=job, executor=view.executor, slot_id=slot.pk, lease=lease)
         for (job, view), slot in zip(chosen, slots, strict=True)

@@ -12,11 +12,11 @@ from datetime import datetime
 from typing import Any
 
 from django.db import connection
-from django.db.models.sql import InsertQuery
 from django.utils import timezone
 
 from executors.health import ExecutorEvent
 from executors.models import Executor
+from scheduler.core.bulk import insert_statement, rows_insert
 from scheduler.models import Job, JobEvent
 from telemachus.control import notify
 
@@ -30,14 +30,13 @@ def job_event(
 
 
 def events_record(events: Iterable[JobEvent]) -> None:
-    """Write events in one multi-row INSERT (Django's bulk_create sends one array per column on
-    PostgreSQL; a plain VALUES list without model instances measured no faster: bench/steps.py),
-    and tell API processes watching the jobs (none for `queued` events: nobody watches a job
-    before its submit returns) from that same statement: a round trip fewer on every claim and
-    every finish. The notice still leaves at commit, as any NOTIFY in a transaction."""
+    """Write events in one multi-row INSERT (one array per column on PostgreSQL, its SQL built
+    once: scheduler/core/bulk.py), and tell API processes watching the jobs (none for `queued`
+    events: nobody watches a job before its submit returns) from that same statement: a round
+    trip fewer on every claim and every finish. The notice still leaves at commit, as any NOTIFY in a transaction."""
     events = list(events)
     with notify.job_watchers_told(_watched(events)):
-        JobEvent.objects.bulk_create(events)
+        rows_insert(JobEvent, events)
 
 
 @contextmanager
@@ -51,11 +50,7 @@ def events_riding(events: Sequence[JobEvent]) -> Iterator[None]:
         yield
         events_record(events)
         return
-    fields = [field for field in JobEvent._meta.concrete_fields if not field.primary_key]
-    query = InsertQuery(JobEvent)
-    query.insert_values(fields, list(events))
-    [(insert, params)] = query.get_compiler(connection=connection).as_sql()
-    with notify.job_watchers_told(_watched(events), riders=[(insert, params)]):
+    with notify.job_watchers_told(_watched(events), riders=[insert_statement(JobEvent, events)]):
         yield
 
 
