@@ -1,9 +1,11 @@
 """Reads that the claim and the services share. Writes live in scheduler/services/."""
 
+import threading
 from datetime import datetime
 from typing import Any
 
 from django.db import connection
+from django.db.models.sql.compiler import SQLCompiler
 
 from quotas.concurrency import SlotCounts
 from scheduler.core.bounds import policy_in_force
@@ -62,7 +64,8 @@ def queued_heads(
     status is a literal, so both backends can use the partial indexes, and each lookup asks for at
     least two rows: at LIMIT 1 PostgreSQL may walk the primary key instead of the team's index."""
     qn = connection.ops.quote_name
-    columns = ", ".join(qn(f.column) for f in Job._meta.concrete_fields if f.name not in PAYLOAD_FIELDS)  # type: ignore[arg-type]
+    heads_sql = _heads_row()
+    columns = heads_sql.columns
     lookups: list[tuple[str, list]] = []
     for team_id, (models, n) in wanted.items():
         if not models or n <= 0:
@@ -101,11 +104,47 @@ def queued_heads(
     for start in range(0, len(lookups), LOOKUPS_PER_STATEMENT):
         chunk = lookups[start : start + LOOKUPS_PER_STATEMENT]
         sql = " UNION ALL ".join(f"SELECT * FROM ({part}) AS head{i}" for i, (part, _) in enumerate(chunk))
-        for job in Job.objects.raw(sql, [param for _, params in chunk for param in params]):
+        for job in heads_sql.jobs(sql, [param for _, params in chunk for param in params]):
             if job.pk not in seen:
                 seen.add(job.pk)
                 heads.setdefault(job.team_id, []).append(job)
     return heads
+
+
+class _HeadsRow:
+    """A head's columns (the job without its payload) and how a row of them becomes a Job, as
+    the ORM makes it (its converters, the payload deferred), worked out once per database: read
+    through `Job.objects.raw` each claim paid for that every time, about a third of the heads'
+    read (measured in-process on PostgreSQL)."""
+
+    def __init__(self) -> None:
+        query = Job.objects.only(*(f.name for f in Job._meta.concrete_fields if f.name not in PAYLOAD_FIELDS)).query
+        self.compiler: SQLCompiler = query.get_compiler(connection=connection)
+        self.compiler.setup_query()
+        targets = [column[0].target for column in self.compiler.select]
+        qn = connection.ops.quote_name
+        self.columns = ", ".join(qn(target.column) for target in targets)
+        self.attnames = [target.attname for target in targets]
+        self.converters = self.compiler.get_converters([column[0] for column in self.compiler.select])
+
+    def jobs(self, sql: str, params: list[Any]) -> list[Job]:
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            rows: Any = cursor.fetchall()
+        if self.converters:
+            rows = self.compiler.apply_converters(rows, self.converters)
+        return [Job.from_db(connection.alias, self.attnames, row) for row in rows]
+
+
+# Per thread, as Django's connections are: the compiler keeps the connection it was made for.
+_heads_rows = threading.local()
+
+
+def _heads_row() -> _HeadsRow:
+    found: _HeadsRow | None = getattr(_heads_rows, "row", None)
+    if found is None:
+        found = _heads_rows.row = _HeadsRow()
+    return found
 
 
 def slot_counts() -> SlotCounts:
