@@ -33,7 +33,8 @@ def events_record(events: Iterable[JobEvent]) -> None:
     """Write events in one multi-row INSERT (one array per column on PostgreSQL, its SQL built
     once: scheduler/core/bulk.py), and tell API processes watching the jobs (none for `queued`
     events: nobody watches a job before its submit returns) from that same statement: a round
-    trip fewer on every claim and every finish. The notice still leaves at commit, as any NOTIFY in a transaction."""
+    trip fewer on every finish. The notice still leaves at commit, as any NOTIFY in a
+    transaction."""
     events = list(events)
     with notify.job_watchers_told(_watched(events)):
         rows_insert(JobEvent, events)

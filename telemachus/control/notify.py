@@ -100,11 +100,14 @@ def job_watchers_told(
     that statement runs as `WITH notified AS (SELECT pg_notify(...)), changed AS (<statement>)
     SELECT changed.* FROM changed, notified`, which returns what the statement returned. A
     statement that returns no row would send nothing, so the caller's must return one per row it
-    writes (an INSERT with RETURNING: Django's bulk_create on PostgreSQL). `riders`, statements
-    that write and return nothing (an INSERT without RETURNING), ride along as CTEs of the same
-    statement: PostgreSQL runs each once, to completion, whatever the statement reads. Use inside
-    the transaction that makes the change; nothing is sent (and no rider given) on SQLite."""
+    writes (an INSERT with RETURNING, as scheduler/core/bulk.py's `rows_insert` sends it).
+    `riders`, PostgreSQL statements that write and return nothing (an INSERT without RETURNING),
+    ride along as CTEs of the same statement: PostgreSQL runs each once, to completion, whatever
+    the statement reads. Use inside the transaction that makes the change; on SQLite nothing is
+    sent, and riders are refused (the caller writes its rows itself there)."""
     latest = dict(changes)
+    if riders and connection.vendor != "postgresql":
+        raise ValueError("statements ride along only on PostgreSQL")
     if connection.vendor != "postgresql" or not (latest or riders):
         yield
         return

@@ -123,3 +123,10 @@ def test_events_riding_a_block_that_writes_nothing_are_written_and_told(member_s
     # Then they are written and told on their own.
     assert heard == [f"{notify.CHANGED}{job.pk}:step"]
     assert JobEvent.objects.filter(job=job, event=JobEvent.Type.STEP, meta__detail="x").count() == 1
+
+
+def test_riders_are_refused_off_postgresql(db):
+    if connection.vendor == "postgresql":
+        pytest.skip("statements ride along on PostgreSQL")
+    with pytest.raises(ValueError), notify.job_watchers_told([], riders=[("INSERT ...", [])]):
+        pass
