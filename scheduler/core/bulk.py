@@ -1,4 +1,5 @@
-"""Per-row updates of many rows in one statement, for the worker's hot path (finishing a batch).
+"""Many rows in one statement, for the claim's and the finish's hot paths: per-row updates
+(`update_rows`) and inserts whose SQL is built once (`insert_statement`, `rows_insert`).
 
 Django's bulk_update builds a CASE WHEN per row per field, which costs more Python time than
 the whole rest of a finish. This writes `WITH v(...) AS (VALUES ...) UPDATE ... FROM v`, which
