@@ -78,6 +78,22 @@ _last_seen_stamped: dict[int, float] = {}
 LAST_SEEN_EVERY = 1.0  # seconds
 
 
+def breaker_quiet(*, reports: Sequence[DispatchReport], clean: Collection[int] = ()) -> bool:
+    """Whether `breaker_record` would write nothing for these reports (see its `clean`): no report,
+    or only answers from executors the finish saw clean whose `last_seen` this process stamped
+    within LAST_SEEN_EVERY. No query, so a caller that hands the record to a database thread can
+    ask first and skip the hop: the usual case for every call on a busy executor."""
+    if not reports:
+        return True
+    if not all(r.ok or not r.executor_fault for r in reports):
+        return False
+    answered = {r.executor_id for r in reports}
+    now = time.monotonic()
+    return answered.issubset(clean) and all(
+        now - _last_seen_stamped.get(pk, float("-inf")) < LAST_SEEN_EVERY for pk in answered
+    )
+
+
 def breaker_record(*, reports: Sequence[DispatchReport], clean: Collection[int] = ()) -> list[ExecutorEvent]:
     """Apply dispatch outcomes to the executors' breakers, in order; returns the events written.
 
@@ -93,16 +109,12 @@ def breaker_record(*, reports: Sequence[DispatchReport], clean: Collection[int] 
     finish did not see clean (a count to reset, a half-open breaker to close) too; what the skip
     can miss is a failure another process records between the finish's read and this call, a
     moment as long as the existing one between a dispatch's end and its report."""
-    if not reports:
+    if breaker_quiet(reports=reports, clean=clean):
         return []
     if all(r.ok or not r.executor_fault for r in reports):
         # The usual case, every server answered and no breaker to reset: one statement, no lock.
         answered = {r.executor_id for r in reports}
         started = time.monotonic()
-        if answered.issubset(clean) and all(
-            started - _last_seen_stamped.get(pk, float("-inf")) < LAST_SEEN_EVERY for pk in answered
-        ):
-            return []
         closed = Executor.objects.filter(pk__in=answered, breaker=Executor.Breaker.CLOSED, consecutive_failures=0)
         if closed.update(last_seen=Now()) == len(answered):
             _last_seen_stamped.update(dict.fromkeys(answered, started))

@@ -36,7 +36,7 @@ from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, close_old_connections, connection
 
 from executors.contract import ExecutorDriver
-from executors.health import DispatchReport, breaker_record
+from executors.health import DispatchReport, breaker_quiet, breaker_record
 from executors.registry import DriverPool
 from scheduler.gateway.database import db
 from scheduler.gateway.feed import Delta, JobFeed
@@ -261,6 +261,8 @@ class OwnCalls:
 
     async def _breaker(self, reports: list[DispatchReport], finished: FinishReport | None) -> None:
         clean = finished.clean if finished is not None else frozenset()
+        if breaker_quiet(reports=reports, clean=clean):
+            return  # nothing to write: no trip to a database thread
         try:
             events = await db(breaker_record, reports=reports, clean=clean)
         except DatabaseError as exc:

@@ -46,7 +46,7 @@ from django.conf import settings
 from django.db import DatabaseError, InterfaceError, InternalError, OperationalError, close_old_connections, connection
 
 from executors.contract import DispatchError, ExecutorDriver, Probe
-from executors.health import DispatchReport, ExecutorEvent, breaker_record, probe_record, probes_due
+from executors.health import DispatchReport, ExecutorEvent, breaker_quiet, breaker_record, probe_record, probes_due
 from executors.models import Executor
 from executors.registry import DriverPool
 from scheduler.flows.runner import flow_round_run, tool_job_outcome
@@ -504,6 +504,8 @@ class Worker:
         """Feed the breakers, in a transaction of its own after the finish's (job rows and executor
         rows are never locked together: scheduler/core/locks.py). A failed write is logged, never
         retried with the finish (that would refuse the results the first attempt wrote)."""
+        if breaker_quiet(reports=dispatches, clean=clean):
+            return []  # nothing to write: no trip to a database thread
         try:
             return await self.held_db(breaker_record, reports=dispatches, clean=clean)
         except DatabaseError as exc:

@@ -7,7 +7,7 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from executors.health import DispatchReport, breaker_record
+from executors.health import DispatchReport, breaker_quiet, breaker_record
 from executors.models import Executor
 from scheduler.services.claim import job_claim
 from scheduler.services.finish import Outcome, jobs_finish
@@ -28,13 +28,17 @@ def test_answers_from_a_clean_executor_stamp_last_seen_once_a_second(member_setu
     answered = [DispatchReport(executor_id=shared.pk, ok=True)]
     # When two calls on it finish within a second...
     clean = run_one(alice, a, submit)
+    quiet_first = breaker_quiet(reports=answered, clean=clean)
     with CaptureQueriesContext(connection) as first:
         breaker_record(reports=answered, clean=clean)
     again = run_one(alice, a, submit)
+    quiet_second = breaker_quiet(reports=answered, clean=again)
     with CaptureQueriesContext(connection) as second:
         breaker_record(reports=answered, clean=again)
 
-    # Then the first stamps last_seen, the second writes nothing.
+    # Then the first stamps last_seen, the second writes nothing, and breaker_quiet (which callers
+    # ask before handing the record to a database thread) says so beforehand.
+    assert (quiet_first, quiet_second) == (False, True)
     assert clean == {shared.pk}
     assert len(first.captured_queries) == 1 and "last_seen" in first.captured_queries[0]["sql"]
     assert second.captured_queries == []
@@ -56,6 +60,7 @@ def test_an_answer_after_a_failure_resets_the_count_at_once(member_setup, submit
 
     # Then its finish saw the count, and the answer reset it, within the same second.
     assert clean == frozenset()
+    assert not breaker_quiet(reports=[DispatchReport(executor_id=shared.pk, ok=False, executor_fault=True)])
     shared.refresh_from_db()
     assert shared.consecutive_failures == 0 and shared.breaker == Executor.Breaker.CLOSED
 
