@@ -12,8 +12,10 @@ from django.db import connection
 from django.db.models import Field, Model
 
 
-def update_rows(model: type[Model], rows: Sequence[dict[str, Any]], *, key: str = "id") -> int:
-    """Set each row's fields (dict keys, field names) where `key` matches; returns rows updated."""
+def update_rows(model: type[Model], rows: Sequence[dict[str, Any]], *, key: str = "id", returning: bool = False) -> int:
+    """Set each row's fields (dict keys, field names) where `key` matches; returns rows updated.
+    `returning`: the statement returns each updated row's key (a statement other statements can
+    ride on: scheduler/services/events.py `events_riding`)."""
     if not rows:
         return 0
     names = [key, *(name for name in rows[0] if name != key)]
@@ -29,11 +31,11 @@ def update_rows(model: type[Model], rows: Sequence[dict[str, Any]], *, key: str 
         f"WITH v({', '.join(columns)}) AS (VALUES {', '.join([placeholder] * len(rows))}) "
         f"UPDATE {table} SET {', '.join(f'{c} = v.{c}' for c in columns[1:])} "
         f"FROM v WHERE {table}.{columns[0]} = v.{columns[0]}"
-    )
+    ) + (f" RETURNING {table}.{columns[0]}" if returning else "")
     params = [field.get_db_prep_save(row[field.name], connection) for row in rows for field in fields]  # type: ignore[union-attr]
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
-        return cursor.rowcount
+        return len(cursor.fetchall()) if returning else cursor.rowcount
 
 
 # The INSERT statement of each (model, vendor): built once, like a compiled query.

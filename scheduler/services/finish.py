@@ -15,7 +15,7 @@ from scheduler.core.configuration import configuration, policy_record
 from scheduler.core.locks import lock_jobs_to_finish
 from scheduler.models import Job, JobEvent
 from scheduler.services.attempts import AttemptEnd, attempts_end
-from scheduler.services.events import events_record, job_event
+from scheduler.services.events import events_record, events_riding, job_event
 from telemachus.control import notify
 from telemachus.control.config import config_at
 
@@ -164,11 +164,17 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
                 meta["error"] = error
             event = JobEvent.Type.FINISHED if outcome.ok else JobEvent.Type.FAILED
             events.append(job_event(job=job, event=event, at=job.db_now, executor=job.executor_id, **meta))
-        update_rows(Job, [{"id": job.pk, **{name: getattr(job, name) for name in Job.END_FIELDS}} for job in finished])
+        ended = [{"id": job.pk, **{name: getattr(job, name) for name in Job.END_FIELDS}} for job in finished]
+        if ended:
+            # The events and their watchers' notice ride on the ends' UPDATE, which returns a row
+            # for each job it ends (all of them: they are locked, and held): one round trip fewer.
+            with events_riding(events):
+                update_rows(Job, ended, returning=True)
         update_rows(Job, retrying)
         if retrying and wake_others:
             notify.notify_workers(notify.QUEUED)  # the retries wait in the queue for whoever claims next
-        events_record(events)
+        if not ended:
+            events_record(events)
         # Slots, then ledger rows (lock level 4) and team shares (level 5), last.
         attempts_end(ends=ends, now=now, record=record, wake=wake_others, rules=configuration(snapshot).rules)
     return FinishReport(

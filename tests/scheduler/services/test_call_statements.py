@@ -16,10 +16,10 @@ pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 # the queue's heads; team shares; the job marked running; its slot with its events (and their notice);
 # fair share's entry charge; COMMIT.
 CLAIM = 10
-# Finish: BEGIN; the job locked (with its executor's failures); its end; its event (with its
-# notice); its slot freed (waking the workers); fair share; COMMIT. (A call that costs something
-# adds its spend row; this executor is free.)
-FINISH = 7
+# Finish: BEGIN; the job locked (with its executor's failures); its end with its event (and the
+# event's notice); its slot freed (waking the workers); fair share; COMMIT. (A call that costs
+# something adds its spend row; this executor is free.)
+FINISH = 6
 
 
 def call(alice, team, submit, django_assert_num_queries) -> None:
