@@ -271,9 +271,10 @@ class JobEvent(models.Model):
         HEALTH_CHANGED = "health_changed"
 
     # Indexed by jobevent_job_idx and jobevent_executor_idx (Meta), not each on its own. No
-    # database constraint on the job (db_constraint): an event is written in the transaction that
-    # inserts or locks its job, and jobs are never deleted but through Django, which deletes their
-    # events first; the constraint's check at each commit was PostgreSQL work on every event (Slot).
+    # database constraint on the job (db_constraint): events are written by the services of their
+    # job (in the transaction that inserts or locks it, or a driver's `step` of a running job), and
+    # jobs are never deleted but through Django, which deletes their events first; the constraint's
+    # check at each commit was PostgreSQL work on every event (Slot).
     job = models.ForeignKey(
         Job,
         null=True,
@@ -315,9 +316,10 @@ class Slot(models.Model):
     them from the job it locks and marks running in the same transaction (its team, its user, the
     executor it sets on the job), so the job's own constraints hold them, and Django still applies
     `on_delete` (PROTECT: an executor, team or user with slots cannot be deleted). Checked at every
-    claim's commit, the four cost PostgreSQL a lookup and a KEY SHARE row lock each (on the team,
-    user and executor rows every concurrent claim shares): with the events' job reference, about
-    half of the constraint checks of one /v1/ call."""
+    claim's commit, the four cost PostgreSQL a lookup and a KEY SHARE row lock each (the team and
+    user rows every concurrent claim of a team shares; the executor's is still taken by the job's
+    own reference): with the events' job reference, about half of the constraint checks of one
+    /v1/ call."""
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="slots", db_constraint=False)
     executor = models.ForeignKey(Executor, on_delete=models.PROTECT, related_name="slots", db_constraint=False)

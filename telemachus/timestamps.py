@@ -11,9 +11,9 @@ TIME_ZONE), and psycopg's C loader returns a value aware in the connection's Tim
 `datetime.timezone.utc` for UTC: the same value and the same tzinfo object Django's loader gives,
 in about a third of the time. The C loader cannot be subclassed, and Django reads a `timezone`
 attribute from the connection's loader before each cursor to decide whether to register its own,
-so the loader here is a thin Python class that holds the C one. A connection not in UTC (a
-per-database TIME_ZONE) keeps Django's loader; so do SQLite and psycopg without its C extension
-(the C loader is then psycopg's Python one, no faster)."""
+so the loader here is a thin Python class that holds the C one. A connection with a per-database
+TIME_ZONE (even "UTC", which Django reads as a ZoneInfo) keeps Django's loader; so do SQLite and
+psycopg without its C extension (the C loader is then psycopg's Python one, no faster)."""
 
 import datetime
 from typing import Any
@@ -55,9 +55,14 @@ if _C_LOADER is not None:
                 self.load = self._c.load  # type: ignore[method-assign]
 
         def load(self, data: Any) -> datetime.datetime:
-            """A session whose TimeZone someone changed: the same instant, in UTC, as Django's."""
+            """A session whose TimeZone someone changed: the same instant, in UTC (Django's loader
+            would keep the local time and call it UTC). At the ends of the range, where the
+            instant has no UTC date (year 1 east of Greenwich), the value as the server gave it."""
             value: datetime.datetime = self._c.load(data)
-            return value.astimezone(UTC)
+            try:
+                return value.astimezone(UTC)
+            except OverflowError:
+                return value
 
 
 def timestamps_fast(*, connection: BaseDatabaseWrapper, **_: Any) -> None:

@@ -3,7 +3,8 @@
 
 Django's bulk_update builds a CASE WHEN per row per field, which costs more Python time than
 the whole rest of a finish. This writes `WITH v(...) AS (VALUES ...) UPDATE ... FROM v`, which
-PostgreSQL and SQLite (3.33+) both run, with values adapted by each field as the ORM would."""
+PostgreSQL and SQLite (3.33+; 3.35+ with RETURNING) both run, with values adapted by each field as
+the ORM would."""
 
 from collections.abc import Sequence
 from typing import Any

@@ -1,5 +1,6 @@
 # Drops the database constraints of the slots' references and of the events' job (why: the models'
-# comments). Only the constraints go: the indexes stay, and dropping a constraint rewrites nothing.
+# comments). Only the constraints go: the indexes stay, and on PostgreSQL dropping a constraint
+# rewrites nothing (SQLite rebuilds the two tables).
 
 import django.db.models.deletion
 from django.conf import settings

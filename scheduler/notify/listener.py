@@ -21,8 +21,9 @@ LISTENed; SQLite: watched). While it is False a subscriber finds out on its own:
 timer, a dashboard by re-reading at each heartbeat, the job feed by reading watched jobs each
 second. Subscribers are told of each change of `live` (`live_changed`) after `subscribe()` returns.
 
-Every hook runs on the event loop, in the listener's task: it must return at once (set an event,
-start a task)."""
+Every hook runs on the event loop (`notified` from the socket's reader, or from psycopg while a
+LISTEN runs, so a notification read then may arrive before that LISTEN's `missed()`): it must
+return at once (set an event, start a task)."""
 
 import asyncio
 import logging
@@ -261,6 +262,9 @@ class Listener:
                     if pgconn.notify_handler is not None:
                         pgconn.notify_handler(note)  # psycopg's: a Notify to our `_deliver`
             except psycopg.Error as exc:
+                # libpq has closed the socket by now: off the loop at once, before its number is
+                # given to another socket (the `finally` below runs a loop pass later).
+                loop.remove_reader(fileno)
                 if not failed.done():
                     failed.set_exception(exc)
 

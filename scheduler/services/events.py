@@ -43,9 +43,10 @@ def events_record(events: Iterable[JobEvent]) -> None:
 @contextmanager
 def events_riding(events: Sequence[JobEvent]) -> Iterator[None]:
     """Write `events`, and tell their watchers, within the first statement the block runs, which
-    must return a row for each row it writes (an INSERT with RETURNING): on PostgreSQL the events'
-    INSERT rides along as a CTE of that statement, a round trip fewer than `events_record`
-    (the claim's, on its slots' INSERT); elsewhere they are written after the block. Their ids are
+    must return a row for each row it writes (an INSERT or UPDATE with RETURNING): on PostgreSQL
+    the events' INSERT rides along as a CTE of that statement, a round trip fewer than
+    `events_record` (the claim's, on its slots' INSERT; the finish's, on its jobs' end UPDATE);
+    elsewhere they are written after the block. Their ids are
     not read back."""
     if connection.vendor != "postgresql" or not events:
         yield

@@ -100,7 +100,8 @@ def job_watchers_told(
     that statement runs as `WITH notified AS (SELECT pg_notify(...)), changed AS (<statement>)
     SELECT changed.* FROM changed, notified`, which returns what the statement returned. A
     statement that returns no row would send nothing, so the caller's must return one per row it
-    writes (an INSERT with RETURNING, as scheduler/core/bulk.py's `rows_insert` sends it).
+    writes (an INSERT or UPDATE with RETURNING, as scheduler/core/bulk.py's `rows_insert` and
+    `update_rows(returning=True)` send them).
     `riders`, PostgreSQL statements that write and return nothing (an INSERT without RETURNING),
     ride along as CTEs of the same statement: PostgreSQL runs each once, to completion, whatever
     the statement reads. Use inside the transaction that makes the change; on SQLite nothing is

@@ -76,3 +76,17 @@ def test_models_read_through_it(make_user, make_team):
     read_back = Job.objects.get(pk=job.pk)
     assert read_back.submitted_at == job.submitted_at
     assert read_back.submitted_at.tzinfo is UTC
+
+
+def test_an_instant_with_no_utc_date_in_such_a_session_is_read_as_the_server_gives_it():
+    # Given a session five hours east of Greenwich, and the first instant of year 1 there (year 0
+    # in UTC)...
+    with connection.cursor() as cursor:
+        cursor.execute("SET TIME ZONE INTERVAL '+05:00' HOUR TO MINUTE")
+        try:
+            cursor.execute("SELECT '0001-01-01 00:00:00+05'::timestamptz")
+            [value] = cursor.fetchone()
+        finally:
+            cursor.execute("SET TIME ZONE 'UTC'")
+    # Then it is read, in the session's offset, instead of failing.
+    assert (value.year, value.utcoffset()) == (1, datetime.timedelta(hours=5))
