@@ -23,7 +23,8 @@ in alternating blocks (the order rotating from block to block) so drift in the m
 way alike. Each simllm answers after its --latency-ms (every value is a server of its own, all
 running at once), 16 tokens, instant; the streaming ones send their first chunk after that and 16
 more at 100 tokens/s. --runs times over, each run on fresh processes (LiteLLM, daphne, the worker,
-simllm) and an emptied job table.
+simllm) and an emptied job table, analyzed (ANALYZE) after each warm-up as autovacuum keeps a live
+system's tables: plans made for the emptied table scan all of it (`analyze` says why).
 
 Measured, for each way, model latency and number of clients:
   latency p50 / p99 (the added time is the difference to direct), throughput (requests over the
@@ -411,6 +412,20 @@ async def blocks(ways: list[Way], body: dict, *, concurrency: int, total: int, s
     return out
 
 
+def analyze() -> None:
+    """Statistics for the tables as the warm-up left them, as autovacuum keeps them on a live
+    system (within its naptime, a minute). The run starts on an emptied job table, analyzed empty
+    (throughput.clear): PostgreSQL plans the statements that each connection has prepared for a
+    table of no rows (a sequential scan of the job table) and keeps those plans until its statistics
+    change, so without this the first minute of blocks would measure plans no live system runs,
+    whose cost grows with every job the run adds (four scans of the whole job table per call)."""
+    from django.db import connection
+
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("ANALYZE")
+
+
 async def measure(ways: list[Way], latencies: list[int], args: argparse.Namespace) -> dict:
     out: dict = {"calls": [], "ttft": []}
     for latency in latencies:
@@ -424,6 +439,7 @@ async def measure(ways: list[Way], latencies: list[int], args: argparse.Namespac
             stream = kind == "s"
             for way in ways:  # warm up: connections, first-use caches, the worker's driver
                 await load(way.url(body["model"]), body, concurrency=8, total=80, headers=way.headers, stream=stream)
+            await asyncio.to_thread(analyze)
             for concurrency in concurrencies:
                 block = max(concurrency, requests // BLOCKS)
                 by_way = await blocks(ways, body, concurrency=concurrency, total=block, stream=stream)
