@@ -17,6 +17,7 @@ from telemachus.compiled import CompiledQuery
 from telemachus.control.config import config_at, version_annotation
 from telemachus.locks import Level, lock_sql, rows_lock
 from telemachus.models import ConfigVersion
+from telemachus.pipeline import together
 
 
 class Clocked(TypedDict):
@@ -63,20 +64,27 @@ def lock_claim(*, as_stored: bool = False, commit_unflushed: bool = False) -> tu
     worker hosts' clocks agreeing, and it is read once the lock is held: a statement's timestamp is
     taken when it starts, so one read with the locking SELECT would be early by the time spent
     waiting for the lock (stamping starts, leases and events before the job could start). Plain
-    SQL: this runs first in every claim, under the lock every claim waits for."""
+    SQL: this runs first in every claim, under the lock every claim waits for; on PostgreSQL the
+    lock and the clock go in one round trip (telemachus/pipeline.py)."""
     qn = connection.ops.quote_name
     table = qn(QueuePolicy._meta.db_table)
     lock = f"SELECT 1 FROM {table} WHERE {qn('id')} = %s" + lock_sql(level=Level.CLAIM)
-    with connection.cursor() as cursor:
-        cursor.execute(lock, [QueuePolicy.SINGLETON_ID])
+    postgres = connection.vendor == "postgresql"
+    read_clock = _CLOCK_SQL[postgres] + (_UNFLUSHED_SQL if postgres and commit_unflushed else "")
+    with connection.cursor() as cursor, connection.cursor() as clock:
+        # The lock and the clock in one round trip: the server reads the clock once it holds the
+        # lock, as it runs the statements in order (telemachus/pipeline.py).
+        with together():
+            cursor.execute(lock, [QueuePolicy.SINGLETON_ID])
+            clock.execute(read_clock)
         if cursor.fetchone() is None:
             # The data migration creates the row; a flushed test database or a manual delete may
-            # not have it. Creating it concurrently is harmless: one insert wins, the other is ignored.
+            # not have it. Creating it concurrently is harmless: one insert wins, the other is
+            # ignored. The clock is read again: it was read without the lock.
             QueuePolicy.objects.bulk_create([QueuePolicy(pk=QueuePolicy.SINGLETON_ID)], ignore_conflicts=True)
             cursor.execute(lock, [QueuePolicy.SINGLETON_ID])
-        postgres = connection.vendor == "postgresql"
-        cursor.execute(_CLOCK_SQL[postgres] + (_UNFLUSHED_SQL if postgres and commit_unflushed else ""))
-        now, version, next_retry, tools_queued, *_ = cursor.fetchone()
+            clock.execute(read_clock)
+        now, version, next_retry, tools_queued, *_ = clock.fetchone()
     if connection.vendor != "postgresql":
         # SQLite's operations convert its text timestamps; the base class has no such method.
         now, next_retry = (

@@ -93,3 +93,38 @@ def test_a_worker_frozen_holding_the_claim_lock_is_cut_off_and_claims_go_on(memb
     # when it resumes.
     assert claim.job.pk == job.pk and waited < 5
     assert outcome and outcome[0] != "committed"
+
+
+def test_the_claims_clock_is_read_once_it_holds_the_claim_lock(member_setup):
+    # Given another claim holding the claim lock for a while (the lock and the clock are sent to
+    # the server together: telemachus/pipeline.py)...
+    with transaction.atomic():
+        lock_claim()  # the policy row exists before the race
+    locked, released = threading.Event(), []
+
+    def holder() -> None:
+        try:
+            with transaction.atomic():
+                lock_claim()
+                locked.set()
+                time.sleep(0.5)
+                with connection.cursor() as cursor:
+                    cursor.execute("SELECT clock_timestamp()")
+                    released.append(cursor.fetchone()[0])
+        finally:
+            locked.set()
+            connection.close()
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert locked.wait(10)
+        # When a claim takes the lock after it...
+        with transaction.atomic():
+            _, now = lock_claim()
+    finally:
+        thread.join(10)
+
+    # Then its clock reads a time after the other released the lock, not when its statements
+    # were sent.
+    assert released and now > released[0]
