@@ -2,11 +2,11 @@
 
 Each statement waits for its answer before the next is sent. On the claim of every call those
 waits are most of its time in the database: in one 1-client gateway run, the claim's statements
-took 2.9 ms (median) from the claiming thread against under 1 ms of executing them (auto_explain), the rest being
-a round trip each (the thread and the server taking turns on the cores). Where statements do not
-need each other's results, PostgreSQL's pipeline mode sends them in one flight: the server still
-runs them one after the other, in order, in the same transaction. (psycopg sends a transaction's
-BEGIN first, on its own, even in a pipeline.)
+took 2.9 ms (median) from the claiming thread against under 1 ms of executing them (auto_explain),
+the rest being a round trip each (the thread and the server taking turns on the cores). Where
+statements do not need each other's results, PostgreSQL's pipeline mode sends them in one flight:
+the server still runs them one after the other, in order, in the same transaction. (psycopg sends
+a transaction's BEGIN first, on its own, even in a pipeline.)
 
 Elsewhere (SQLite, which has no round trips) the statements simply run as they come."""
 
