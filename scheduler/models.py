@@ -7,6 +7,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from executors.models import Executor
+from quotas.concurrency import SlotCounts
 from quotas.models import ZERO, money_field
 from telemachus.models import ApiKey, Team
 
@@ -346,6 +347,7 @@ class QueuePolicy(models.Model):
     config_version: int
     next_retry: datetime | None
     tools_queued: bool
+    slot_counts: "SlotCounts"  # only when the claim asks for them with the lock
 
     class Placement(models.TextChoices):
         LEAST_LOADED = "least-loaded"

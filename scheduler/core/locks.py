@@ -12,6 +12,7 @@ from django.db.models.functions import Now
 
 from executors.models import Executor
 from scheduler.core.configuration import policy_record
+from scheduler.core.selectors import slot_counts, slot_counts_sql
 from scheduler.models import Job, QueuePolicy
 from telemachus.compiled import CompiledQuery
 from telemachus.control.config import config_at, version_annotation
@@ -46,7 +47,9 @@ if TYPE_CHECKING:
     FinishedJob = WithAnnotations[Job, Finishing]
 
 
-def lock_claim(*, as_stored: bool = False, commit_unflushed: bool = False) -> tuple[QueuePolicy, datetime]:
+def lock_claim(
+    *, as_stored: bool = False, commit_unflushed: bool = False, counts: bool = False
+) -> tuple[QueuePolicy, datetime]:
     """Lock the claim lock, then read the database clock, with what costs nothing more in the same
     statement: the configuration version (`policy.config_version`, scheduler/core/configuration.py) and
     when the next retry's backoff ends (`policy.next_retry`, job_retry_idx) and whether any tool job
@@ -58,7 +61,8 @@ def lock_claim(*, as_stored: bool = False, commit_unflushed: bool = False) -> tu
     value is replaced, never trusted); `as_stored` reads the row as it is, for its editor.
     `commit_unflushed` (the claim's): on PostgreSQL the same statement sets `synchronous_commit`
     off for this transaction, so its commit does not wait for the WAL flush (why that is safe for
-    a claim: docs/gateway.md, "The claim's commit").
+    a claim: docs/gateway.md, "The claim's commit"). `counts` (the claim's): the slots held per
+    scope, read with the lock (`policy.slot_counts`, scheduler/core/selectors.py).
 
     Must run inside a transaction. The time is the database's, so leases do not depend on the
     worker hosts' clocks agreeing, and it is read once the lock is held: a statement's timestamp is
@@ -71,20 +75,24 @@ def lock_claim(*, as_stored: bool = False, commit_unflushed: bool = False) -> tu
     lock = f"SELECT 1 FROM {table} WHERE {qn('id')} = %s" + lock_sql(level=Level.CLAIM)
     postgres = connection.vendor == "postgresql"
     read_clock = _CLOCK_SQL[postgres] + (_UNFLUSHED_SQL if postgres and commit_unflushed else "")
-    with connection.cursor() as cursor, connection.cursor() as clock:
-        # The lock and the clock in one round trip: the server reads the clock once it holds the
-        # lock, as it runs the statements in order (telemachus/pipeline.py).
+    reads = [read_clock, slot_counts_sql()] if counts else [read_clock]
+    with connection.cursor() as cursor, connection.cursor() as clock, connection.cursor() as slots:
+        # The lock, the clock and the slot counts in one round trip: the server runs them in
+        # order, so the others are read once it holds the lock (telemachus/pipeline.py).
         with together():
             cursor.execute(lock, [QueuePolicy.SINGLETON_ID])
-            clock.execute(read_clock)
+            for reader, sql in zip((clock, slots), reads, strict=False):
+                reader.execute(sql)
         if cursor.fetchone() is None:
             # The data migration creates the row; a flushed test database or a manual delete may
             # not have it. Creating it concurrently is harmless: one insert wins, the other is
-            # ignored. The clock is read again: it was read without the lock.
+            # ignored. The rest is read again: it was read without the lock.
             QueuePolicy.objects.bulk_create([QueuePolicy(pk=QueuePolicy.SINGLETON_ID)], ignore_conflicts=True)
             cursor.execute(lock, [QueuePolicy.SINGLETON_ID])
-            clock.execute(read_clock)
+            for reader, sql in zip((clock, slots), reads, strict=False):
+                reader.execute(sql)
         now, version, next_retry, tools_queued, *_ = clock.fetchone()
+        grouped = slots.fetchall() if counts else None
     if connection.vendor != "postgresql":
         # SQLite's operations convert its text timestamps; the base class has no such method.
         now, next_retry = (
@@ -96,6 +104,8 @@ def lock_claim(*, as_stored: bool = False, commit_unflushed: bool = False) -> tu
     else:
         policy = copy.copy(policy_record(config_at(version)))  # queue_policy(): bounds applied
     policy.config_version, policy.next_retry, policy.tools_queued = version, next_retry, bool(tools_queued)
+    if grouped is not None:
+        policy.slot_counts = slot_counts(grouped)
     return policy, now
 
 

@@ -1,6 +1,7 @@
 """Reads that the claim and the services share. Writes live in scheduler/services/."""
 
 import threading
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -147,15 +148,22 @@ def _heads_row() -> _HeadsRow:
     return found
 
 
-def slot_counts() -> SlotCounts:
-    """Slots held right now, per scope, from one grouped query over the Slot table (plain SQL: it
-    runs in every claim, under the claim lock)."""
-    counts = SlotCounts()
+def slot_counts_sql() -> str:
+    """The grouped query of `slot_counts` (plain SQL: it runs in every claim, under the claim
+    lock, which sends it with the lock: scheduler/core/locks.py)."""
     qn = connection.ops.quote_name
     columns = ", ".join(qn(c) for c in ("executor_id", "team_id", "user_id"))
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {columns}, COUNT(*) FROM {qn(Slot._meta.db_table)} GROUP BY {columns}")
-        grouped = cursor.fetchall()
+    return f"SELECT {columns}, COUNT(*) FROM {qn(Slot._meta.db_table)} GROUP BY {columns}"
+
+
+def slot_counts(grouped: Sequence[tuple[int, int, int, int]] | None = None) -> SlotCounts:
+    """Slots held right now, per scope, from one grouped query over the Slot table; `grouped`:
+    that query's rows, read already."""
+    if grouped is None:
+        with connection.cursor() as cursor:
+            cursor.execute(slot_counts_sql())
+            grouped = cursor.fetchall()
+    counts = SlotCounts()
     total = 0
     for executor_id, team_id, user_id, n in grouped:
         counts.executor[executor_id] += n

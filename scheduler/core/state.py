@@ -112,7 +112,8 @@ class ClaimState:
         locked = hasattr(policy, "config_version")  # read by lock_claim
         conf = configuration(config_at(policy.config_version) if locked else config_snapshot())
         caps, owned_by = conf.caps, conf.executor_teams
-        counts = slot_counts()
+        # Read with the claim lock, in its round trip (lock_claim(counts=True)), or now.
+        counts = policy.slot_counts if hasattr(policy, "slot_counts") else slot_counts()
         usable = [e for e in conf.executors if e.enabled and e.health != Executor.Health.DOWN]
         cooling = {
             e.pk: e.breaker_until

@@ -82,7 +82,7 @@ def job_claim(*, worker: str, limit: int = 1, only: Collection[int] | None = Non
     before it, and the finish that would follow is refused by the lease; any later synchronous
     commit flushes it first. The reasoning: docs/gateway.md, "The claim's commit"."""
     with transaction.atomic(durable=True):
-        record, now = lock_claim(commit_unflushed=True)
+        record, now = lock_claim(commit_unflushed=True, counts=True)
         state = ClaimState.load(policy=record, now=now)
         chosen: list[tuple[Job, ExecutorView]] = []
         deferred: dict[int, tuple[Job, Account]] = {}

@@ -17,8 +17,8 @@ pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 # the queue's heads; team shares; the job marked running; its slot with its events (and their notice);
 # fair share's entry charge; COMMIT.
 CLAIM = 10
-# ...in 9 round trips: the lock and the clock go together (telemachus/pipeline.py).
-CLAIM_ROUND_TRIPS = 9
+# ...in 8 round trips: the lock, the clock and the slot counts go together (telemachus/pipeline.py).
+CLAIM_ROUND_TRIPS = 8
 # Finish: BEGIN; the job locked (with its executor's failures); its end with its event (and the
 # event's notice); its slot freed (waking the workers); fair share; COMMIT. (A call that costs
 # something adds its spend row; this executor is free.)
