@@ -13,12 +13,15 @@ from django.db import connection
 from django.db.models import Field, Model
 
 
-def update_rows(model: type[Model], rows: Sequence[dict[str, Any]], *, key: str = "id", returning: bool = False) -> int:
-    """Set each row's fields (dict keys, field names) where `key` matches; returns rows updated.
-    `returning`: the statement returns each updated row's key (a statement other statements can
-    ride on: scheduler/services/events.py `events_riding`)."""
+def update_rows(
+    model: type[Model], rows: Sequence[dict[str, Any]], *, key: str = "id", returning: bool = False
+) -> None:
+    """Set each row's fields (dict keys, field names) where `key` matches. Reads nothing back, so
+    it can go with other statements in one round trip (telemachus/pipeline.py). `returning`: the
+    statement returns each updated row's key (a statement other statements can ride on:
+    scheduler/services/events.py `events_riding`)."""
     if not rows:
-        return 0
+        return
     names = [key, *(name for name in rows[0] if name != key)]
     fields = [model._meta.get_field(name) for name in names]
     qn = connection.ops.quote_name
@@ -36,7 +39,6 @@ def update_rows(model: type[Model], rows: Sequence[dict[str, Any]], *, key: str 
     params = [field.get_db_prep_save(row[field.name], connection) for row in rows for field in fields]  # type: ignore[union-attr]
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
-        return len(cursor.fetchall()) if returning else cursor.rowcount
 
 
 # The INSERT statement of each (model, vendor): built once, like a compiled query.

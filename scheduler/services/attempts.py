@@ -18,7 +18,7 @@ its claim. When it ends, in the transaction that writes its job's new state:
 """
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -95,6 +95,7 @@ def attempts_end(
     record: QueuePolicy,
     wake: bool,
     rules: Iterable[Rule] | None = None,
+    freed: Callable[[], dict[int, datetime]] | None = None,
 ) -> None:
     """Free the attempts' slots, settle their budgets and charge fair share, in the caller's
     transaction, which holds their job rows (level 3): ledger rows next (level 4), then team
@@ -103,10 +104,11 @@ def attempts_end(
 
     `wake`: tell the workers that slots were freed (not when the caller will claim with them
     itself, or keeps them for the flow's next round). `rules`: the quota rules as cached, to
-    spare reading them."""
+    spare reading them. `freed`: the slots' DELETE, sent already with the caller's statements
+    (`slots_free_sent`, for these jobs and `wake`)."""
     if not ends:
         return
-    started = slots_free(job_ids=[end.job.pk for end in ends], wake=wake)
+    started = (freed or slots_free_sent(job_ids=[end.job.pk for end in ends], wake=wake))()
     bills = [
         Bill(
             team_id=end.job.team_id,
@@ -141,8 +143,15 @@ def slots_free(*, job_ids: Sequence[int], wake: bool = False) -> dict[int, datet
     the workers that slots were freed, if any was (`notify.FREED` once per transaction, as
     PostgreSQL delivers identical notifications of one transaction once): a round trip fewer on
     every finish."""
+    return slots_free_sent(job_ids=job_ids, wake=wake)()
+
+
+def slots_free_sent(*, job_ids: Sequence[int], wake: bool = False) -> Callable[[], dict[int, datetime]]:
+    """`slots_free`, its statement executed now and its answer read when the result is called:
+    inside telemachus.pipeline.together() the DELETE goes with the block's other statements (the
+    finish sends it with its jobs' end)."""
     if not job_ids:
-        return {}
+        return dict
     qn = connection.ops.quote_name
     returning = [qn("job_id"), qn("acquired_at"), qn("id")]
     params: list[Any] = list(job_ids)
@@ -153,10 +162,27 @@ def slots_free(*, job_ids: Sequence[int], wake: bool = False) -> dict[int, datet
         f"DELETE FROM {qn(Slot._meta.db_table)} WHERE {qn('job_id')} IN ({', '.join(['%s'] * len(job_ids))}) "
         f"RETURNING {', '.join(returning)}"
     )
-    with connection.cursor() as cursor:
+    cursor = connection.cursor()
+    try:
         cursor.execute(sql, params)
-        rows = sorted(cursor.fetchall(), key=lambda row: row[2], reverse=True)
-    return {row[0]: _as_datetime(row[1]) for row in rows}
+        if connection.vendor != "postgresql":  # no pipeline there: read the rows while they are current
+            rows = cursor.fetchall()
+            cursor.close()
+            return lambda: _began(rows)
+    except BaseException:
+        cursor.close()
+        raise
+
+    def read() -> dict[int, datetime]:
+        with cursor:
+            return _began(cursor.fetchall())
+
+    return read
+
+
+def _began(rows: Sequence[Any]) -> dict[int, datetime]:
+    """Each job's first slot's `acquired_at` (the lowest slot id) from the DELETE's rows."""
+    return {row[0]: _as_datetime(row[1]) for row in sorted(rows, key=lambda row: row[2], reverse=True)}
 
 
 def _as_datetime(value: Any) -> datetime:

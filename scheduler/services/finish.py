@@ -14,10 +14,11 @@ from scheduler.core.bulk import update_rows
 from scheduler.core.configuration import configuration, policy_record
 from scheduler.core.locks import lock_jobs_to_finish
 from scheduler.models import Job, JobEvent
-from scheduler.services.attempts import AttemptEnd, attempts_end
+from scheduler.services.attempts import AttemptEnd, attempts_end, slots_free_sent
 from scheduler.services.events import events_record, events_riding, job_event
 from telemachus.control import notify
 from telemachus.control.config import config_at
+from telemachus.pipeline import together
 
 if TYPE_CHECKING:
     from scheduler.core.locks import ClockedJob
@@ -165,18 +166,24 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
             event = JobEvent.Type.FINISHED if outcome.ok else JobEvent.Type.FAILED
             events.append(job_event(job=job, event=event, at=job.db_now, executor=job.executor_id, **meta))
         ended = [{"id": job.pk, **{name: getattr(job, name) for name in Job.END_FIELDS}} for job in finished]
-        if ended:
-            # The events and their watchers' notice ride on the ends' UPDATE, which returns a row
-            # for each job it ends (all of them: they are locked, and held): one round trip fewer.
-            with events_riding(events):
-                update_rows(Job, ended, returning=True)
-        update_rows(Job, retrying)
-        if retrying and wake_others:
-            notify.notify_workers(notify.QUEUED)  # the retries wait in the queue for whoever claims next
-        if not ended:
-            events_record(events)
+        # The jobs' new states and the slots' DELETE need nothing from each other: one round
+        # trip (telemachus/pipeline.py), the server running them in this order.
+        with together():
+            if ended:
+                # The events and their watchers' notice ride on the ends' UPDATE, which returns a
+                # row for each job it ends (all of them: they are locked, and held).
+                with events_riding(events):
+                    update_rows(Job, ended, returning=True)
+            update_rows(Job, retrying)
+            if retrying and wake_others:
+                notify.notify_workers(notify.QUEUED)  # the retries wait in the queue for whoever claims next
+            if not ended:
+                events_record(events)
+            freed = slots_free_sent(job_ids=[end.job.pk for end in ends], wake=wake_others)
         # Slots, then ledger rows (lock level 4) and team shares (level 5), last.
-        attempts_end(ends=ends, now=now, record=record, wake=wake_others, rules=configuration(snapshot).rules)
+        attempts_end(
+            ends=ends, now=now, record=record, wake=wake_others, rules=configuration(snapshot).rules, freed=freed
+        )
     return FinishReport(
         accepted=[job.pk for job in finished],
         refused=refused,
