@@ -1,7 +1,7 @@
 """Statements sent to PostgreSQL together: one round trip for several.
 
-Each statement waits for its answer before the next is sent. On the claim of every call those
-waits are most of its time in the database: in one 1-client gateway run, the claim's statements
+Each statement waits for its answer before the next is sent. On the claim and the finish of every
+call those waits are most of their time in the database: in one 1-client gateway run, the claim's statements
 took 2.9 ms (median) from the claiming thread against under 1 ms of executing them (auto_explain),
 the rest being a round trip each (the thread and the server taking turns on the cores). Where
 statements do not need each other's results, PostgreSQL's pipeline mode sends them in one flight:
