@@ -77,20 +77,22 @@ def lock_claim(
     read_clock = _CLOCK_SQL[postgres] + (_UNFLUSHED_SQL if postgres and commit_unflushed else "")
     reads = [read_clock, slot_counts_sql()] if counts else [read_clock]
     with connection.cursor() as cursor, connection.cursor() as clock, connection.cursor() as slots:
-        # The lock, the clock and the slot counts in one round trip: the server runs them in
-        # order, so the others are read once it holds the lock (telemachus/pipeline.py).
-        with together():
+
+        def send() -> None:
             cursor.execute(lock, [QueuePolicy.SINGLETON_ID])
             for reader, sql in zip((clock, slots), reads, strict=False):
                 reader.execute(sql)
+
+        # The lock, the clock and the slot counts in one round trip: the server runs them in
+        # order, so the others are read once it holds the lock (telemachus/pipeline.py).
+        with together():
+            send()
         if cursor.fetchone() is None:
             # The data migration creates the row; a flushed test database or a manual delete may
             # not have it. Creating it concurrently is harmless: one insert wins, the other is
             # ignored. The rest is read again: it was read without the lock.
             QueuePolicy.objects.bulk_create([QueuePolicy(pk=QueuePolicy.SINGLETON_ID)], ignore_conflicts=True)
-            cursor.execute(lock, [QueuePolicy.SINGLETON_ID])
-            for reader, sql in zip((clock, slots), reads, strict=False):
-                reader.execute(sql)
+            send()
         now, version, next_retry, tools_queued, *_ = clock.fetchone()
         grouped = slots.fetchall() if counts else None
     if connection.vendor != "postgresql":

@@ -136,20 +136,14 @@ def attempts_end(
     team_shares_charge(charges=charges, now=now, half_life=record.half_life_seconds)
 
 
-def slots_free(*, job_ids: Sequence[int], wake: bool = False) -> dict[int, datetime]:
-    """Delete the jobs' slots and return when each job's attempt began (its first slot's
-    `acquired_at`), in one statement (DELETE ... RETURNING, PostgreSQL and SQLite 3.35+). A job
-    that held no slot (a tool job) is absent from the answer. `wake`: the same statement tells
-    the workers that slots were freed, if any was (`notify.FREED` once per transaction, as
-    PostgreSQL delivers identical notifications of one transaction once): a round trip fewer on
-    every finish."""
-    return slots_free_sent(job_ids=job_ids, wake=wake)()
-
-
 def slots_free_sent(*, job_ids: Sequence[int], wake: bool = False) -> Callable[[], dict[int, datetime]]:
-    """`slots_free`, its statement executed now and its answer read when the result is called:
-    inside telemachus.pipeline.together() the DELETE goes with the block's other statements (the
-    finish sends it with its jobs' end)."""
+    """Delete the jobs' slots in one statement (DELETE ... RETURNING, PostgreSQL and SQLite 3.35+),
+    executed now; calling the result reads when each job's attempt began (its first slot's
+    `acquired_at`), so inside telemachus.pipeline.together() the DELETE goes with the block's
+    other statements (the finish sends it with its jobs' end). A job that held no slot (a tool
+    job) is absent from the answer. `wake`: the same statement tells the workers that slots were
+    freed, if any was (`notify.FREED` once per transaction, as PostgreSQL delivers identical
+    notifications of one transaction once): a round trip fewer on every finish."""
     if not job_ids:
         return dict
     qn = connection.ops.quote_name
