@@ -1,6 +1,8 @@
 """The database threads of the gateway: a few threads, shared by every request of the process,
 that run its database calls (authentication, submit, reads, cancel). Each keeps its connection
 open across calls, so a call costs a query, not a connection; a request that waits holds none.
+Work goes to the thread that went idle last (telemachus/threads.py): at low load one thread, its
+connection and the server process behind it serve call after call, warm.
 
 Django closes a connection at the end of each request (CONN_MAX_AGE); these threads serve no
 Django request, so their connections stay open until they fail: a connection that saw an error
@@ -8,23 +10,22 @@ and no longer answers is closed and reopened on the next call."""
 
 import asyncio
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
 from django.conf import settings
 from django.db import connection
 
+from telemachus.threads import WarmestFirst
+
 T = TypeVar("T")
-_pool: ThreadPoolExecutor | None = None
+_pool: WarmestFirst | None = None
 
 
-def _threads() -> ThreadPoolExecutor:
+def _threads() -> WarmestFirst:
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(
-            max_workers=settings.TELEMACHUS_GATEWAY_DB_THREADS, thread_name_prefix="telemachus-gateway-db"
-        )
+        _pool = WarmestFirst(settings.TELEMACHUS_GATEWAY_DB_THREADS, name="telemachus-gateway-db")
     return _pool
 
 
