@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from django.db import connection
+from django.db.transaction import TransactionManagementError
 
 
 @contextmanager
@@ -28,3 +29,30 @@ def together() -> Iterator[None]:
     connection.ensure_connection()
     with connection.wrap_database_errors, connection.connection.pipeline():
         yield
+
+
+@contextmanager
+def committing() -> Iterator[None]:
+    """Send the statements of the block and the COMMIT of the transaction they end in one round
+    trip. For the last statements of a durable atomic block (`transaction.atomic(durable=True)`),
+    whose rows nothing reads: the COMMIT, which would wait for their answers and then make a round
+    trip of its own, goes with them, as one more statement of the pipeline (psycopg's commit()
+    would add a round trip: it syncs, and so does the pipeline's end). When the atomic block ends
+    it finds the transaction ended (psycopg sends nothing to commit an idle connection) and runs its
+    on_commit hooks, as after any commit. An error in the block or at the COMMIT, or a transaction
+    marked for rollback, commits nothing: the atomic block rolls back as it would. Inside a test
+    case's transaction, which must not end, the statements go together and commit nothing.
+    Elsewhere (SQLite) the statements run as they come, and the atomic block commits."""
+    # Django's own test for a durable block: blocks a test case opened are not the code's own.
+    # (Attributes Django's type stubs do not declare.)
+    own = [block for block in connection.atomic_blocks if not getattr(block, "_from_testcase", False)]
+    if len(own) != 1 or not getattr(own[0], "durable", False):
+        raise TransactionManagementError("committing() ends a durable atomic block, inside it")
+    if connection.vendor != "postgresql":
+        yield
+        return
+    connection.ensure_connection()
+    with connection.wrap_database_errors, connection.connection.pipeline():
+        yield
+        if not connection.needs_rollback and len(own) == len(connection.atomic_blocks):
+            connection.connection.execute("COMMIT", prepare=False)

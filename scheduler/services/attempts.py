@@ -19,6 +19,7 @@ its claim. When it ends, in the transaction that writes its job's new state:
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -34,6 +35,7 @@ from scheduler.core.money import attempt_price
 from scheduler.models import Job, QueuePolicy, Slot
 from scheduler.services.shares import team_shares_charge
 from telemachus.control import notify
+from telemachus.pipeline import committing
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ def attempts_end(
     wake: bool,
     rules: Iterable[Rule] | None = None,
     freed: Callable[[], dict[int, datetime]] | None = None,
+    commit: bool = False,
 ) -> None:
     """Free the attempts' slots, settle their budgets and charge fair share, in the caller's
     transaction, which holds their job rows (level 3): ledger rows next (level 4), then team
@@ -105,7 +108,8 @@ def attempts_end(
     `wake`: tell the workers that slots were freed (not when the caller will claim with them
     itself, or keeps them for the flow's next round). `rules`: the quota rules as cached, to
     spare reading them. `freed`: the slots' DELETE, sent already with the caller's statements
-    (`slots_free_sent`, for these jobs and `wake`)."""
+    (`slots_free_sent`, for these jobs and `wake`). `commit`: the caller's durable transaction
+    ends with these writes, and its COMMIT goes with the last (telemachus/pipeline.py)."""
     if not ends:
         return
     started = (freed or slots_free_sent(job_ids=[end.job.pk for end in ends], wake=wake))()
@@ -133,7 +137,8 @@ def attempts_end(
             charges[end.job.team_id] += attempt_cost(
                 record, started_at=began, now=now, tokens=end.tokens or 0, estimate=end.job.cost_estimate
             )
-    team_shares_charge(charges=charges, now=now, half_life=record.half_life_seconds)
+    with committing() if commit else nullcontext():
+        team_shares_charge(charges=charges, now=now, half_life=record.half_life_seconds)
 
 
 def slots_free_sent(*, job_ids: Sequence[int], wake: bool = False) -> Callable[[], dict[int, datetime]]:

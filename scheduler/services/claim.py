@@ -24,6 +24,7 @@ from scheduler.services.tooljobs import tool_jobs_start
 from telemachus.control import notify
 from telemachus.control.notify import changes_notify
 from telemachus.locks import Level, for_update_sql
+from telemachus.pipeline import committing
 
 MAX_ORDER_ROUNDS = 3
 
@@ -164,7 +165,8 @@ def job_claim(*, worker: str, limit: int = 1, only: Collection[int] | None = Non
             charges[claim.job.team_id] += (
                 claim.job.cost_estimate if record.cost == record.Cost.TOKENS else record.entry_penalty
             )
-        team_shares_charge(charges=charges, now=now, half_life=record.half_life_seconds)
+        with committing():  # the last write, whose rows nothing reads, goes with the COMMIT
+            team_shares_charge(charges=charges, now=now, half_life=record.half_life_seconds)
         wake_in = max((wake_at - now).total_seconds(), 0.0) if wake_at is not None else None
         return ClaimBatch(claims=claims, backlog=backlog, wake_in=wake_in)
 

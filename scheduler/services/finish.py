@@ -180,9 +180,15 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
             if not ended:
                 events_record(events)
             freed = slots_free_sent(job_ids=[end.job.pk for end in ends], wake=wake_others)
-        # Slots, then ledger rows (lock level 4) and team shares (level 5), last.
+        # Slots, then ledger rows (lock level 4) and team shares (level 5), last, with the COMMIT.
         attempts_end(
-            ends=ends, now=now, record=record, wake=wake_others, rules=configuration(snapshot).rules, freed=freed
+            ends=ends,
+            now=now,
+            record=record,
+            wake=wake_others,
+            rules=configuration(snapshot).rules,
+            freed=freed,
+            commit=True,
         )
     return FinishReport(
         accepted=[job.pk for job in finished],

@@ -17,14 +17,16 @@ pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 # the queue's heads; team shares; the job marked running; its slot with its events (and their notice);
 # fair share's entry charge; COMMIT.
 CLAIM = 10
-# ...in 8 round trips: the lock, the clock and the slot counts go together (telemachus/pipeline.py).
-CLAIM_ROUND_TRIPS = 8
+# ...in 7 round trips: the lock, the clock and the slot counts go together, and so do the charge and
+# the COMMIT (telemachus/pipeline.py).
+CLAIM_ROUND_TRIPS = 7
 # Finish: BEGIN; the job locked (with its executor's failures); its end with its event (and the
 # event's notice); its slot freed (waking the workers); fair share; COMMIT. (A call that costs
 # something adds its spend row; this executor is free.)
 FINISH = 6
-# ...in 5 round trips: the end and the slot's DELETE go together (telemachus/pipeline.py).
-FINISH_ROUND_TRIPS = 5
+# ...in 4 round trips: the end and the slot's DELETE go together, and so do fair share and the
+# COMMIT (telemachus/pipeline.py).
+FINISH_ROUND_TRIPS = 4
 
 
 def call(alice, team, submit, django_assert_num_queries) -> None:
