@@ -27,6 +27,8 @@ from django.db import connections
 from django.db.models import Model, QuerySet
 from django.db.models.query import get_related_populators
 
+from telemachus.pipeline import sent
+
 M = TypeVar("M", bound=Model)
 Values = int | str | Sequence[int] | Sequence[str]
 
@@ -63,10 +65,14 @@ class _Compiled:
         self.annotations = list(compiler.annotation_col_map.items())
 
     def run(self, values: dict[str, Values]) -> list[Any]:
+        return self.sent(values)()
+
+    def sent(self, values: dict[str, Values]) -> Callable[[], list[Any]]:
+        """Execute now, read the rows when the result is called (see `CompiledQuery.sent`)."""
         params = [constant if slot is None else _value(values, *slot) for slot, constant in self.recipe]
-        with connections[self.using].cursor() as cursor:
-            cursor.execute(self.sql, params)
-            rows: Any = cursor.fetchall()
+        return sent(self.sql, params, self._instances, using=self.using)
+
+    def _instances(self, rows: Any) -> list[Any]:
         if self.converters:
             rows = self.compiler.apply_converters(rows, self.converters)
         found = []
@@ -95,6 +101,9 @@ class CompiledQuery(Generic[M]):
         """The rows. A list value that is empty matches nothing (as `__in` of nothing does)."""
         if any(not isinstance(v, int | str) and not v for v in values.values()):
             return []
+        return self._shape(values).run(values)
+
+    def _shape(self, values: dict[str, Values]) -> _Compiled:
         connection = connections[self.using]
         shape = (
             connection.vendor,
@@ -105,7 +114,14 @@ class CompiledQuery(Generic[M]):
             compiled = self._compile(values)
             with self._lock:
                 self._shapes[shape] = compiled
-        return compiled.run(values)
+        return compiled
+
+    def sent(self, **values: Values) -> Callable[[], list[M]]:
+        """The query executed now, its rows read when the result is called: inside
+        telemachus.pipeline.together() it goes with the block's other statements."""
+        if any(not isinstance(v, int | str) and not v for v in values.values()):
+            return list
+        return self._shape(values).sent(values)
 
     def first(self, **values: Values) -> M | None:
         found = self(**values)

@@ -10,10 +10,11 @@ a transaction's BEGIN first, on its own, even in a pipeline.)
 
 Elsewhere (SQLite, which has no round trips) the statements simply run as they come."""
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any, TypeVar
 
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connection, connections
 from django.db.transaction import TransactionManagementError
 
 
@@ -29,6 +30,35 @@ def together() -> Iterator[None]:
     connection.ensure_connection()
     with connection.wrap_database_errors, connection.connection.pipeline():
         yield
+
+
+T = TypeVar("T")
+
+
+def sent(
+    sql: str, params: Sequence[Any], rows: Callable[[list[Any]], T], *, using: str = DEFAULT_DB_ALIAS
+) -> Callable[[], T]:
+    """Execute a statement now, on a cursor of its own, and return what reads its answer: `rows`
+    of the fetched rows, when called. Inside together() the statement goes with the block's
+    others, and is read after the block. Elsewhere (SQLite, which has no pipeline) the rows are
+    read at once, while they are current."""
+    db = connections[using]
+    cursor = db.cursor()
+    try:
+        cursor.execute(sql, params)
+        if db.vendor != "postgresql":
+            fetched = cursor.fetchall()
+            cursor.close()
+            return lambda: rows(fetched)
+    except BaseException:
+        cursor.close()
+        raise
+
+    def read() -> T:
+        with cursor:
+            return rows(cursor.fetchall())
+
+    return read
 
 
 @contextmanager

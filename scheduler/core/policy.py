@@ -18,7 +18,7 @@ The default, `FairSharePolicy`:
 """
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import cache
@@ -26,11 +26,12 @@ from functools import cache
 from django.conf import settings
 from django.utils.module_loading import import_string
 
-from scheduler.core.selectors import queued_heads
+from scheduler.core.selectors import queued_heads_sent
 from scheduler.core.state import ClaimState, ExecutorView
 from scheduler.models import Job, QueuePolicy, TeamShare
 from telemachus.compiled import CompiledQuery
 from telemachus.models import Team
+from telemachus.pipeline import together
 
 DEFAULT_POLICY = "scheduler.core.policy.FairSharePolicy"
 # Drain-rate look-back for the Retry-After of a full queue, and its bounds.
@@ -182,11 +183,14 @@ class BaseQueuePolicy:
         users at their cap or out of budget are excluded in the query, as are models no usable
         executor has room for. Also looks at each team's oldest jobs, which aging may have
         lifted above newer, higher-priority ones."""
-        blocked = state.blocked_teams()
+        return self.eligible_heads_sent(state, limit=limit)()
+
+    def eligible_heads_sent(self, state: ClaimState, *, limit: int) -> Callable[[], dict[int, list[Job]]]:
+        """`eligible_heads`, its statements executed now and read when the result is called:
+        inside telemachus.pipeline.together() they go with the block's other statements."""
         wanted = {
             team_id: (state.placeable_models(team_id), int(min(limit, state.team_free(team_id))))
-            for team_id in state.team_slugs
-            if team_id not in blocked
+            for team_id in self.unblocked_teams(state)
         }
         record = self.record
         aged_before = (
@@ -194,10 +198,24 @@ class BaseQueuePolicy:
             if record.aging_max_boost > 0 and record.aging_step_seconds > 0
             else None
         )
-        heads = queued_heads(wanted=wanted, exclude_users=state.blocked_users(), now=state.now, aged_before=aged_before)
-        for jobs in heads.values():
-            jobs.sort(key=lambda job: (-self.effective_priority(job, state.now), *ready_order(job)))
+        read = queued_heads_sent(
+            wanted=wanted, exclude_users=state.blocked_users(), now=state.now, aged_before=aged_before
+        )
+
+        def heads() -> dict[int, list[Job]]:
+            found = read()
+            for jobs in found.values():
+                jobs.sort(key=lambda job: (-self.effective_priority(job, state.now), *ready_order(job)))
+            return found
+
         return heads
+
+    @staticmethod
+    def unblocked_teams(state: ClaimState) -> list[int]:
+        """The teams whose heads `eligible_heads` looks for: all but those at their cap or out of
+        budget."""
+        blocked = state.blocked_teams()
+        return [team_id for team_id in state.team_slugs if team_id not in blocked]
 
 
 class PriorityFifoPolicy(BaseQueuePolicy):
@@ -229,8 +247,13 @@ class FairSharePolicy(BaseQueuePolicy):
     burst takes the freed slots until it holds its share, not all of them."""
 
     def order(self, state: ClaimState, *, limit: int) -> Iterator[Job]:
-        heads = self.eligible_heads(state, limit=limit)
-        usage = team_usage(team_ids=list(heads), now=state.now, half_life=self.record.half_life_seconds)
+        # The heads and the teams' past usage need nothing from each other: one round trip.
+        with together():
+            read_heads = self.eligible_heads_sent(state, limit=limit)
+            read_usage = team_usage_sent(
+                team_ids=self.unblocked_teams(state), now=state.now, half_life=self.record.half_life_seconds
+            )
+        heads, usage = read_heads(), read_usage()
         tokens = self.record.cost == QueuePolicy.Cost.TOKENS
         running = state.running_tokens() if tokens else state.team_in_use
         cursor = dict.fromkeys(heads, 0)
@@ -287,7 +310,13 @@ def ready_order(job: Job) -> tuple[datetime, int]:
 
 def team_usage(*, team_ids: list[int], now: datetime, half_life: float) -> dict[int, float]:
     """Each team's past usage, decayed to `now` (one query, in every claim: compiled once)."""
-    return {share.team_id: share.decayed(now, half_life) for share in _TEAM_SHARES(teams=sorted(team_ids))}
+    return team_usage_sent(team_ids=team_ids, now=now, half_life=half_life)()
+
+
+def team_usage_sent(*, team_ids: list[int], now: datetime, half_life: float) -> Callable[[], dict[int, float]]:
+    """`team_usage`, executed now and read when the result is called (telemachus/pipeline.py)."""
+    read = _TEAM_SHARES.sent(teams=sorted(team_ids))
+    return lambda: {share.team_id: share.decayed(now, half_life) for share in read()}
 
 
 _TEAM_SHARES = CompiledQuery(lambda teams: TeamShare.objects.filter(team_id__in=teams))

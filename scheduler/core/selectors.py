@@ -1,7 +1,7 @@
 """Reads that the claim and the services share. Writes live in scheduler/services/."""
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -12,6 +12,7 @@ from quotas.concurrency import SlotCounts
 from scheduler.core.bounds import policy_in_force
 from scheduler.models import Job, QueuePolicy, Slot
 from telemachus.models import Membership
+from telemachus.pipeline import sent
 from telemachus.teams import rbac
 
 # SQLite allows at most 500 terms in a compound SELECT.
@@ -44,13 +45,13 @@ def policy_seen_by(user: rbac.Principal, data: dict[str, Any]) -> dict[str, Any]
     }
 
 
-def queued_heads(
+def queued_heads_sent(
     *,
     wanted: dict[int, tuple[set[str], int]],
     exclude_users: set[int],
     now: datetime,
     aged_before: datetime | None = None,
-) -> dict[int, list[Job]]:
+) -> Callable[[], dict[int, list[Job]]]:
     """The head of each team's line: for each team id in `wanted`, up to n of its queued jobs for
     the given models, highest priority then first ready (`ready_at`, then id), skipping users at
     their cap and retries still waiting out their backoff; with `aged_before`, also those of its n
@@ -63,7 +64,11 @@ def queued_heads(
     as one UNION ALL. Written as SQL rather than with the ORM: this runs in every claim, under
     the claim lock, and compiling two querysets per team cost more than the database's work. The
     status is a literal, so both backends can use the partial indexes, and each lookup asks for at
-    least two rows: at LIMIT 1 PostgreSQL may walk the primary key instead of the team's index."""
+    least two rows: at LIMIT 1 PostgreSQL may walk the primary key instead of the team's index.
+
+    Executed now, read when the result is called: inside telemachus.pipeline.together() the
+    lookups go with the block's other statements (the claim reads the teams' fair-share usage with
+    them)."""
     qn = connection.ops.quote_name
     heads_sql = _heads_row()
     columns = heads_sql.columns
@@ -100,16 +105,23 @@ def queued_heads(
                     [*params, max(n, 2), connection.ops.adapt_datetimefield_value(aged_before)],
                 )
             )
-    heads: dict[int, list[Job]] = {}
-    seen: set[int] = set()
+    reads = []
     for start in range(0, len(lookups), LOOKUPS_PER_STATEMENT):
         chunk = lookups[start : start + LOOKUPS_PER_STATEMENT]
         sql = " UNION ALL ".join(f"SELECT * FROM ({part}) AS head{i}" for i, (part, _) in enumerate(chunk))
-        for job in heads_sql.jobs(sql, [param for _, params in chunk for param in params]):
-            if job.pk not in seen:
-                seen.add(job.pk)
-                heads.setdefault(job.team_id, []).append(job)
-    return heads
+        reads.append(heads_sql.jobs_sent(sql, [param for _, params in chunk for param in params]))
+
+    def read() -> dict[int, list[Job]]:
+        heads: dict[int, list[Job]] = {}
+        seen: set[int] = set()
+        for jobs in reads:
+            for job in jobs():
+                if job.pk not in seen:
+                    seen.add(job.pk)
+                    heads.setdefault(job.team_id, []).append(job)
+        return heads
+
+    return read
 
 
 class _HeadsRow:
@@ -128,10 +140,11 @@ class _HeadsRow:
         self.attnames = [target.attname for target in targets]
         self.converters = self.compiler.get_converters([column[0] for column in self.compiler.select])
 
-    def jobs(self, sql: str, params: list[Any]) -> list[Job]:
-        with connection.cursor() as cursor:
-            cursor.execute(sql, params)
-            rows: Any = cursor.fetchall()
+    def jobs_sent(self, sql: str, params: list[Any]) -> Callable[[], list[Job]]:
+        """Execute now, read when the result is called (telemachus/pipeline.py)."""
+        return sent(sql, params, self._jobs)
+
+    def _jobs(self, rows: Any) -> list[Job]:
         if self.converters:
             rows = self.compiler.apply_converters(rows, self.converters)
         return [Job.from_db(connection.alias, self.attnames, row) for row in rows]

@@ -35,7 +35,7 @@ from scheduler.core.money import attempt_price
 from scheduler.models import Job, QueuePolicy, Slot
 from scheduler.services.shares import team_shares_charge
 from telemachus.control import notify
-from telemachus.pipeline import committing
+from telemachus.pipeline import committing, sent
 
 
 @dataclass(frozen=True)
@@ -161,22 +161,7 @@ def slots_free_sent(*, job_ids: Sequence[int], wake: bool = False) -> Callable[[
         f"DELETE FROM {qn(Slot._meta.db_table)} WHERE {qn('job_id')} IN ({', '.join(['%s'] * len(job_ids))}) "
         f"RETURNING {', '.join(returning)}"
     )
-    cursor = connection.cursor()
-    try:
-        cursor.execute(sql, params)
-        if connection.vendor != "postgresql":  # no pipeline there: read the rows while they are current
-            rows = cursor.fetchall()
-            cursor.close()
-            return lambda: _began(rows)
-    except BaseException:
-        cursor.close()
-        raise
-
-    def read() -> dict[int, datetime]:
-        with cursor:
-            return _began(cursor.fetchall())
-
-    return read
+    return sent(sql, params, _began)
 
 
 def _began(rows: Sequence[Any]) -> dict[int, datetime]:

@@ -14,6 +14,7 @@ from telemachus.control.config import version_annotation
 from telemachus.keys.models import ApiKey
 from telemachus.locks import Level, rows_lock
 from telemachus.models import Team
+from telemachus.pipeline import together
 
 pytestmark = pytest.mark.django_db
 
@@ -61,6 +62,18 @@ def test_rows_and_related_models_as_the_orm_gives_them(keys):
         compiled = [fields(key) for key in query(names=names)]
         assert compiled == [fields(key) for key in keys_of(names).order_by("pk")], names
     assert query(names=[]) == []
+
+
+def test_queries_sent_together_read_what_each_would_alone(keys):
+    # Given two compiled queries sent together (one round trip on PostgreSQL)...
+    query = CompiledQuery(lambda names: keys_of(names).order_by("pk"))
+    with transaction.atomic():
+        with together():
+            first, second, none = query.sent(names=["k0", "k2"]), query.sent(names=["k1"]), query.sent(names=[])
+        # Then each reads, after the block, the rows it would give alone.
+        assert [fields(key) for key in first()] == [fields(key) for key in query(names=["k0", "k2"])]
+        assert [fields(key) for key in second()] == [fields(key) for key in query(names=["k1"])]
+        assert none() == []
 
 
 def test_the_sql_is_compiled_once_per_shape(keys):

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 CLAIM = 10
 # ...in 7 round trips: the lock, the clock and the slot counts go together, and so do the charge and
 # the COMMIT (telemachus/pipeline.py).
-CLAIM_ROUND_TRIPS = 7
+CLAIM_ROUND_TRIPS = 6
 # Finish: BEGIN; the job locked (with its executor's failures); its end with its event (and the
 # event's notice); its slot freed (waking the workers); fair share; COMMIT. (A call that costs
 # something adds its spend row; this executor is free.)
