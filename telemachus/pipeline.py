@@ -78,11 +78,11 @@ def committing() -> Iterator[None]:
     own = [block for block in connection.atomic_blocks if not getattr(block, "_from_testcase", False)]
     if len(own) != 1 or not getattr(own[0], "durable", False):
         raise TransactionManagementError("committing() ends a durable atomic block, inside it")
-    if connection.vendor != "postgresql":
+    with together():
         yield
-        return
-    connection.ensure_connection()
-    with connection.wrap_database_errors, connection.connection.pipeline():
-        yield
-        if not connection.needs_rollback and len(own) == len(connection.atomic_blocks):
+        if (
+            connection.vendor == "postgresql"
+            and not connection.needs_rollback
+            and len(own) == len(connection.atomic_blocks)
+        ):
             connection.connection.execute("COMMIT", prepare=False)
