@@ -85,9 +85,10 @@ def timed_rate(n: int, per_call: int, call) -> float:
 
 
 def configurations(text: str) -> list[tuple[int, int]]:
-    """ "2x8,4x1" -> [(2, 8), (4, 1)]: processes x concurrency (or prefetch)."""
+    """ "2x8,4x1" -> [(2, 8), (4, 1)]: processes x concurrency (or prefetch); "" leaves the system out
+    (`--procrastinate '' --celery ''` measures Telemachus alone, as a before/after of one change)."""
     pairs = []
-    for part in text.split(","):
+    for part in filter(None, text.split(",")):
         processes, _, concurrency = part.strip().partition("x")
         pairs.append((int(processes), int(concurrency)))
     return pairs
@@ -332,13 +333,15 @@ def main() -> None:
     from benchlib import peers_python, pg_database, pg_url
 
     assert args.jobs % min(BULK, args.jobs) == 0, f"--jobs must be under {BULK} or a multiple of it"
-    peers = peers_python(args.peers_python)
+    systems = [system for system in SYSTEMS if getattr(args, system)]
+    peers = peers_python(args.peers_python) if systems != ["telemachus"] else ""
     targets = {"redis": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/1"), "database": pg_url(args.database)}
-    results: dict[str, list[dict]] = {system: [] for system in SYSTEMS}
+    results: dict[str, list[dict]] = {system: [] for system in systems}
     pg_database(args.database, "create")
     try:
         for repeat in range(args.repeats):
-            order = SYSTEMS[repeat % 3 :] + SYSTEMS[: repeat % 3]
+            shift = repeat % len(systems)
+            order = systems[shift:] + systems[:shift]
             for system in order:
                 sweep = getattr(args, system)
                 shift = repeat % len(sweep)
@@ -354,14 +357,15 @@ def main() -> None:
 def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
     """Each system at its best (the configuration with the highest median process rate), then the
     whole sweep."""
+    systems = list(results)
     process = {
         system: {
             config: [repeat["configs"][config]["process"] for repeat in results[system]]
             for config in results[system][0]["configs"]
         }
-        for system in SYSTEMS
+        for system in systems
     }
-    best = {s: max(process[s], key=lambda c, s=s: statistics.median(process[s][c])) for s in SYSTEMS}
+    best = {s: max(process[s], key=lambda c, s=s: statistics.median(process[s][c])) for s in systems}
     median = {
         system: {
             "enqueue one by one": statistics.median(r["enqueue one by one"] for r in results[system]),
@@ -370,21 +374,24 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
             ),
             "process, each at its best": statistics.median(process[system][best[system]]),
         }
-        for system in SYSTEMS
+        for system in systems
     }
+    peers = [system for system in systems if system != "telemachus"]
     print(
         f"\n{args.jobs} no-op jobs, medians of {args.repeats} interleaved repeats (jobs/s; ratio: Telemachus / peer)\n"
     )
-    print("| measure | Telemachus | Procrastinate | Celery | vs Procrastinate | vs Celery |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    columns = [NAMES[system] for system in systems] + [f"vs {NAMES[peer]}" for peer in peers]
+    print("| measure | " + " | ".join(columns) + " |")
+    print("| --- |" + " ---: |" * len(columns))
     for measure in median["telemachus"]:
-        t, p, c = (median[s][measure] for s in SYSTEMS)
-        print(f"| {measure} | {t:,.0f} | {p:,.0f} | {c:,.0f} | {t / p:.2f} | {t / c:.2f} |")
-    print("| best configuration (PxC) | " + " | ".join(best[s] for s in SYSTEMS) + " | | |")
+        figures = [f"{median[system][measure]:,.0f}" for system in systems]
+        ratios = [f"{median['telemachus'][measure] / median[peer][measure]:.2f}" for peer in peers]
+        print(f"| {measure} | " + " | ".join(figures + ratios) + " |")
+    print("| best configuration (PxC) | " + " | ".join([best[s] for s in systems] + [""] * len(peers)) + " |")
     print("\nEvery configuration: process rate, jobs/s, median (lowest–highest) over repeats\n")
     print("| system | PxC | meaning | process |")
     print("| --- | ---: | --- | ---: |")
-    for system in SYSTEMS:
+    for system in systems:
         for config, rates in process[system].items():
             mark = " (best)" if config == best[system] else ""
             figure = f"{statistics.median(rates):,.0f} ({min(rates):,.0f}–{max(rates):,.0f})"

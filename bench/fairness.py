@@ -81,8 +81,8 @@ from django.utils import timezone  # noqa: E402
 
 from executors.models import Executor  # noqa: E402
 from quotas.models import QuotaPolicy  # noqa: E402
+from scheduler.core.configuration import queue_policy  # noqa: E402
 from scheduler.core.policy import FairSharePolicy, team_usage  # noqa: E402
-from scheduler.core.selectors import queue_policy  # noqa: E402
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot, TeamShare  # noqa: E402
 from scheduler.services.claim import job_claim  # noqa: E402
 from scheduler.services.finish import job_finish  # noqa: E402

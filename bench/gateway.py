@@ -4,6 +4,7 @@ LiteLLM Proxy in front of the same model server. Prints tables.
     .venv/bin/python bench/gateway.py [--requests 1000] [--concurrency 1,8,32] [--latency-ms 0,50]
                                       [--stream-concurrency 1,32] [--runs 2] [--litellm-workers 1,2]
                                       [--backend postgres|sqlite] [--redis URL] [--json FILE]
+                                      [--tracing]
 
 The same OpenAI chat request, `POST /v1/chat/completions`, is sent by C concurrent clients (asyncio,
 httpx, one keep-alive connection each) three ways to the same simllm server:
@@ -42,6 +43,14 @@ The first table gives, per run (a range when --runs > 1), LiteLLM's best configu
 measure (the fewest added milliseconds, the most requests per second: which --num_workers gave it
 is in brackets) and Telemachus / LiteLLM measured in the same run; the tables after it give every
 LiteLLM configuration and the phases.
+
+With --tracing, a fourth way, `telemachus-traced`: a second API process of the same stack whose
+OpenTelemetry traces are on (OTEL_EXPORTER_OTLP_ENDPOINT), exporting over OTLP/HTTP to a local
+receiver that keeps nothing (bench/otlpsink.py; its CPU is not counted), in the same alternating
+blocks as the untraced API process. The worker traces too (a call that the API process leaves to
+it is traced there; an untraced call's job keeps no trace context, so the worker records nothing
+for it); its CPU counts for whichever way's block is running, as the database's does. A table then
+gives what tracing adds: p50 latency, CPU per call, req/s, with tracing off and on.
 
 Everything runs on this machine: the clients, the gateways, simllm and the database share its
 cores. PostgreSQL runs in a scratch database `telemachus_bench_gateway` (created, dropped);
@@ -140,9 +149,11 @@ class Stack:
     """The simllm servers (one plain and one streaming for each model latency), a worker and daphne
     against one database, stopped together."""
 
-    def __init__(self, env: dict[str, str], latencies: list[int]) -> None:
+    def __init__(self, env: dict[str, str], latencies: list[int], *, tracing: bool = False) -> None:
         self.env = env
         self.procs: list[subprocess.Popen] = []
+        self.traced_api, self.sink = "", ""
+        self.traced_servers: list[subprocess.Popen] = []
         # Every simllm server by model name.
         self.models: dict[str, str] = {}
         for latency in latencies:
@@ -165,19 +176,37 @@ class Stack:
                 self.models[model(kind, latency)] = f"http://127.0.0.1:{port}"
         for name, base in self.models.items():
             wait_http(f"{base}/v1/models", f"simllm ({name})")
+        traced: dict[str, str] = {}
+        if tracing:
+            port = free_port()
+            self.spawn(str(ROOT / "bench/otlpsink.py"), str(port))
+            self.sink = f"http://127.0.0.1:{port}"
+            wait_http(self.sink, "the OTLP sink")
+            traced = {"OTEL_EXPORTER_OTLP_ENDPOINT": self.sink, "OTEL_SERVICE_NAME": "bench"}
         # Telemachus's own processes: their CPU is what a call costs it.
         first = len(self.procs)
-        self.spawn("manage.py", "scheduler_worker", "--concurrency", "256", "--name", "bench")
+        self.spawn("manage.py", "scheduler_worker", "--concurrency", "256", "--name", "bench", **traced)
         port = free_port()
         self.spawn("-m", "telemachus.serve", "127.0.0.1", str(port))
         self.servers = self.procs[first:]
         self.api = f"http://127.0.0.1:{port}"
         wait_http(f"{self.api}/v1/models", "the API server")
+        if tracing:
+            port = free_port()
+            self.spawn("-m", "telemachus.serve", "127.0.0.1", str(port), **traced)
+            # The traced way's processes: the shared worker and its own API process.
+            self.traced_servers = [self.servers[0], self.procs[-1]]
+            self.traced_api = f"http://127.0.0.1:{port}"
+            wait_http(f"{self.traced_api}/v1/models", "the traced API server")
 
-    def spawn(self, *argv: str) -> None:
+    def spawn(self, *argv: str, **env: str) -> None:
         self.procs.append(
             subprocess.Popen(
-                [sys.executable, *argv], cwd=ROOT, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                [sys.executable, *argv],
+                cwd=ROOT,
+                env={**self.env, **env},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
         )
 
@@ -462,7 +491,7 @@ def run_once(args: argparse.Namespace, env: dict[str, str], peers: str | None, s
     import throughput
 
     throughput.clear()
-    stack = Stack(env, args.latency_ms)
+    stack = Stack(env, args.latency_ms, tracing=args.tracing)
     proxies: list[LiteLLM] = []
     try:
         token = seed(stack.models)
@@ -488,8 +517,24 @@ def run_once(args: argparse.Namespace, env: dict[str, str], peers: str | None, s
                 database=PG_BENCH_DB if args.backend == "postgres" else None,
             )
         )
+        if args.tracing:
+            ways.append(
+                Way(
+                    "telemachus-traced",
+                    lambda name: f"{stack.traced_api}/v1/chat/completions",
+                    headers={"Authorization": f"Bearer {token}"},
+                    servers=[proc.pid for proc in stack.traced_servers],
+                    database=PG_BENCH_DB if args.backend == "postgres" else None,
+                )
+            )
         wait_idle([proc.pid for proc in stack.procs])
-        return asyncio.run(measure(ways, args.latency_ms, args))
+        measured = asyncio.run(measure(ways, args.latency_ms, args))
+        if args.tracing:
+            time.sleep(1)  # the last batch of spans leaves within OTEL_BSP_SCHEDULE_DELAY (5 s by default)
+            with urllib.request.urlopen(stack.sink, timeout=5) as answer:
+                measured["sink"] = json.loads(answer.read())
+            print(f"  the OTLP sink received {measured['sink']}", file=sys.stderr)
+        return measured
     finally:
         stop([proxy.proc for proxy in proxies])
         stack.stop()
@@ -547,6 +592,9 @@ def main() -> None:
     parser.add_argument("--backend", choices=("postgres", "sqlite"), default="postgres")
     parser.add_argument("--redis", default="", help="REDIS_URL for the stack (output deltas through Redis)")
     parser.add_argument("--json", help="also write every figure to this file")
+    parser.add_argument(
+        "--tracing", action="store_true", help="also a traced API process (OTLP to a local sink), against the untraced"
+    )
     args = parser.parse_args()
     if args.backend == "postgres":
         pg_database(PG_BENCH_DB, "create")
@@ -674,6 +722,9 @@ def report(runs: list[dict], args: argparse.Namespace) -> None:
                     cells = [span([row[p][q] - (row["direct"][q] if base else 0) for row in rows]) for p in proxies]
                     print(f"| {latency} | {measure} | {c} | " + " | ".join(cells) + " |")
 
+    if args.tracing:
+        tracing_report(runs, args)
+
     print("\nThrough Telemachus: medians of each phase, ms (a range over runs)\n")
     names = ["send -> submitted", "submitted -> started", "started -> finished", "finished -> answered"]
     print("| model ms | clients | " + " | ".join(names) + " |")
@@ -683,6 +734,35 @@ def report(runs: list[dict], args: argparse.Namespace) -> None:
             rows = [row["telemachus"]["phases"] for row in figures(runs, "calls", latency, c)]
             cells = [span([r[n] for r in rows if n in r]) if any(n in r for r in rows) else "–" for n in names]
             print(f"| {latency} | {c} | " + " | ".join(cells) + " |")
+
+
+def tracing_report(runs: list[dict], args: argparse.Namespace) -> None:
+    """What OpenTelemetry tracing adds to a call: the traced API process against the untraced one,
+    in the same alternating blocks (CPU per call with the shared worker and the database)."""
+    print("\nTracing off / on (OTLP/HTTP to a local sink), same run: p50 and CPU per call in ms\n")
+    print("| model ms | clients | p50 off | p50 on | added p50 | CPU off | CPU on | added CPU | req/s off | req/s on |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+
+    def cpu(row: dict) -> float:
+        return row["cpu_ms"] + (row["db_cpu_ms"] or 0)
+
+    for latency in args.latency_ms:
+        for c in args.concurrency:
+            rows = figures(runs, "calls", latency, c)
+            off, on = [row["telemachus"] for row in rows], [row["telemachus-traced"] for row in rows]
+            cells = [
+                span([r["p50"] for r in off]),
+                span([r["p50"] for r in on]),
+                span([b["p50"] - a["p50"] for a, b in zip(off, on, strict=True)], 2),
+                span([cpu(r) for r in off], 2),
+                span([cpu(r) for r in on], 2),
+                span([cpu(b) - cpu(a) for a, b in zip(off, on, strict=True)], 2),
+                span([r["rps"] for r in off]),
+                span([r["rps"] for r in on]),
+            ]
+            print(f"| {latency} | {c} | " + " | ".join(cells) + " |")
+    exported = [f"{run['sink']['exports']} exports, {run['sink']['bytes']:,} bytes" for run in runs]
+    print("\nSpans exported, per run: " + "; ".join(exported))
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ both alike:
   configuration cache  A: every claim and finish reads executors, teams, quota rules (and the
                        users they name), executor grants and the queue policy again
                        (the cache is dropped before each call, which is what the code did)
-  job rows             A: lock the chosen rows and read their payload, then one UPDATE per
-                       executor and one for reservations; B: one statement does all three
   fair-share charge    A: SELECT ... FOR UPDATE of the share rows, then an UPDATE (and an INSERT
                        for a team's first charge); B: one INSERT ... ON CONFLICT DO UPDATE
   submit               A: job_submit with the configuration cache dropped before each call
@@ -50,7 +48,7 @@ PRODUCTION_ENV = {
     "SECRET_KEY": "bench-only-" + "x" * 50,
     "ALLOWED_HOSTS": "127.0.0.1",
 }
-STEPS = ("configuration cache", "job rows", "fair-share charge")
+STEPS = ("configuration cache", "fair-share charge")
 
 
 # --- what each step replaced ----------------------------------------------------------------------
@@ -59,7 +57,7 @@ STEPS = ("configuration cache", "job rows", "fair-share charge")
 @contextmanager
 def before(step: str):
     """Patch back in what `step` replaced."""
-    from scheduler.services import claim, finish
+    from scheduler.services import attempts, claim
 
     patches: list[tuple[object, str, object]] = []
 
@@ -67,11 +65,9 @@ def before(step: str):
         patches.append((owner, name, getattr(owner, name)))
         setattr(owner, name, value)
 
-    if step == "job rows":
-        patch(claim, "_mark_running", _mark_running_before)
-    elif step == "fair-share charge":
+    if step == "fair-share charge":
         patch(claim, "team_shares_charge", _team_shares_charge_before)
-        patch(finish, "team_shares_charge", _team_shares_charge_before)
+        patch(attempts, "team_shares_charge", _team_shares_charge_before)
     try:
         yield
     finally:
@@ -79,41 +75,9 @@ def before(step: str):
             setattr(owner, name, value)
 
 
-def _mark_running_before(chosen, *, worker, now, expires, lease):
-    from django.db.models import F
-
-    from scheduler.core.bulk import update_rows
-    from scheduler.models import Job
-
-    owned = dict(
-        Job.objects.select_for_update(skip_locked=True)
-        .filter(pk__in=sorted(job.pk for job, _ in chosen), status=Job.Status.QUEUED)
-        .values_list("pk", "input")
-    )
-    by_executor: dict[int, list[int]] = {}
-    for job, view in chosen:
-        if job.pk in owned:
-            by_executor.setdefault(view.pk, []).append(job.pk)
-    for executor_id, job_ids in by_executor.items():
-        Job.objects.filter(pk__in=job_ids).update(
-            status=Job.Status.RUNNING,
-            executor_id=executor_id,
-            started_at=now,
-            attempts=F("attempts") + 1,
-            worker=worker,
-            lease=lease,
-            lease_expires_at=expires,
-        )
-    update_rows(
-        Job,
-        [{"id": job.pk, "reservation": job.reservation} for job, _ in chosen if job.reservation and job.pk in owned],
-    )
-    return owned
-
-
 def _team_shares_charge_before(*, charges, now, half_life) -> None:
-    from scheduler.core.bulk import update_rows
     from scheduler.models import TeamShare
+    from telemachus.db.bulk import update_rows
 
     charges = {team_id: amount for team_id, amount in charges.items() if amount}
     if not charges:

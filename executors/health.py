@@ -24,8 +24,9 @@ from django.db.models.functions import Now
 
 from executors.contract import Probe
 from executors.models import Executor
+from executors.webhooks import executor_events_emit
 from telemachus.control.notify import changes_notify
-from telemachus.locks import Level, rows_lock
+from telemachus.db.locks import Level, rows_lock
 
 BREAKER_OPENED, BREAKER_HALF_OPEN, BREAKER_CLOSED = "breaker_opened", "breaker_half_open", "breaker_closed"
 HEALTH_CHANGED = "health_changed"
@@ -53,14 +54,16 @@ def events_recorder_install(recorder: EventsRecorder) -> None:
 
 
 def events_record(events: Sequence[ExecutorEvent]) -> None:
-    """Store the events through the installed recorder. Without one (the scheduler app is not
-    installed or not ready) nothing can store them: that is a deployment error, raised, never an
-    event dropped unseen."""
+    """Store the events through the installed recorder, and put those a team acts on (down, up,
+    breaker opened) in its webhooks' outbox (executors/webhooks.py), in the caller's transaction.
+    Without a recorder (the scheduler app is not installed or not ready) nothing can store them:
+    that is a deployment error, raised, never an event dropped unseen."""
     if not events:
         return
     if _recorder is None:
         raise RuntimeError(f"executor events with no recorder installed (scheduler app not ready): {events!r}")
     _recorder(events)
+    executor_events_emit(events)
 
 
 @dataclass(frozen=True)

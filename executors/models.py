@@ -3,6 +3,7 @@ import logging
 from django.core.exceptions import ValidationError
 from django.db import models
 
+from executors.credentials import endpoint_problem, meta_problems, transport_credential_problems
 from executors.prices import price_problems
 from executors.simknobs import knob_problems
 from executors.slurmtransport import transport_problems
@@ -90,10 +91,18 @@ class Executor(models.Model):
 
     def clean(self) -> None:
         """The admin's form: the shapes from_db would otherwise discard, a sim executor's knobs
-        within their bounds and an hpc-partition's transport (as the API checks them)."""
+        within their bounds, an hpc-partition's transport, and no secret outside the places for
+        credentials (as the API checks them; executors/credentials.py)."""
         problems = json_shape_problems(self, loaded=[f.attname for f in self._meta.concrete_fields])
         if problems:
             raise ValidationError({name.split(".")[0]: f"{name} {problem}" for name, problem in problems.items()})
+        if problem := endpoint_problem(self.endpoint):
+            raise ValidationError({"endpoint": problem})
+        if secrets := meta_problems(self.meta):
+            raise ValidationError({"meta": [f"meta.{path} {problem}" for path, problem in secrets.items()]})
+        stored = Executor.objects.filter(pk=self.pk).values_list("transport", flat=True).first() if self.pk else None
+        if secrets := transport_credential_problems(self.transport, stored=stored):
+            raise ValidationError({"transport": [f"transport.{path} {problem}" for path, problem in secrets.items()]})
         if self.kind == "sim" and (knobs := knob_problems(self.meta)):
             raise ValidationError({"meta": [f"meta.{name} {problem}" for name, problem in knobs.items()]})
         if priced := price_problems(self.prices):
@@ -116,3 +125,49 @@ def json_shape_problems(executor: Executor, *, loaded: list[str]) -> dict[str, s
         if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
             problems["capabilities.models"] = "is not a list of model names"  # type: ignore[index]
     return problems  # type: ignore[return-value]
+
+
+class ModelRoute(models.Model):
+    """A public model name that stands for an ordered list of models (issue #39): apps call `name`
+    on every surface; a job on the route runs on the first model that can take it and falls back
+    to the next when that one's executors are down or their breakers open, when it failed there
+    after its retries, when its prompt does not fit the model's context window, or when its queue
+    deadline passed (scheduler/services/routes.py). Configuration: read from the configuration cache
+    and watched by its version triggers (migration 0009); edits go through executors/routes.py,
+    which audits them."""
+
+    name = models.CharField(max_length=200, unique=True, help_text="The name apps call, as a model name.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    # Last: the field's name hides the module's within the class body.
+    models = models.JSONField(
+        default=list, help_text='The models it stands for, in the order they are tried: ["model-a", "model-b"].'
+    )
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} → {', '.join(self.models)}"
+
+    def clean(self) -> None:
+        if problem := route_models_problem(self.name, self.models):
+            raise ValidationError({"models": problem})
+
+
+# The most models one route may list.
+MAX_ROUTE_MODELS = 16
+
+
+def route_models_problem(name: str, models: object) -> str | None:
+    """What is wrong with a route's model list, if anything: a list of 1 to MAX_ROUTE_MODELS
+    distinct model names, not the route's own name."""
+    if not isinstance(models, list) or not 1 <= len(models) <= MAX_ROUTE_MODELS:
+        return f"A list of 1 to {MAX_ROUTE_MODELS} model names."
+    if not all(isinstance(m, str) and m and len(m) <= 200 for m in models):
+        return "Each model is a non-empty name of at most 200 characters."
+    if len(set(models)) != len(models):
+        return "Each model at most once."
+    if name in models:
+        return "A route cannot list itself."
+    return None

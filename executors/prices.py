@@ -1,6 +1,8 @@
 """What a model costs on an executor: `Executor.prices`, `{"<model>": {"input": "<price per 1M
 input tokens>", "output": "<price per 1M output tokens>"}}`, decimal strings in
-TELEMACHUS_CURRENCY. A model without a price costs nothing there (a local model, say).
+TELEMACHUS_CURRENCY. A model without a price costs nothing there (a local model, say). A model
+may also have a batch price (`batch_input`, `batch_output`), what a batch's line pays instead
+(docs/batches.md); a side without one pays the live price.
 
 Arithmetic is Decimal only. Prices have at most 6 decimal places, so a token's price (a millionth
 of it) has at most 12, which the ledger keeps exactly: `price_of` is tokens x price, exactly."""
@@ -17,6 +19,7 @@ PRICE_PLACES = 6
 MAX_PRICE = Decimal(1_000_000)
 ZERO = Decimal(0)
 SIDES = ("input", "output")
+BATCH_SIDES = ("batch_input", "batch_output")
 
 
 def price_problems(prices: Any) -> dict[str, str]:
@@ -28,8 +31,11 @@ def price_problems(prices: Any) -> dict[str, str]:
         if not isinstance(model, str) or not model or len(model) > 200:
             problems[str(model)[:200]] = "is not a model name"
             continue
-        if not isinstance(price, dict) or set(price) - set(SIDES) or not price:
-            problems[model] = 'must be {"input": "<per 1M tokens>", "output": "<per 1M tokens>"}'
+        if not isinstance(price, dict) or set(price) - {*SIDES, *BATCH_SIDES} or not set(price) & set(SIDES):
+            problems[model] = (
+                'must be {"input": "<per 1M tokens>", "output": "<per 1M tokens>"}, '
+                'optionally with "batch_input" and "batch_output"'
+            )
             continue
         for side, value in price.items():
             amount = _decimal(value)
@@ -49,28 +55,44 @@ def prices_stored(prices: dict[str, dict[str, Any]]) -> dict[str, dict[str, str]
     }
 
 
-def model_price(executor: "Executor", model: str) -> tuple[Decimal, Decimal] | None:
-    """(input, output) per 1M tokens of the model on this executor; None when it has no price."""
+def model_price(executor: "Executor", model: str, *, batch: bool = False) -> tuple[Decimal, Decimal] | None:
+    """(input, output) per 1M tokens of the model on this executor, for a batch's line with
+    `batch` (its batch price, side by side, where it has one); None when it has no price."""
     price = (executor.prices or {}).get(model) if isinstance(executor.prices, dict) else None
     if not isinstance(price, dict):
         return None
-    return _decimal(price.get("input")) or ZERO, _decimal(price.get("output")) or ZERO
+    live = _decimal(price.get("input")) or ZERO, _decimal(price.get("output")) or ZERO
+    if not batch:
+        return live
+    batch_input, batch_output = _decimal(price.get("batch_input")), _decimal(price.get("batch_output"))
+    return (
+        batch_input if batch_input is not None else live[0],
+        batch_output if batch_output is not None else live[1],
+    )
 
 
-def price_of(executor: "Executor | None", model: str, *, prompt_tokens: int, completion_tokens: int) -> Decimal:
-    """What these tokens of the model cost on the executor (0 without a price or an executor)."""
-    price = model_price(executor, model) if executor is not None else None
+def price_of(
+    executor: "Executor | None", model: str, *, prompt_tokens: int, completion_tokens: int, batch: bool = False
+) -> Decimal:
+    """What these tokens of the model cost on the executor (0 without a price or an executor); a
+    batch's line's with `batch`."""
+    price = model_price(executor, model, batch=batch) if executor is not None else None
     if price is None or (prompt_tokens <= 0 and completion_tokens <= 0):
         return ZERO
     per_input, per_output = price
     return (per_input * max(prompt_tokens, 0) + per_output * max(completion_tokens, 0)) / PER_TOKENS
 
 
-def dearest(executors: Iterable["Executor"], model: str, *, prompt_tokens: int, completion_tokens: int) -> Decimal:
+def dearest(
+    executors: Iterable["Executor"], model: str, *, prompt_tokens: int, completion_tokens: int, batch: bool = False
+) -> Decimal:
     """The most these tokens could cost on any of the executors: what admission reserves against
     money budgets before the executor is chosen."""
     return max(
-        (price_of(e, model, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens) for e in executors),
+        (
+            price_of(e, model, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, batch=batch)
+            for e in executors
+        ),
         default=ZERO,
     )
 

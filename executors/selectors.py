@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from guardian.models import GroupObjectPermission
 
-from executors.models import Executor
+from executors.models import Executor, ModelRoute
 from telemachus.models import Team
 
 
@@ -80,10 +80,11 @@ def executors_usable_by(*, team: Team | int, model: str | None = None, embedding
     )
 
 
-def models_usable_by(team_ids: Iterable[int], *, chat: bool = False) -> dict[int, set[str]]:
+def models_usable_by(team_ids: Iterable[int], *, chat: bool = False, routes: bool = False) -> dict[int, set[str]]:
     """For each team, the models of the enabled executors it may use, for any number of teams in
     two queries; with `chat`, only of executors that answer model calls (not a cpu-node's task
-    queues)."""
+    queues); with `routes`, the names of the model routes one of whose models it may use too (one
+    query more)."""
     usable: dict[int, set[str]] = {team_id: set() for team_id in team_ids}
     if not usable:
         return usable
@@ -92,4 +93,8 @@ def models_usable_by(team_ids: Iterable[int], *, chat: bool = False) -> dict[int
     for team_id, models in usable.items():
         for executor in usable_executors(executors, team_id=team_id, teams=teams, chat=chat):
             models.update(executor.offered_models)
+    if routes:
+        found = list(ModelRoute.objects.values_list("name", "models"))
+        for models in usable.values():
+            models.update([name for name, targets in found if models.intersection(targets)])
     return usable

@@ -5,9 +5,11 @@ from django.db import transaction
 from django.db.models import ProtectedError
 
 from executors.contract import DispatchError
+from executors.credentials import transport_resealed, transport_sealed, transport_shown
 from executors.models import Executor
 from executors.registry import driver_for
 from telemachus.control.audit import Actor, audit_record, changed_fields
+from telemachus.db.locks import Level, rows_lock
 from telemachus.errors import Conflict, ExecutorUnreachable, ValidationFailed, unique_or
 
 # What the audit log keeps of an executor (the runtime state, health and breaker, is not an edit).
@@ -26,11 +28,17 @@ AUDITED = (
 )
 
 
-def executor_audit_view(executor: Executor) -> dict[str, Any]:
+def _stored_view(executor: Executor) -> dict[str, Any]:
     return {
         name: (executor.team.slug if executor.team else None) if name == "team" else getattr(executor, name)
         for name in AUDITED
     }
+
+
+def executor_audit_view(executor: Executor) -> dict[str, Any]:
+    """An executor as the audit log records it: its secrets masked (executors/credentials.py)."""
+    view = _stored_view(executor)
+    return {**view, "transport": transport_shown(view["transport"])}
 
 
 def _name_taken(name: Any) -> ValidationFailed:
@@ -38,8 +46,10 @@ def _name_taken(name: Any) -> ValidationFailed:
 
 
 def executor_create(*, by: Actor = None, **fields: Any) -> Executor:
-    """Register an executor; audited (`executor.create`). A name taken meanwhile by a concurrent
-    create is refused as the API's check refuses it (400)."""
+    """Register an executor; audited (`executor.create`), its secrets sealed and masked. A name
+    taken meanwhile by a concurrent create is refused as the API's check refuses it (400)."""
+    if "transport" in fields:
+        fields["transport"] = transport_sealed(fields["transport"] or {}, stored=None)
     with unique_or(_name_taken(fields.get("name"))), transaction.atomic():
         executor = Executor.objects.create(**fields)
         audit_record(
@@ -59,13 +69,18 @@ def executor_update(
     """Apply an operator's edit. The write moves the configuration version (by trigger), so the
     next claim and submit read the row again and a change to `enabled`, `max_concurrency` or
     `capabilities` takes effect without restarting workers; on PostgreSQL it also wakes them.
-    Audited with the changed fields before and after (nothing is written when nothing changes)."""
-    before = executor_audit_view(executor)
+    A new transport's secrets are sealed (a shown mask keeps the secret stored at its place:
+    executors/credentials.py). Audited with the changed fields before and after, secrets masked
+    (nothing is written when nothing changes)."""
+    if "transport" in fields:
+        fields["transport"] = transport_sealed(fields["transport"] or {}, stored=executor.transport)
+    stored, shown = _stored_view(executor), executor_audit_view(executor)
     for name, value in fields.items():
         setattr(executor, name, value)
-    was, now = changed_fields(before, executor_audit_view(executor))
-    if not now:
+    changed = changed_fields(stored, _stored_view(executor))[1]
+    if not changed:
         return executor
+    after = executor_audit_view(executor)
     with unique_or(_name_taken(fields.get("name"))), transaction.atomic():
         executor.save(update_fields=[*fields, "updated_at"])
         audit_record(
@@ -74,8 +89,8 @@ def executor_update(
             object_type="executor",
             object_id=executor.pk,
             object_repr=executor.name,
-            before=was,
-            after=now,
+            before={name: shown[name] for name in changed},
+            after={name: after[name] for name in changed},
         )
     return executor
 
@@ -119,3 +134,29 @@ def executor_sync(*, executor: Executor, by: Actor = None) -> Executor:
     return executor_update(
         executor=executor, by=by, action="executor.sync", capabilities={**executor.capabilities, "models": models}
     )
+
+
+def executor_secrets_rotate(*, by: Actor = None) -> list[str]:
+    """Seal every stored secret again under the current sealing key (executors/sealing.py: put the
+    new key first, run this, then drop the old key). One transaction that locks the executor rows
+    (level 2), so no edit made meanwhile is overwritten; the write moves the configuration version,
+    so workers build their drivers again. Audited per executor resealed (`executor.secrets_rotate`:
+    its masks do not change). Raises SecretUnreadable, changing nothing, for a secret no configured
+    key unseals. Returns the names of the executors resealed."""
+    rotated = []
+    with transaction.atomic():
+        for executor in rows_lock(Executor.objects.order_by("pk"), level=Level.EXECUTOR):
+            resealed = transport_resealed(executor.transport)
+            if resealed == executor.transport:
+                continue
+            executor.transport = resealed
+            executor.save(update_fields=["transport", "updated_at"])
+            audit_record(
+                by=by,
+                action="executor.secrets_rotate",
+                object_type="executor",
+                object_id=executor.pk,
+                object_repr=executor.name,
+            )
+            rotated.append(executor.name)
+    return rotated

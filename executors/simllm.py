@@ -9,13 +9,17 @@ requests so tests can check that the scheduler's caps hold on the wire: `GET /st
 in-flight and peak counts in total and per path prefix (one server can stand in for several
 executors: `http://127.0.0.1:P/e1/v1` and `.../e2/v1` are counted apart), and requests per job (the
 `X-Telemachus-Job` header the drivers send), so a test can count one flow's model calls among
-others'; `POST /stats/reset` zeroes them.
+others'; `POST /stats/reset` zeroes them. Given an API key (`--api-key`, or SIMLLM_API_KEY), it
+answers 401 `invalid_api_key` to every /v1/ request without `Authorization: Bearer <key>`, as
+vLLM's `--api-key` does (or, with `--api-key-header NAME`, without the key in that header, as
+Azure's `api-key`).
 
 A raw ASGI app (no framework) served by uvicorn: `python manage.py simllm --port P`.
 """
 
 import asyncio
 import base64
+import hmac
 import json
 import random
 import struct
@@ -86,8 +90,12 @@ class SimLLM:
         tokens_per_s: float = 0,
         fail_rate: float = 0,
         output_tokens: int = 16,
+        api_key: str | None = None,
+        api_key_header: str = "authorization",
     ) -> None:
         self.models = models
+        self.api_key = api_key
+        self.api_key_header = api_key_header.lower()
         self.latency = latency_ms / 1000
         self.tokens_per_s = tokens_per_s
         self.fail_rate = fail_rate
@@ -105,6 +113,8 @@ class SimLLM:
         if path == "/stats/reset" and method == "POST":
             self.stats = Stats()
             return await respond(send, 200, {"reset": True})
+        if "/v1/" in path and not self.authorized(scope):
+            return await respond(send, 401, error_body("Incorrect API key provided.", "invalid_api_key"))
         if path.endswith("/v1/models") and method == "GET":
             return await respond(
                 send,
@@ -129,6 +139,14 @@ class SimLLM:
                     gone.cancel()
                     self.stats.leave(prefix)
         return await respond(send, 404, error_body(f"no route for {method} {path}", "not_found"))
+
+    def authorized(self, scope: Scope) -> bool:
+        """Whether the request carries the server's API key (any request, when it has none)."""
+        if not self.api_key:
+            return True
+        expected = f"Bearer {self.api_key}" if self.api_key_header == "authorization" else self.api_key
+        sent = header(scope, self.api_key_header.encode("latin-1")) or ""
+        return hmac.compare_digest(sent.encode("latin-1", "replace"), expected.encode("latin-1", "replace"))
 
     async def embeddings(self, send: Any, body: Any, gone: asyncio.Future) -> None:
         if not isinstance(body, dict) or not embedding_inputs(body.get("input")):

@@ -26,11 +26,12 @@ from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from django.db import connection
-from django.db.models import Q, Subquery
+from django.db.models import Q
 
 from quotas.models import ZERO, QuotaPolicy, Spend, Usage, money_text
 from quotas.rules import Rule, quota_rules
+from quotas.thresholds import budget_thresholds_emit
+from telemachus.db.bulk import upsert_add
 from telemachus.errors import QuotaExceeded
 
 Dimension, Window = QuotaPolicy.Dimension, QuotaPolicy.Window
@@ -134,9 +135,11 @@ class Deltas:
         row[4] += cost
         row[5] += reserved_cost
 
-    def apply(self) -> None:
-        ledger_add(self.rows)
+    def apply(self) -> "dict[LedgerKey, tuple[int, Decimal]]":
+        """Write the increments; returns each row's used tokens and cost after them."""
+        totals = ledger_add(self.rows)
         self.rows.clear()
+        return totals
 
 
 class Budgets:
@@ -154,46 +157,33 @@ class Budgets:
         """One query for the ledger rows of the current windows (none when there are no budget
         rules); `rules` are loaded too unless given."""
         budgets = cls.of(now=now, rules=quota_rules() if rules is None else rules)
-        if budgets.accounts:
-            wanted = Q()
-            for account in budgets.accounts:
-                wanted |= Q(
-                    scope=account.rule.scope,
-                    subject=account.rule.subject,
-                    window=account.rule.window,
-                    window_start=account.start,
-                )
-            rows = {(u.scope, u.subject, u.window, u.window_start): u for u in Usage.objects.filter(wanted)}
-            for account in budgets.accounts:
-                row = rows.get(account.key)
-                if row is not None:
-                    used, reserved = LEDGER_COLUMNS[account.rule.dimension]  # type: ignore[index]
-                    account.used, account.reserved = getattr(row, used), getattr(row, reserved)
-                    account.exhausted_at = row.exhausted_at
+        budgets.read()
         return budgets
+
+    def read(self) -> None:
+        """Read the ledger rows of the accounts' current windows (one query; none without accounts)."""
+        if not self.accounts:
+            return
+        wanted = Q()
+        for account in self.accounts:
+            wanted |= Q(
+                scope=account.rule.scope,
+                subject=account.rule.subject,
+                window=account.rule.window,
+                window_start=account.start,
+            )
+        rows = {(u.scope, u.subject, u.window, u.window_start): u for u in Usage.objects.filter(wanted)}
+        for account in self.accounts:
+            row = rows.get(account.key)
+            if row is not None:
+                used, reserved = LEDGER_COLUMNS[account.rule.dimension]  # type: ignore[index]
+                account.used, account.reserved = getattr(row, used), getattr(row, reserved)
+                account.exhausted_at = row.exhausted_at
 
     @classmethod
     def of(cls, *, now: datetime, rules: Iterable[Rule]) -> "Budgets":
         """The budget rules among `rules`, in their current windows, with nothing read yet."""
         return cls([Account(r, *window_bounds(r.window, now)) for r in rules if r.dimension in BUDGET_DIMENSIONS], now)
-
-    def columns(self) -> dict[str, Subquery]:
-        """What each account has used and reserved, as columns (`budget_<i>_used`, `_reserved`) for
-        a statement the caller runs anyway: `fill` takes them back. Saves the ledger's round trip."""
-        columns = {}
-        for i, account in enumerate(self.accounts):
-            used, reserved = LEDGER_COLUMNS[account.rule.dimension]  # type: ignore[index]
-            scope, subject, window, start = account.key
-            row = Usage.objects.filter(scope=scope, subject=subject, window=window, window_start=start)
-            columns[f"budget_{i}_used"] = Subquery(row.values(used)[:1])
-            columns[f"budget_{i}_reserved"] = Subquery(row.values(reserved)[:1])
-        return columns
-
-    def fill(self, values: dict[str, Any]) -> None:
-        """Take back the `columns` read with some statement."""
-        for i, account in enumerate(self.accounts):
-            account.used = values[f"budget_{i}_used"] or 0
-            account.reserved = values[f"budget_{i}_reserved"] or 0
 
     @property
     def has_money(self) -> bool:
@@ -281,7 +271,7 @@ class Budgets:
 
 def admission_budgets(*, subjects: Iterable[tuple[int, int]], now: datetime, rules: Iterable[Rule]) -> Budgets:
     """The global, team and user budgets that count jobs of these (team id, user id) pairs, not
-    yet read (`Budgets.columns` reads them with a statement of the caller's)."""
+    yet read (`Budgets.read`)."""
     subjects = list(subjects)
     return Budgets.of(
         now=now,
@@ -350,11 +340,15 @@ def quota_settle(
     """Quota.record: release the reservations of ended attempts and bill each dispatch's actual
     tokens, one request and its cost to the current window of every budget that counts it, then
     add what was spent to the spend ledger. `rules` (all quota rules, as cached) spares reading
-    them."""
+    them. A token or money budget whose use this moves past 80 % or 100 % of its limit emits
+    `budget.threshold` or `budget.exhausted` to the webhooks of the teams it concerns
+    (quotas/thresholds.py), in this transaction: once per rule, window and threshold, since use
+    only grows within a window and each settle sees its own before and after under the row's lock."""
     deltas = Deltas()
     for reservation in reservations:
         _add_reservation(deltas, reservation, sign=-1)
     bills = list(bills)
+    budgets = Budgets([], now)
     if bills:
         rules = (
             [r for r in rules if r.dimension in BUDGET_DIMENSIONS]
@@ -370,8 +364,48 @@ def quota_settle(
                     deltas.add(account.key, cost=bill.cost)
                 else:
                     deltas.add(account.key, requests=1)
-    deltas.apply()
+    billed = {key: (row[0], row[4]) for key, row in deltas.rows.items() if row[0] or row[4]}
+    totals = deltas.apply()
+    if crossings := budget_crossings(accounts=budgets.accounts, billed=billed, totals=totals):
+        budget_thresholds_emit(crossings=crossings, bills=bills, now=now)
     spend_add(bills=bills, day=now.astimezone(UTC).date())
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """A token or money budget whose use one settle moved past a threshold of its limit."""
+
+    account: Account
+    used: Amount  # after the settle
+    percent: int  # 80 or 100
+
+
+THRESHOLDS = ((80, Decimal("0.8")), (100, Decimal(1)))
+
+
+def budget_crossings(
+    *,
+    accounts: Iterable[Account],
+    billed: dict[LedgerKey, tuple[Amount, Amount]],
+    totals: dict[LedgerKey, tuple[int, Decimal]],
+) -> list[Crossing]:
+    """The thresholds that the billed amounts moved the accounts' use past: use before the settle
+    (the total after it, less what it billed) under the mark, use after it at or over."""
+    crossings = []
+    for account in accounts:
+        if account.rule.dimension not in (Dimension.TOKENS, Dimension.COST) or account.rule.limit <= 0:
+            continue
+        column = 1 if account.is_money else 0
+        added: Amount = billed.get(account.key, (0, ZERO))[column]
+        if not added or account.key not in totals:
+            continue
+        after: Amount = totals[account.key][column]
+        before = after - added
+        for percent, fraction in THRESHOLDS:
+            mark = account.rule.limit * fraction
+            if before < mark <= after:
+                crossings.append(Crossing(account=account, used=after, percent=percent))
+    return crossings
 
 
 def _add_reservation(deltas: Deltas, reservation: dict[str, Any] | None, *, sign: int) -> None:
@@ -388,37 +422,21 @@ def _add_reservation(deltas: Deltas, reservation: dict[str, Any] | None, *, sign
             deltas.add(key, reserved_requests=sign)
 
 
-def ledger_add(rows: dict[LedgerKey, list[Amount]]) -> None:
+def ledger_add(rows: dict[LedgerKey, list[Amount]]) -> dict[LedgerKey, tuple[int, Decimal]]:
     """Add to ledger rows, creating them as needed, in one statement, in key order (so concurrent
-    writers lock rows in the same order)."""
-    if not rows:
-        return
-    qn = connection.ops.quote_name
-    table = qn(Usage._meta.db_table)
-    start_field = Usage._meta.get_field("window_start")
-    columns = [
-        "scope",
-        "subject",
-        "window",
-        "window_start",
-        "tokens",
-        "requests",
-        "reserved_tokens",
-        "reserved_requests",
-        "cost",
-        "reserved_cost",
-    ]
-    params: list[Any] = []
-    for (scope, subject, window, start), values in sorted(rows.items()):
-        params += [scope, subject, window, start_field.get_db_prep_value(start, connection), *values]
-    placeholders = ", ".join(["(" + ", ".join(["%s"] * len(columns)) + ")"] * len(rows))
-    increments = ", ".join(f"{qn(c)} = {table}.{qn(c)} + excluded.{qn(c)}" for c in columns[4:])
-    sql = (
-        f"INSERT INTO {table} ({', '.join(qn(c) for c in columns)}) VALUES {placeholders} "
-        f"ON CONFLICT ({', '.join(qn(c) for c in columns[:4])}) DO UPDATE SET {increments}"
+    writers lock rows in the same order). Returns each row's used tokens and cost after the
+    addition, read in the same round trip (RETURNING)."""
+    keys = ("scope", "subject", "window", "window_start")
+    totals = upsert_add(
+        Usage,
+        rows,
+        keys=keys,
+        adds=("tokens", "requests", "reserved_tokens", "reserved_requests", "cost", "reserved_cost"),
+        returning=(*keys, "tokens", "cost"),
     )
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
+    return {
+        (scope, subject, window, start): (int(tokens), cost) for scope, subject, window, start, tokens, cost in totals
+    }
 
 
 SpendKey = tuple[date, int, int, str]  # day, team, user, model
@@ -438,22 +456,10 @@ def spend_add(*, bills: Iterable[Bill], day: date) -> None:
         row[3] += bill.prompt_tokens
         row[4] += bill.completion_tokens
         row[5] += bill.cost
-    if not rows:
-        return
-    qn = connection.ops.quote_name
-    table = qn(Spend._meta.db_table)
-    columns = ["day", "team_id", "user_id", "model", "key_id", "requests", "tokens", "prompt_tokens"]
-    columns += ["completion_tokens", "cost"]
-    day_field, cost_field = Spend._meta.get_field("day"), Spend._meta.get_field("cost")
-    params: list[Any] = []
-    for (when, team_id, user_id, model), (key_id, *values) in sorted(rows.items()):
-        values[-1] = cost_field.get_db_prep_save(values[-1], connection)
-        params += [day_field.get_db_prep_value(when, connection), team_id, user_id, model, key_id, *values]
-    placeholders = ", ".join(["(" + ", ".join(["%s"] * len(columns)) + ")"] * len(rows))
-    increments = ", ".join(f"{qn(c)} = {table}.{qn(c)} + excluded.{qn(c)}" for c in columns[5:])
-    sql = (
-        f"INSERT INTO {table} ({', '.join(qn(c) for c in columns)}) VALUES {placeholders} "
-        f"ON CONFLICT ({', '.join(qn(c) for c in columns[:4])}) DO UPDATE SET {increments}"
+    upsert_add(
+        Spend,
+        rows,
+        keys=("day", "team", "user", "model"),
+        adds=("requests", "tokens", "prompt_tokens", "completion_tokens", "cost"),
+        first=("key",),
     )
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)

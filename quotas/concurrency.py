@@ -34,6 +34,8 @@ class SlotCounts:
     executor: Counter[int] = field(default_factory=Counter)  # by executor id
     team: Counter[int] = field(default_factory=Counter)
     user: Counter[int] = field(default_factory=Counter)
+    # Slots held by batch lines, by executor: counted against each executor's batch share.
+    batch: Counter[int] = field(default_factory=Counter)
 
 
 def concurrency_caps(rules: list[Rule] | None = None) -> ConcurrencyCaps:

@@ -111,6 +111,9 @@ class Usage(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["scope", "subject", "window", "window_start"], name="usage_unique_window")
         ]
+        # Retention deletes the windows that ended longest ago (scheduler/services/retention.py).
+        # Written once per row, as its window opens: the counters' updates stay HOT.
+        indexes = [models.Index("window_start", name="usage_window_start_idx")]
 
     def __str__(self) -> str:
         who = f"{self.scope}:{self.subject}" if self.subject else self.scope

@@ -22,8 +22,10 @@ deploy/ holds a Grafana dashboard and Prometheus alert rules over these names; a
 live run and checks that every name they use is served (tests/test_deploy_metrics.py)."""
 
 import os
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
-from datetime import timedelta
+from datetime import datetime, timedelta
+from itertools import accumulate
 from typing import Any
 
 from django.conf import settings
@@ -37,11 +39,15 @@ from prometheus_client.metrics_core import Metric
 
 from executors.models import Executor
 from quotas.models import Spend
-from scheduler.live.snapshot import Cluster, consistent_read
-from scheduler.models import Job
+from scheduler.batches.models import Batch
+from scheduler.batches.services import batch_counts
+from scheduler.core.selectors import jobs_running, oldest_finished, queued_by_priority
+from scheduler.live.snapshot import Cluster
+from scheduler.models import Job, JobTally
+from telemachus.db.snapshots import consistent_read
 from telemachus.models import Team
 
-WAIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+WAIT_BUCKETS = JobTally.WAIT_BOUNDS
 
 CLAIM_SECONDS = Histogram(
     "telemachus_claim_duration_seconds",
@@ -64,6 +70,11 @@ WORKER_HEARTBEAT = Gauge(
     "Unix time of the worker's last heartbeat (its lease-renewal loop ran).",
     ["worker"],
     multiprocess_mode="livemax",
+)
+ROWS_PRUNED = Counter(
+    "telemachus_rows_pruned",
+    "Rows retention deleted (or, for bodies, prompts and answers removed), by table.",
+    ["table"],
 )
 HTTP_RESPONSES = Counter(
     "telemachus_http_responses",
@@ -146,21 +157,55 @@ class DatabaseCollector:
             "telemachus_queue_depth", "Queued jobs, by team and priority.", labels=["team", "priority"]
         )
         running = GaugeMetricFamily("telemachus_jobs_running", "Running jobs, by team.", labels=["team"])
-        for team_id, status, priority, n in (
-            Job.objects.filter(status__in=[Job.Status.QUEUED, Job.Status.RUNNING])
-            .order_by()
-            .values_list("team_id", "status", "priority")
-            .annotate(n=Count("id"))
-        ):
-            if status == Job.Status.QUEUED:
-                depth.add_metric([teams.get(team_id, str(team_id)), str(priority)], n)
-        for team_id, n in (
-            Job.objects.filter(status=Job.Status.RUNNING).order_by().values_list("team_id").annotate(n=Count("id"))
-        ):
+        for (team_id, priority), n in queued_by_priority().items():
+            depth.add_metric([teams.get(team_id, str(team_id)), str(priority)], n)
+        for team_id, n in jobs_running().items():
             running.add_metric([teams.get(team_id, str(team_id))], n)
         yield depth
         yield running
+        yield from self._capacity(cluster, teams, usernames)
+        yield from self._budgets(cluster)
+        yield from self._totals(teams)
+        yield self._wait_histogram(teams)
+        yield self._oldest_finished(now, teams)
+        yield from self._batches(cluster, teams)
 
+    def _batches(self, cluster: Cluster, teams: dict[int, str]) -> Iterator[Metric]:
+        """Each batch under way's request counts (one grouped read of its lines' jobs), and the
+        slots batch lines hold per executor (docs/batches.md)."""
+        requests = GaugeMetricFamily(
+            "telemachus_batch_requests",
+            "Requests of each batch under way, by state (total, completed, failed, running: queued or running now).",
+            labels=["team", "batch", "state"],
+        )
+        for batch in Batch.objects.filter(status__in=Batch.ACTIVE).order_by("created_at"):
+            counts = batch_counts(batch=batch)
+            team = teams.get(batch.team_id, str(batch.team_id))
+            for state in ("total", "completed", "failed", "running"):
+                requests.add_metric([team, batch.pk, state], getattr(counts, state))
+        yield requests
+        held = GaugeMetricFamily(
+            "telemachus_batch_slots_in_use", "Slots held by batch lines, by executor.", labels=["executor"]
+        )
+        names = {e.pk: e.name for e in cluster.executors}
+        for executor_id, n in cluster.slots.batch.items():
+            held.add_metric([names.get(executor_id, str(executor_id))], n)
+        yield held
+
+    def _oldest_finished(self, now: datetime, teams: dict[int, str]) -> GaugeMetricFamily:
+        """How long ago each team's oldest kept finished job ended: past the team's retention by
+        more than a pass or two, retention is not keeping up. One query (`oldest_finished`)."""
+        oldest = GaugeMetricFamily(
+            "telemachus_oldest_finished_job_age_seconds",
+            "Age of the oldest finished job still kept, by team (retention deletes it past the team's retention).",
+            labels=["team"],
+        )
+        for team_id, ended in oldest_finished().items():
+            oldest.add_metric([teams.get(team_id, str(team_id))], max((now - ended).total_seconds(), 0.0))
+        return oldest
+
+    def _capacity(self, cluster: Cluster, teams: dict[int, str], usernames: dict[int, str]) -> Iterator[Metric]:
+        """Slots held and caps per scope; each executor's health, breaker and switch."""
         in_use = GaugeMetricFamily(
             "telemachus_slots_in_use", "Slots held, by scope and subject.", labels=["scope", "subject"]
         )
@@ -200,6 +245,8 @@ class DatabaseCollector:
             enabled.add_metric([executor.name], int(executor.enabled))
         yield from (in_use, caps, health, breaker, enabled)
 
+    def _budgets(self, cluster: Cluster) -> Iterator[Metric]:
+        """What is left of each budget in its current window, and its limit."""
         budget_labels = ["scope", "subject", "dimension", "window"]
         remaining = GaugeMetricFamily(
             "telemachus_budget_remaining", "What is left of a budget in its current window.", labels=budget_labels
@@ -217,26 +264,43 @@ class DatabaseCollector:
         yield remaining
         yield limit
 
+    def _totals(self, teams: dict[int, str]) -> Iterator[Metric]:
+        """Totals since the start: jobs that ended, tokens billed, money spent."""
         finished = CounterMetricFamily(
             "telemachus_jobs_finished",
             "Jobs that ended, by team, type and outcome.",
             labels=["team", "type", "outcome"],
         )
+        ended: dict[tuple[int, str, str], int] = defaultdict(int)
         for team_id, kind, status, n in (
             Job.objects.filter(status__in=Job.TERMINAL)
             .order_by()
             .values_list("team_id", "type", "status")
             .annotate(n=Count("id"))
         ):
+            ended[(team_id, kind, status)] += n
+        # Jobs retention deleted, summed (scheduler/services/retention.py): totals never fall.
+        for team_id, kind, status, n in (
+            JobTally.objects.order_by().values_list("team_id", "type", "status").annotate(n=Sum("jobs"))
+        ):
+            ended[(team_id, kind, status)] += n
+        for (team_id, kind, status), n in sorted(ended.items()):
             finished.add_metric([teams.get(team_id, str(team_id)), kind, status], n)
         yield finished
 
         billed = CounterMetricFamily(
             "telemachus_tokens_billed", "Tokens billed (used by dispatches), by team.", labels=["team"]
         )
+        tokens_by_team: dict[int, int] = defaultdict(int)
         for team_id, tokens in (
             Job.objects.filter(tokens_used__gt=0).order_by().values_list("team_id").annotate(tokens=Sum("tokens_used"))
         ):
+            tokens_by_team[team_id] += tokens
+        for team_id, tokens in (
+            JobTally.objects.filter(tokens__gt=0).order_by().values_list("team_id").annotate(tokens=Sum("tokens"))
+        ):
+            tokens_by_team[team_id] += tokens
+        for team_id, tokens in sorted(tokens_by_team.items()):
             billed.add_metric([teams.get(team_id, str(team_id))], tokens)
         yield billed
 
@@ -250,7 +314,6 @@ class DatabaseCollector:
         ):
             spent.add_metric([teams.get(team_id, str(team_id)), model, settings.TELEMACHUS_CURRENCY], float(cost))
         yield spent
-        yield self._wait_histogram(teams)
 
     def _wait_histogram(self, teams: dict[int, str]) -> HistogramMetricFamily:
         """Queue wait (submitted to started) of every job that has started, per team: one grouped
@@ -269,14 +332,31 @@ class DatabaseCollector:
         family = HistogramMetricFamily(
             "telemachus_job_wait_seconds", "Time jobs waited in the queue before starting.", labels=["team"]
         )
+        # Per team: jobs per bucket (not cumulative; the last is +Inf) and the waits' sum.
+        counts: dict[int, list[int]] = defaultdict(lambda: [0] * (len(WAIT_BUCKETS) + 1))
+        sums: dict[int, float] = defaultdict(float)
         for row in rows:
-            cumulative = [(str(float(bound)), row[f"le{i}"]) for i, bound in enumerate(WAIT_BUCKETS)]  # type: ignore[literal-required]
-            cumulative.append(("+Inf", row["n"]))
+            cumulative = [row[f"le{i}"] for i in range(len(WAIT_BUCKETS))] + [row["n"]]  # type: ignore[literal-required]
+            per = counts[row["team_id"]]
+            for i, n in enumerate(cumulative):
+                per[i] += n - (cumulative[i - 1] if i else 0)
             total = row["total"]
+            sums[row["team_id"]] += total.total_seconds() if total is not None else 0.0
+        # Started jobs retention deleted, by the bucket their wait fell in.
+        for team_id, bucket, n, waited in (
+            JobTally.objects.filter(wait_bucket__gte=0)
+            .order_by()
+            .values_list("team_id", "wait_bucket")
+            .annotate(n=Sum("jobs"), waited=Sum("wait_seconds"))
+        ):
+            counts[team_id][bucket] += n
+            sums[team_id] += waited
+        for team_id, per in sorted(counts.items()):
+            bounds = [str(float(bound)) for bound in WAIT_BUCKETS] + ["+Inf"]
             family.add_metric(
-                [teams.get(row["team_id"], str(row["team_id"]))],
-                cumulative,
-                total.total_seconds() if total is not None else 0.0,
+                [teams.get(team_id, str(team_id))],
+                list(zip(bounds, accumulate(per), strict=True)),
+                sums[team_id],
             )
         return family
 
@@ -299,3 +379,9 @@ def metrics_exposition(accept: str = "") -> tuple[bytes, str]:
     registry.register(DatabaseCollector())
     encoder, content_type = choose_encoder(accept)
     return encoder(registry), content_type
+
+
+def rows_pruned_observe(counts: dict[str, int]) -> None:
+    """A worker's retention pass deleted these rows, per table."""
+    for table, n in counts.items():
+        ROWS_PRUNED.labels(table=table).inc(n)

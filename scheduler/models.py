@@ -1,4 +1,6 @@
+import uuid
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
@@ -9,10 +11,11 @@ from django.utils import timezone
 from executors.models import Executor
 from quotas.concurrency import SlotCounts
 from quotas.models import ZERO, money_field
+from telemachus.db.changes import TrackedChanges
 from telemachus.models import ApiKey, Team
 
 
-class Job(models.Model):
+class Job(TrackedChanges, models.Model):
     """One unit of AI work. Status moves queued → running → done | failed | canceled (and running →
     queued on recovery); every move goes through a service in scheduler/services/ that writes the
     matching JobEvent in the same transaction.
@@ -49,8 +52,25 @@ class Job(models.Model):
     priority = models.SmallIntegerField(default=0)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED)
     requirements = models.JSONField(default=dict)
-    # requirements["model"], copied into a column so the claim can filter and index on it.
+    # The model it runs on: requirements["model"], or, for a job on a model route (issue #39), the
+    # route's model it stands on now (`route_models`, in order; `fall_back` moves it along),
+    # copied into a column so the claim can filter and index on it.
     model = models.CharField(max_length=200)
+    route = models.CharField(max_length=200, blank=True, default="", db_default="")
+    route_models = models.JSONField(null=True, blank=True)
+    # Past this moment (requirements.max_queue_seconds, the /v1/ header
+    # X-Telemachus-Max-Queue-Seconds, from when it was submitted) a job still waiting for its first
+    # start moves to its route's next model that can start it now, or ends with 429
+    # queue_deadline_exceeded (scheduler/services/routes.py). Cleared when it starts.
+    queue_deadline = models.DateTimeField(null=True, blank=True)
+    # Chained hashes of its prompt's blocks, for prefix-cache-aware placement
+    # (QueuePolicy.placement = prefix: scheduler/core/prefix.py); empty when the prompt is too short.
+    prefix = models.JSONField(null=True, blank=True)
+    # Its first block's hash (prefix[0]), and the executor that served the last placed job with the
+    # same one when it was submitted (no reference: an id gone stale matches no executor): the
+    # record of where a prefix went that every process shares, through the jobs themselves.
+    prefix_key = models.CharField(max_length=16, blank=True, default="", db_default="")
+    prefix_home = models.BigIntegerField(null=True, blank=True)
     executor = models.ForeignKey(
         Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs", db_index=False
     )
@@ -105,6 +125,16 @@ class Job(models.Model):
         Executor, null=True, blank=True, on_delete=models.SET_NULL, related_name="+", db_index=False
     )
     affinity_key = models.CharField(max_length=200, blank=True, default="")
+    # Whether the job waits in the queue for its budget's window to reset when the budget is spent
+    # while it waits (`requirements.on_budget_exhausted`: wait, the default of /api/jobs/), or ends
+    # at once with the quota error (fail: every /v1/ call, whose caller holds a connection open).
+    budget_wait = models.BooleanField(default=True, db_default=True)
+    # A line of a batch (scheduler/batches/): its batch and its line number there. Batch lines use
+    # only capacity no live job wants (QueuePolicy.batch_share, scheduler/core/state.py).
+    batch = models.ForeignKey(
+        "scheduler.Batch", null=True, blank=True, on_delete=models.PROTECT, related_name="+", db_index=False
+    )
+    batch_line = models.PositiveIntegerField(null=True, blank=True)
     meta = models.JSONField(default=dict, blank=True)
     # A flow's durable state between rounds: rounds finished, and the messages they added after
     # input.messages (assistant replies, tool results). Written by scheduler/services/rounds.py.
@@ -114,6 +144,11 @@ class Job(models.Model):
     # No index: every statement that names a lease names its jobs' ids too (the fencing pair).
     lease = models.UUIDField(null=True, blank=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
+    # Body retention (scheduler/services/retention.py): when its prompt and answer were removed
+    # (input's messages and arguments, conversation, result), and the earliest they may be: a
+    # caller that waits for the answer (a /v1/ call, a wait) holds it until its deadline.
+    body_removed_at = models.DateTimeField(null=True, blank=True)
+    body_hold_until = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-id"]
@@ -162,8 +197,36 @@ class Job(models.Model):
             models.Index(
                 "affinity_executor", name="job_affinity_executor_idx", condition=Q(affinity_executor__isnull=False)
             ),
+            # A submit under prefix placement looks up where the prefix's last placed job ran.
+            models.Index("prefix_key", models.F("id").desc(), name="job_prefix_idx", condition=~Q(prefix_key="")),
+            # A claim past a queue deadline (lock_claim reads the earliest) finds the jobs it ends.
+            models.Index(
+                "queue_deadline",
+                name="job_queue_deadline_idx",
+                condition=Q(status="queued", queue_deadline__isnull=False),
+            ),
+            # A claim that finds a route's model with no executor to take it moves its queued jobs on.
+            models.Index("model", name="job_routed_idx", condition=Q(status="queued") & ~Q(route="")),
+            # Retention takes each team's jobs that ended longest ago: those with their body
+            # (its body removal too), and those without (docs/retention.md). A job is in one of
+            # the two once it ended, so a finish adds one index entry.
+            models.Index(
+                "team",
+                "finished_at",
+                name="job_ended_idx",
+                condition=Q(status__in=["done", "failed", "canceled"], body_removed_at__isnull=True),
+            ),
+            models.Index("team", "finished_at", name="job_stripped_idx", condition=Q(body_removed_at__isnull=False)),
+            # A claim that finds a budget spent ends the queued jobs that do not wait for it.
+            models.Index(
+                "team", "user", name="job_no_budget_wait_idx", condition=Q(status="queued", budget_wait=False)
+            ),
         ]
         constraints = [
+            # A batch's line enters the queue once, whichever worker feeds it (scheduler/batches/feeder.py).
+            models.UniqueConstraint(
+                fields=["batch", "batch_line"], name="job_batch_line_uniq", condition=Q(batch__isnull=False)
+            ),
             models.CheckConstraint(
                 condition=(Q(status="running") & Q(lease__isnull=False) & Q(lease_expires_at__isnull=False))
                 | (~Q(status="running") & Q(lease__isnull=True)),
@@ -196,27 +259,56 @@ class Job(models.Model):
             return f"{self.rounds} round{'' if self.rounds == 1 else 's'}"
         return f"round {self.current_round}" + (" next" if self.status == self.Status.QUEUED and self.rounds else "")
 
-    # Fields `end` changes, for the callers' saves and bulk updates.
-    END_FIELDS = (
-        "status",
-        "result",
-        "error",
-        "finished_at",
-        "tokens_used",
-        "cost",
-        "lease",
-        "lease_expires_at",
-        "reservation",
-    )
+    # --- transitions --------------------------------------------------------------------------
+    # Each move of a job is a method here: it checks where the job stands, sets the fields the
+    # move changes and records their names (TrackedChanges). None saves: callers lock the rows
+    # first, batch many jobs, and write what changed with telemachus.db.changes.rows_save, which
+    # derives its SQL from those names, so what is stored is what the method did.
+
+    def start(
+        self,
+        *,
+        executor: Executor | None,
+        worker: str,
+        lease: uuid.UUID,
+        expires: datetime,
+        now: datetime,
+        reservation: dict[str, Any] | None = None,
+    ) -> None:
+        """queued → running: a claim placed it on `executor` (None: a tool job, which takes no
+        slot) for `worker`, under `lease` until `expires`, holding `reservation` of its budgets.
+        `started_at` is when it first started (a flow: its first round): a retry or a flow's next
+        round is not a new start; each attempt's start is its slot's `acquired_at`."""
+        assert self.status == self.Status.QUEUED, f"job {self.pk} is {self.status}, not queued"
+        self.status = self.Status.RUNNING
+        self.executor = executor
+        self.worker = worker
+        self.started_at = self.started_at or now
+        self.attempts += 1
+        self.lease, self.lease_expires_at = lease, expires
+        self.reservation = reservation
+        self.queue_deadline = None  # it waited no longer than it would: a retry has no deadline
+        self.fields_changed(
+            "status",
+            "executor",
+            "worker",
+            "started_at",
+            "attempts",
+            "lease",
+            "lease_expires_at",
+            "reservation",
+            "queue_deadline",
+        )
 
     def end(
         self, *, status: str, at: datetime, result: dict[str, Any] | None = None, error: str = "", tokens: int = 0
     ) -> None:
-        """running or queued → done, failed or canceled (not saved: callers batch writes). The one
-        place a job's end is written, whichever service ends it (finish, a flow's round, cancel,
-        recovery): its status and time, its result or error, the tokens of the attempt that ends
-        it added to `tokens_used`; the lease and the budget reservation go (the caller settles the
-        reservation in the ledger: scheduler/services/attempts.py)."""
+        """running or queued → done, failed or canceled. The one place a job's end is written,
+        whichever service ends it (finish, a flow's round, cancel, recovery): its status and time,
+        its result or error, the tokens of the attempt that ends it added to `tokens_used`; the
+        lease and the budget reservation go (the caller settles the reservation in the ledger:
+        scheduler/services/attempts.py). `cost` is in the fields written: the attempt's end
+        priced it (AttemptEnd.of)."""
         assert status in self.TERMINAL, f"{status} is not an end"
         assert not self.is_terminal, f"job {self.pk} already ended {self.status}"
         self.status = status
@@ -227,20 +319,168 @@ class Job(models.Model):
         self.lease = None
         self.lease_expires_at = None
         self.reservation = None
+        self.fields_changed(
+            "status",
+            "result",
+            "error",
+            "finished_at",
+            "tokens_used",
+            "cost",
+            "lease",
+            "lease_expires_at",
+            "reservation",
+        )
 
-    # Fields `return_to_queue` changes, for bulk_update by its callers.
-    REQUEUE_FIELDS = ("status", "executor", "lease", "lease_expires_at", "attempts", "reservation")
-
-    def return_to_queue(self) -> None:
-        """running → queued, dropping the lease, placement and budget reservation (not saved:
-        callers batch writes, and release the reservation in the ledger). `started_at` stays when
-        the job first started: a flow's next round or a retry is not a new start."""
+    def return_to_queue(self, *, attempt_counts: bool = True) -> None:
+        """running → queued, dropping the lease, placement and budget reservation: recovery took
+        it from a holder that vanished, or its holder gave it back. `attempt_counts` False: the
+        attempt did not fail (a worker shutting down gave it back unstarted or unfinished), so it
+        is not counted against `max_attempts`. `started_at` stays when the job first started."""
         assert self.status == self.Status.RUNNING, f"job {self.pk} is {self.status}, not running"
         self.status = self.Status.QUEUED
         self.executor = None
         self.lease = None
         self.lease_expires_at = None
         self.reservation = None
+        if not attempt_counts:
+            self.attempts = max(self.attempts - 1, 0)
+        self.fields_changed("status", "executor", "lease", "lease_expires_at", "reservation", "attempts")
+
+    def retry(self, *, after: datetime, error: str, tokens: int) -> None:
+        """running → queued after a retryable failure, to run again at `after` (its backoff),
+        preferably on another executor than the one that failed it; the failure's tokens are
+        counted (`cost` too: the attempt's end priced it), its error kept until it ends."""
+        avoid = self.executor_id
+        self.return_to_queue()
+        self.error = error
+        self.tokens_used = (self.tokens_used or 0) + tokens
+        self.run_after = after
+        self.avoid_executor_id = avoid
+        self.fields_changed("error", "tokens_used", "cost", "run_after", "avoid_executor")
+
+    def next_model(self) -> str | None:
+        """The model of its route after the one it stands on (None: the last, or no route)."""
+        if not self.route_models or self.model not in self.route_models:
+            return None
+        rest = self.route_models[self.route_models.index(self.model) + 1 :]
+        return rest[0] if rest else None
+
+    def fall_back(self, *, model: str, now: datetime, error: str = "", tokens: int = 0) -> None:
+        """A job on a model route moves to a later model of it (issue #39): queued (its model's
+        executors cannot take it, or its queue deadline passed) → queued on `model`, keeping its
+        place in line; or running (it failed after its retries with a retryable error) → queued
+        on `model` with fresh attempts, the failure's tokens counted (`cost` too: the attempt's
+        end priced it) and its error kept until it ends. The executors it preferred or avoided
+        served the other model, so both are forgotten."""
+        assert model in (self.route_models or ()), f"{model!r} is not a model of route {self.route!r}"
+        if self.status == self.Status.RUNNING:
+            self.return_to_queue()
+            self.attempts, self.run_after, self.error = 0, None, error
+            self.tokens_used = (self.tokens_used or 0) + tokens
+            self.queued_at = now
+            self.fields_changed("attempts", "run_after", "error", "tokens_used", "cost", "queued_at")
+        assert self.status == self.Status.QUEUED, f"job {self.pk} is {self.status}, not queued"
+        self.model = model
+        self.avoid_executor = self.affinity_executor = None
+        self.fields_changed("model", "avoid_executor", "affinity_executor")
+
+    def next_round(
+        self,
+        *,
+        now: datetime,
+        keep_place: bool,
+        estimate: int,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> None:
+        """A flow's round ended with tool results added to its conversation: running → queued
+        for its next round, as new work. Its wait for aging starts now; its place in line is now
+        (behind what became ready while it ran), or kept (`keep_place`: QueuePolicy.flow_rounds =
+        continue). It prefers the executor that served this round (whose model server may still
+        hold the prefix cache of the conversation: QueuePolicy.affinity), gets fresh attempts, and
+        its budgets reserve the next round's estimate (its prompt holds the whole conversation)."""
+        self.affinity_executor_id = self.executor_id
+        self.return_to_queue()
+        self.attempts, self.error, self.run_after, self.avoid_executor = 0, "", None, None
+        self.cost_estimate = estimate
+        self.est_prompt_tokens, self.est_completion_tokens = prompt_tokens, completion_tokens
+        self.queued_at = now
+        if not keep_place:
+            self.ready_at = now
+        self.fields_changed(
+            "affinity_executor",
+            "attempts",
+            "error",
+            "run_after",
+            "avoid_executor",
+            "cost_estimate",
+            "est_prompt_tokens",
+            "est_completion_tokens",
+            "queued_at",
+            "ready_at",
+        )
+
+    def requeue_fresh(self) -> None:
+        """failed or canceled → queued, as an operator sends it back once whatever failed it is
+        fixed: a fresh start, its attempts, rounds, conversation, result and error cleared (a flow
+        starts again from its input's messages). It keeps its place by age; its events and the
+        tokens it used (billed) stay."""
+        assert self.status in (self.Status.FAILED, self.Status.CANCELED), f"job {self.pk} is {self.status}"
+        self.status = self.Status.QUEUED
+        self.attempts = self.rounds = 0
+        self.error, self.result, self.conversation = "", None, []
+        self.executor = self.avoid_executor = None
+        self.started_at = self.finished_at = self.run_after = self.deferred_until = None
+        self.fields_changed(
+            "status",
+            "attempts",
+            "rounds",
+            "error",
+            "result",
+            "conversation",
+            "executor",
+            "avoid_executor",
+            "started_at",
+            "finished_at",
+            "run_after",
+            "deferred_until",
+        )
+
+    def cost_add(self, amount: Decimal) -> None:
+        """What an attempt that ends cost (priced by scheduler/services/attempts.py)."""
+        self.cost += amount
+        self.fields_changed("cost")
+
+    def reservation_released(self) -> None:
+        """The running attempt's budget reservation was settled or released in the ledger."""
+        if self.reservation is not None:
+            self.reservation = None
+            self.fields_changed("reservation")
+
+    def round_closed(self, *, round: int, message: dict[str, Any] | None) -> None:
+        """A flow's or governed slot's round `round` ended: counted, and a flow's answer (`message`)
+        added to its conversation. The job's end, or its tokens, follow (`end`, `tokens_add`)."""
+        self.rounds = round
+        self.fields_changed("rounds")
+        if self.type == self.Type.FLOW:
+            self.conversation = [*self.conversation, message]
+            self.fields_changed("conversation")
+
+    def tokens_add(self, tokens: int) -> None:
+        """Tokens of a round of a job that goes on running (its end adds those of its last)."""
+        self.tokens_used = (self.tokens_used or 0) + tokens
+        self.fields_changed("tokens_used")
+
+    def tool_results_added(self, messages: list[dict[str, Any]]) -> None:
+        """A flow's tool results (`role: tool` messages) joined its conversation."""
+        self.conversation = [*self.conversation, *messages]
+        self.fields_changed("conversation")
+
+    def defer(self, *, until: datetime) -> None:
+        """A queued job whose estimate its budget cannot cover waits for the window to reset at
+        `until`; recorded so the deferral is reported once per window."""
+        self.deferred_until = until
+        self.fields_changed("deferred_until")
 
 
 class JobEvent(models.Model):
@@ -263,6 +503,8 @@ class JobEvent(models.Model):
         ROUND_FINISHED = "round_finished"
         PRIORITY_CLAMPED = "priority_clamped"
         RETRY_SCHEDULED = "retry_scheduled"
+        # A job on a model route moved to its next model (issue #39), with why.
+        FELL_BACK = "fell_back"
         DEFERRED = "deferred"
         FINISH_REFUSED = "finish_refused"
         # Executor events (no job).
@@ -330,6 +572,8 @@ class Slot(models.Model):
     )
     worker = models.CharField(max_length=200)
     acquired_at = models.DateTimeField()
+    # Held by a batch line: counted against the executor's batch share (QueuePolicy.batch_share).
+    batch = models.BooleanField(default=False, db_default=False)
 
     class Meta:
         ordering = ["id"]
@@ -347,12 +591,15 @@ class QueuePolicy(models.Model):
     config_version: int
     next_retry: datetime | None
     tools_queued: bool
+    next_deadline: datetime | None
+    routed_queued: bool
     slot_counts: "SlotCounts"  # only when the claim asks for them with the lock
 
     class Placement(models.TextChoices):
         LEAST_LOADED = "least-loaded"
         PACK = "pack"
         WEIGHTED = "weighted"
+        PREFIX = "prefix"
 
     class Recovery(models.TextChoices):
         REQUEUE = "requeue"
@@ -377,45 +624,131 @@ class QueuePolicy(models.Model):
     SINGLETON_ID = 1
     DEFAULT_MAX_QUEUE_DEPTH = 10_000
 
+    # Each editable field's help_text says what it does, in the operator's words: the admin shows it
+    # under the field (as HTML: no angle brackets), the dashboard's policy editor beside it (as
+    # text); docs/policy.md has the whole story.
     # Weighted fair share across teams, within a priority.
     team_weights = models.JSONField(
-        default=dict, blank=True, help_text='{"<team slug>": weight}; 0 = spare capacity only'
+        default=dict,
+        blank=True,
+        help_text='Each team\'s weight in fair share within a priority, by team slug: {"research": 3, "batch": 0}. '
+        "A team not named has the default weight; 0 = spare capacity only (0 to 1,000,000).",
     )
-    default_weight = models.FloatField(default=1.0)
-    cost = models.CharField(max_length=16, choices=Cost.choices, default=Cost.SLOT_SECONDS)
-    half_life_seconds = models.FloatField(default=300.0, help_text="Half-life of past usage in the fair-share key.")
+    default_weight = models.FloatField(
+        default=1.0, help_text="The weight of a team that team_weights does not name (0 to 1,000,000)."
+    )
+    cost = models.CharField(
+        max_length=16,
+        choices=Cost.choices,
+        default=Cost.SLOT_SECONDS,
+        help_text="What fair share counts: slot-seconds (slots held over time) or tokens (estimates for "
+        "running and next jobs, actual tokens for past usage).",
+    )
+    half_life_seconds = models.FloatField(
+        default=300.0,
+        help_text="How soon fair share forgets a team's past usage: its half-life, in seconds (1 s to 30 days).",
+    )
     entry_penalty = models.FloatField(
         default=1.0,
-        help_text="Charged to a team's usage when one of its jobs starts (slot-seconds; tokens: the estimate).",
+        help_text="Charged to a team's usage when one of its jobs starts (slot-seconds; tokens: the estimate) "
+        "and replaced by the real cost when the attempt ends: it holds a burst back until its cost is known.",
     )
     # Starvation guard: a queued job gains one priority level per step after waiting, up to the boost.
-    aging_after_seconds = models.FloatField(default=300.0)
-    aging_step_seconds = models.FloatField(default=60.0)
-    aging_max_boost = models.PositiveSmallIntegerField(default=10)
+    aging_after_seconds = models.FloatField(
+        default=300.0,
+        help_text="A queued job starts gaining priority after waiting this long, in seconds, so low "
+        "priority is delayed but never starved.",
+    )
+    aging_step_seconds = models.FloatField(
+        default=60.0, help_text="Once aging, a queued job gains one priority level per this many seconds."
+    )
+    aging_max_boost = models.PositiveSmallIntegerField(
+        default=10, help_text="The most priority levels aging adds to a job (0: no aging)."
+    )
     # Admission.
-    max_queue_depth = models.JSONField(default=dict, blank=True, help_text='{"default": N, "<team slug>": N}')
+    max_queue_depth = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text='Each team\'s queue depth cap: {"default": 5000, "research": 20000} (no default: 10,000). '
+        "A submit beyond it is refused with 429 try_later.",
+    )
     priority_map = models.JSONField(
         default=dict,
         blank=True,
-        help_text='Highest priority allowed: {"member": 0, "manager": 10, "team:<slug>": N, "user:<name>": N}',
+        help_text="Highest priority allowed by role, team or user: "
+        '{"member": 0, "manager": 10, "team:research": 5, "user:alice": 8}; the most specific entry wins; '
+        "operators are not limited.",
     )
-    priority_over_limit = models.CharField(max_length=8, choices=OverLimit.choices, default=OverLimit.CLAMP)
+    priority_over_limit = models.CharField(
+        max_length=8,
+        choices=OverLimit.choices,
+        default=OverLimit.CLAMP,
+        help_text="A priority asked above the priority map's limit: clamp (lowered to it, with a "
+        "priority_clamped event) or reject (400).",
+    )
     # Placement and recovery.
-    placement = models.CharField(max_length=16, choices=Placement.choices, default=Placement.LEAST_LOADED)
-    recovery = models.CharField(max_length=16, choices=Recovery.choices, default=Recovery.REQUEUE)
-    max_attempts = models.PositiveSmallIntegerField(default=3)
+    placement = models.CharField(
+        max_length=16,
+        choices=Placement.choices,
+        default=Placement.LEAST_LOADED,
+        help_text="Where a job runs when several executors fit: least-loaded (lowest in use / limit), "
+        "pack (fill the fullest first), weighted (in proportion to executor weight) or prefix (the executor "
+        "that served the prompt's prefix recently, for its cache, within load bounds; else least-loaded).",
+    )
+    recovery = models.CharField(
+        max_length=16,
+        choices=Recovery.choices,
+        default=Recovery.REQUEUE,
+        help_text="A running job whose worker died (its lease expired): requeue it (while it has attempts "
+        "left) or fail it.",
+    )
+    max_attempts = models.PositiveSmallIntegerField(
+        default=3,
+        help_text="Attempts a job gets: a retryable failure or a recovery requeues it until it has had "
+        "this many (1 to 100).",
+    )
     # A flow's next round: `requeue` queues it behind work that became ready while its last round
     # ran (other jobs run between rounds); `continue` keeps the flow's place in line, ahead of
     # newer work of its priority and team. Either way it meets caps, priority and fair share.
-    flow_rounds = models.CharField(max_length=16, choices=FlowRounds.choices, default=FlowRounds.REQUEUE)
+    flow_rounds = models.CharField(
+        max_length=16,
+        choices=FlowRounds.choices,
+        default=FlowRounds.REQUEUE,
+        help_text="A flow's next round: requeue (behind work that became ready meanwhile) or continue "
+        "(keeps the flow's place in line).",
+    )
     # Round affinity: `prefer` places a job on its preferred executor (Job.affinity_executor) when
     # that executor is among those with a free slot under every cap; it never changes which job
     # goes next. When it is full, the job takes another executor at once, or, with
     # `affinity_wait_ms`, stays queued up to that long (from when it entered the queue) for it.
-    affinity = models.CharField(max_length=8, choices=Affinity.choices, default=Affinity.PREFER)
-    affinity_wait_ms = models.PositiveIntegerField(default=0)
-    policy_class = models.CharField(max_length=300, blank=True, default="")
-    share_window_seconds = models.FloatField(default=300.0, help_text="Window of the actual shares in /api/queue/.")
+    affinity = models.CharField(
+        max_length=8,
+        choices=Affinity.choices,
+        default=Affinity.PREFER,
+        help_text="prefer: a job runs on the executor that served its flow's last round (or its "
+        "session's last call) when that one has a free slot, for its prefix cache; off: never.",
+    )
+    affinity_wait_ms = models.PositiveIntegerField(
+        default=0,
+        help_text="How long a job may stay queued for its preferred executor when that one is full, in "
+        "ms from when it entered the queue (0: another executor at once; at most 60,000).",
+    )
+    batch_share = models.FloatField(
+        default=0.75,
+        help_text="The most of each executor's slots that batch lines may hold, from 0 to 1 (docs/batches.md): "
+        "the rest stays free for live calls, which are always taken before batch lines.",
+    )
+    policy_class = models.CharField(
+        max_length=300,
+        blank=True,
+        default="",
+        help_text="Dotted path of a custom policy class (docs/policy.md); empty: the default, fair share. "
+        "The TELEMACHUS_QUEUE_POLICY setting wins over it.",
+    )
+    share_window_seconds = models.FloatField(
+        default=300.0,
+        help_text="The window, in seconds, of each team's actual share of slot time in /api/queue/ and the dashboard.",
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -450,15 +783,36 @@ class TeamShare(models.Model):
         return self.usage * 0.5 ** (elapsed / half_life) if half_life > 0 else 0.0
 
 
+class QueueTally(models.Model):
+    """A team's queue depth as two counters kept by triggers: `in`, jobs that entered its queue,
+    `out`, jobs that left it; depth = in - out, so no reader counts the queue. The table is the
+    migrations' (0015 on PostgreSQL, where the counters are written at commit in one lock order
+    so that claims never wait on submits; 0018 on SQLite); read through
+    scheduler/core/selectors.py `queue_depths` and the submit's guard (scheduler/core/statements.py)."""
+
+    pk = models.CompositePrimaryKey("team_id", "side")
+    team_id = models.BigIntegerField()
+    side = models.CharField(max_length=3)
+    n = models.BigIntegerField()
+
+    class Meta:
+        managed = False
+        db_table = "scheduler_queue_tally"
+
+    def __str__(self) -> str:
+        return f"team {self.team_id} {self.side} {self.n}"
+
+
 class QueueSample(models.Model):
     """One bucket of the dashboard's history (its charts): per team, per executor, and once for the
     whole queue (team and executor both empty). Written once per bucket by whichever worker gets
     there first (scheduler/services/history.py), pruned past its retention, so the table stays at
     buckets x (teams + executors + 1) rows at most.
 
-    `at` is the bucket's start; `values` holds what the bucket saw: gauges read as it closed
-    (queued, running, slots in use, caps) and what happened in it (jobs started and finished,
-    tokens, queue waits). A JSON column, so a new measure (spend) needs no migration."""
+    `at` is the bucket's start; `values` holds what the bucket saw: the most each gauge was at once
+    within it (queued, running, slots in use), caps as it closed, and what happened in it (jobs
+    started and finished, tokens, spend, queue waits). A JSON column, so a new measure (spend)
+    needs no migration."""
 
     at = models.DateTimeField()
     team = models.ForeignKey(Team, null=True, blank=True, on_delete=models.CASCADE, related_name="+")
@@ -487,3 +841,35 @@ class QueueSample(models.Model):
             f"team {self.team_id}" if self.team_id else f"executor {self.executor_id}" if self.executor_id else "all"
         )
         return f"{subject} at {self.at:%Y-%m-%d %H:%M:%S}"
+
+
+class JobTally(models.Model):
+    """What retention deleted, summed: the jobs that ended per team, type and outcome, and by
+    their queue wait's bucket of the metrics' histogram (`wait_bucket`: the first bound the wait
+    is within, len(bounds) for +Inf, -1 for a job that never started), with their tokens and
+    waits. /metrics adds these to the jobs it still has, so its totals do not fall when jobs are
+    pruned (scheduler/metrics.py). Written by scheduler/services/retention.py alone, as
+    increments, after the job rows it deleted (lock level 4)."""
+
+    # The upper bounds (seconds) of /metrics' queue-wait histogram, `telemachus_job_wait_seconds`.
+    WAIT_BOUNDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="+")
+    type = models.CharField(max_length=16, choices=Job.Type.choices)
+    status = models.CharField(max_length=16, choices=Job.Status.choices)
+    wait_bucket = models.SmallIntegerField()
+    jobs = models.BigIntegerField(default=0)
+    tokens = models.BigIntegerField(default=0)
+    wait_seconds = models.FloatField(default=0.0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["team", "type", "status", "wait_bucket"], name="jobtally_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"team {self.team_id} {self.type} {self.status} wait {self.wait_bucket}: {self.jobs}"
+
+
+# The Batch API's models, in a module of their own (scheduler/batches/), registered with the app here.
+from scheduler.batches.models import Batch, BatchLine, FileChunk, StoredFile  # noqa: E402, F401

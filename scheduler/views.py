@@ -1,6 +1,7 @@
 """Pages outside the API: the live dashboard (its data comes over /ws/dashboard/), /metrics and
 /favicon.ico."""
 
+import json
 from functools import cache
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from rest_framework.authentication import SessionAuthentication
 from rest_framework.exceptions import AuthenticationFailed, Throttled
 from rest_framework.request import Request
 
+from scheduler.live.snapshot import POLICY_HELP
 from scheduler.metrics import metrics_exposition
 from telemachus.keys.authentication import CredentialAuthentication
 from telemachus.teams import rbac
@@ -20,7 +22,7 @@ from telemachus.teams import rbac
 
 @login_required
 def dashboard(request: HttpRequest) -> HttpResponse:
-    return render(request, "scheduler/dashboard.html")
+    return render(request, "scheduler/dashboard.html", {"policy_help": json.dumps(POLICY_HELP)})
 
 
 @cache

@@ -52,7 +52,13 @@ class TeamAdmin(admin.ModelAdmin):
 
     def save_model(self, request, obj: Team, form, change: bool) -> None:
         if change:
-            team_update(team=Team.objects.get(pk=obj.pk), name=obj.name, by=request.user)
+            team_update(
+                team=Team.objects.get(pk=obj.pk),
+                name=obj.name,
+                retention_hours=obj.retention_hours,
+                body_retention_hours=obj.body_retention_hours,
+                by=request.user,
+            )
         else:
             team = team_create(slug=obj.slug, name=obj.name, by=request.user)
             obj.pk, obj.group, obj.created_at = team.pk, team.group, team.created_at

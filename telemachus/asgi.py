@@ -19,12 +19,16 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path  # noqa: E402
 
-from scheduler.gateway.asgi import GatewayRouter  # noqa: E402
+from scheduler.gateway.router import GatewayRouter  # noqa: E402
 from scheduler.live.consumers import DashboardConsumer  # noqa: E402
 from scheduler.metrics import ResponseCounter  # noqa: E402
 from telemachus.http.body_limit import BodyLimit  # noqa: E402
 from telemachus.http.reason_phrases import reason_phrases_install  # noqa: E402
 from telemachus.http.websocket import SameOriginValidator  # noqa: E402
+from telemachus.tracing import tracing_setup  # noqa: E402
+
+# OpenTelemetry traces when OTEL_EXPORTER_OTLP_ENDPOINT is set; nothing at all otherwise.
+tracing_setup(service_name="telemachus-api")
 
 # `429 Too Many Requests`, not Twisted's `429 Unknown Status`, on daphne's status lines.
 reason_phrases_install()

@@ -42,6 +42,23 @@ class ValidationFailed(DomainError):
         self.args = (f"{self.detail} {reasons}" if reasons else self.detail,)
 
 
+class TeamNotFound(ValidationFailed):
+    """A team that does not exist or that the caller is not in (the two read the same)."""
+
+    def __init__(self, slug: str) -> None:
+        super().__init__({"team": [f"No team {slug!r} that you belong to."]})
+        self.slug = slug
+
+
+class TeamRequired(ValidationFailed):
+    """No team named, and the caller is in none or in several: which one is theirs to say."""
+
+    def __init__(self, *, several: bool) -> None:
+        where = "several teams" if several else "no team"
+        super().__init__({"team": [f"You belong to {where}; name one."]})
+        self.several = several
+
+
 def _field_messages(fields: Any, path: str = "") -> list[tuple[str, str]]:
     """(dotted path, message) for every message in a fields map: values are messages, lists of
     them, or maps (and lists of maps, for list input) one level further down."""
@@ -106,6 +123,14 @@ class TryLater(DomainError):
         return {"Retry-After": str(self.retry_after)}
 
 
+class QueueDeadlineExceeded(TryLater):
+    """A job waited for a slot longer than its caller would (requirements.max_queue_seconds, the
+    /v1/ header X-Telemachus-Max-Queue-Seconds) and no model of its route could start it then."""
+
+    code = "queue_deadline_exceeded"
+    default_detail = "No slot was free within the job's queue deadline."
+
+
 class QuotaExceeded(DomainError):
     code = "quota_exceeded"
     status = 429
@@ -136,3 +161,21 @@ def unique_or(error: DomainError) -> Iterator[None]:
         if not unique_violation(exc):
             raise
         raise error from None
+
+
+def domain_error_from(body: dict[str, Any]) -> DomainError:
+    """The domain error a stored refusal (`DomainError.body()`, kept with a job that ended
+    refused: a budget spent while it waited) describes, to answer it as if raised now."""
+    found: type[DomainError] = next((cls for cls in _kinds() if cls.code == body.get("error")), DomainError)
+    extra = {name: value for name, value in body.items() if name not in ("error", "detail")}
+    if found is ValidationFailed:
+        return ValidationFailed(extra.get("fields") or {}, detail=body.get("detail"))
+    return found(body.get("detail"), **extra)
+
+
+def _kinds() -> list[type[DomainError]]:
+    kinds, seen = [DomainError], 0
+    while seen < len(kinds):
+        kinds += kinds[seen].__subclasses__()
+        seen += 1
+    return kinds

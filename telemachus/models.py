@@ -13,6 +13,11 @@ class Team(models.Model):
     slug = models.SlugField(max_length=64, unique=True)
     name = models.CharField(max_length=200)
     created_at = models.DateTimeField(auto_now_add=True)
+    # Retention (docs/retention.md): hours a finished job of the team is kept, and hours its prompt
+    # and answer are kept (0: removed as soon as it ends); empty: TELEMACHUS_RETENTION_HOURS, and
+    # the job's own retention.
+    retention_hours = models.FloatField(null=True, blank=True)
+    body_retention_hours = models.FloatField(null=True, blank=True)
 
     class Meta:
         ordering = ["slug"]
@@ -73,6 +78,7 @@ class AuditEvent(models.Model):
         ADMIN = "admin"
         DASHBOARD = "dashboard"
         WEB = "web"
+        SSO = "sso", "single sign-on"
         SYSTEM = "system"
 
     at = models.DateTimeField(default=timezone.now)
@@ -133,7 +139,39 @@ class FeatureSwitch(models.Model):
         return f"{self.feature} {'on' if self.enabled else 'off'} for {self.team or 'everyone'}"
 
 
-# Credentials live in a module of their own; imported here so Django registers them with this app.
-from telemachus.keys.models import ApiKey, PersonalToken  # noqa: E402
+class ExternalIdentity(models.Model):
+    """A user as an OpenID Connect provider knows them: the issuer and the subject (`sub`) it signs
+    for them. Sign-in finds the user by this pair only, never by email or username, so nobody
+    becomes a local user (the break-glass admin included) by claiming their address or name."""
 
-__all__ = ["ApiKey", "AuditEvent", "ConfigVersion", "FeatureSwitch", "Membership", "PersonalToken", "Team"]
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="external_identities")
+    issuer = models.CharField(max_length=255)
+    subject = models.CharField(max_length=255)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_signed_in_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["issuer", "subject"], name="externalidentity_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.subject} at {self.issuer} ({self.user})"
+
+
+# Credentials and webhooks live in modules of their own; imported here so Django registers them with
+# this app.
+from telemachus.keys.models import ApiKey, PersonalToken  # noqa: E402
+from telemachus.webhooks.models import Webhook, WebhookAttempt, WebhookDelivery  # noqa: E402
+
+__all__ = [
+    "ApiKey",
+    "AuditEvent",
+    "ConfigVersion",
+    "ExternalIdentity",
+    "FeatureSwitch",
+    "Membership",
+    "PersonalToken",
+    "Team",
+    "Webhook",
+    "WebhookAttempt",
+    "WebhookDelivery",
+]

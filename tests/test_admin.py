@@ -3,7 +3,7 @@ from django.utils import timezone
 
 from quotas.budget import Bill, quota_settle
 from quotas.models import QuotaPolicy
-from scheduler.models import Job
+from scheduler.models import Job, JobEvent
 from scheduler.services.cancel import job_cancel
 from scheduler.services.claim import job_claim
 from scheduler.services.rounds import round_finish
@@ -122,3 +122,102 @@ def test_a_running_flow_shows_its_round(admin_client_with_data, member_setup):
     page = admin_client_with_data.get(f"/admin/scheduler/job/{flow.pk}/change/").content.decode()
     assert "round_started" in page and "round_finished" in page
     assert "1 round" in admin_client_with_data.get("/admin/scheduler/job/").content.decode()
+
+
+class TestStaffReadTheJobsTheApiShowsThem:
+    """A staff user with the model permission `view_job` (the admin's door) reads in the admin
+    only the jobs the API shows them, with their prompts and answers; other teams' stay hidden."""
+
+    @pytest.fixture
+    def jobs(self, member_setup, make_user, api):
+        from django.contrib.auth.models import Permission
+
+        from telemachus.teams.services import team_member_set
+
+        alice, bob, *_ = member_setup
+        sam = make_user("sam", is_staff=True)
+        sam.user_permissions.add(
+            *Permission.objects.filter(codename__in=["view_job", "view_jobevent", "view_slot", "change_job"])
+        )
+        team_member_set(team=member_setup[2], username="sam", role="member")
+
+        def submit(user, team, prompt):
+            job = job_submit(
+                user=user,
+                team=team,
+                type="chat",
+                requirements={"model": "m"},
+                input={"messages": [{"role": "user", "content": prompt}]},
+            )
+            Job.objects.filter(pk=job.pk).update(result={"message": {"content": f"answer to {prompt}"}})
+            return job.pk
+
+        return {
+            "sam": sam,
+            "own": submit(sam, "a", "sams-own-prompt"),
+            "teammate": submit(alice, "a", "alices-prompt"),
+            "other_team": submit(bob, "b", "bobs-prompt"),
+        }
+
+    def api_ids(self, api, user) -> set[int]:
+        return {job["id"] for job in api(user).get("/api/jobs/").json()["results"]}
+
+    def test_lists_details_and_events_follow_the_api(self, client, api, jobs):
+        sam = jobs["sam"]
+        client.force_login(sam)
+        assert self.api_ids(api, sam) == {jobs["own"]}
+
+        listing = client.get("/admin/scheduler/job/").content.decode()
+        assert f"/admin/scheduler/job/{jobs['own']}/change/" in listing
+        for hidden in ("teammate", "other_team"):
+            assert f"/admin/scheduler/job/{jobs[hidden]}/change/" not in listing
+        team_b = Job.objects.get(pk=jobs["other_team"]).team_id
+        assert f"team__id__exact={team_b}" not in listing  # the filters name no team the user cannot see
+
+        own = client.get(f"/admin/scheduler/job/{jobs['own']}/change/")
+        assert own.status_code == 200 and "sams-own-prompt" in own.content.decode()
+        assert "answer to sams-own-prompt" in own.content.decode()
+        for hidden, prompt in (("teammate", "alices-prompt"), ("other_team", "bobs-prompt")):
+            detail = client.get(f"/admin/scheduler/job/{jobs[hidden]}/change/", follow=True)
+            assert prompt not in detail.content.decode() and f"answer to {prompt}" not in detail.content.decode()
+            assert detail.redirect_chain and detail.redirect_chain[-1][0] == "/admin/"  # "not found", as a missing one
+
+        events = client.get("/admin/scheduler/jobevent/").content.decode()
+        assert "bobs-prompt" not in events
+        shown = {int(n) for n in JobEvent.objects.filter(pk__in=self.event_ids(events)).values_list("job", flat=True)}
+        assert shown == {jobs["own"]}
+
+    @staticmethod
+    def event_ids(page: str) -> list[int]:
+        import re
+
+        return [int(n) for n in re.findall(r"/admin/scheduler/jobevent/(\d+)/change/", page)]
+
+    def test_a_manager_and_a_shared_job_are_shown_as_the_api_shows_them(self, client, api, jobs):
+        from guardian.shortcuts import assign_perm
+
+        from telemachus.models import Team
+        from telemachus.teams.services import team_member_set
+
+        sam = jobs["sam"]
+        team_member_set(team=Team.objects.get(slug="a"), username="sam", role="manager")
+        assign_perm("scheduler.view_job", sam, Job.objects.get(pk=jobs["other_team"]))
+        client.force_login(sam)
+        assert self.api_ids(api, sam) == {jobs["own"], jobs["teammate"], jobs["other_team"]}
+        for name, prompt in (("teammate", "alices-prompt"), ("other_team", "bobs-prompt")):
+            detail = client.get(f"/admin/scheduler/job/{jobs[name]}/change/")
+            assert detail.status_code == 200 and prompt in detail.content.decode()
+
+    def test_cancel_follows_the_api(self, client, jobs):
+        """Seeing a job is not cancelling it: the action cancels what the API would let the user
+        cancel (owner, team manager, operator), and nothing the user cannot see."""
+        from guardian.shortcuts import assign_perm
+
+        sam = jobs["sam"]
+        assign_perm("scheduler.view_job", sam, Job.objects.get(pk=jobs["other_team"]))  # shown, not theirs
+        client.force_login(sam)
+        selected = [jobs["own"], jobs["teammate"], jobs["other_team"]]
+        response = client.post("/admin/scheduler/job/", {"action": "cancel", "_selected_action": selected}, follow=True)
+        assert "Canceled 1 job(s)." in response.content.decode()
+        statuses = dict(Job.objects.filter(pk__in=selected).values_list("pk", "status"))
+        assert statuses == {jobs["own"]: "canceled", jobs["teammate"]: "queued", jobs["other_team"]: "queued"}

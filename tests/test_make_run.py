@@ -159,6 +159,13 @@ def test_fresh_database_to_a_finished_job_and_a_clean_stop(run):
     password = run.seed_output.split("password (shown once): ")[1].split()[0]
     assert "admin user present" in second and password not in second
     run.start()
+    # Each process names what it serves: the database, the server, Redis, the metrics directory.
+    wait_until(lambda: "Telemachus worker" in run.log_path.read_text(), timeout=30, what="the worker's banner")
+    log = run.log_path.read_text()
+    assert f"Telemachus API on http://127.0.0.1:{run.port}/, served by uvicorn (DEBUG on)" in log
+    assert log.count(f"  database  sqlite {run.tmp_path}/run.sqlite3, embedded: one host only") == 2, log
+    assert log.count("  redis     none: in-memory channel layer") == 2
+    assert log.count(f"  metrics   {run.tmp_path}/prometheus (PROMETHEUS_MULTIPROC_DIR") == 2
     with urllib.request.urlopen(f"http://127.0.0.1:{run.port}/", timeout=10) as home:  # the dashboard's sign-in
         assert home.url.endswith("/login/?next=/dashboard/") and b"Sign in" in home.read()
     job = run.submit()

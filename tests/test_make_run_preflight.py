@@ -270,3 +270,39 @@ def test_an_unreachable_postgres_stops_the_set_up_within_seconds_saying_what_to_
     assert f"pg_isready -h 127.0.0.1 -p {port}" in done.stderr
     assert f"createdb -h 127.0.0.1 -p {port} -U postgres -O alice telemachus" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+# --- configuration errors ---------------------------------------------------------------------
+
+
+def test_debug_off_without_a_secret_key_stops_make_run_with_one_line(tmp_path):
+    """The issue's `DEBUG=0 make run`: it used to end in a 40-line traceback that began with
+    `KeyError: 'database_ensure'`."""
+    env = {**environment(f"sqlite:///{tmp_path}/db.sqlite3"), "DEBUG": "0", "TELEMACHUS_VAR_DIR": str(tmp_path)}
+    env.pop("SECRET_KEY", None)
+    port = free_port()
+    rc, output, took = finished(make_run(env, port), timeout=60)
+    (ROOT / "var/prometheus" / f"{port}.lock").unlink(missing_ok=True)  # its --check's
+    assert rc != 0 and took < 30, output
+    errors = [line for line in output.splitlines() if "configuration error" in line]
+    assert errors == [
+        "manage.py: configuration error: SECRET_KEY must be set when DEBUG is off: generate one with "
+        "`python3 -c 'import secrets; print(secrets.token_urlsafe(50))'` and give every API and worker host the "
+        "same, or set DEBUG=1 for a development run"
+    ], output
+    assert "Traceback" not in output and "KeyError" not in output
+    assert "manage.py migrate" not in output, "it stopped at its first step"
+
+
+def test_bin_run_exits_with_the_status_of_a_process_that_refused_to_start(tmp_path):
+    env = {
+        **environment(f"sqlite:///{tmp_path}/db.sqlite3"),
+        "TELEMACHUS_LEASE_SECONDS": "abc",
+        "PY": sys.executable,
+        "PORT": str(free_port()),
+        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics"),
+    }
+    rc, output = bin_run(env)
+    assert rc == 78, output
+    assert "configuration error: TELEMACHUS_LEASE_SECONDS must be a whole number of seconds" in output
+    assert "Traceback" not in output

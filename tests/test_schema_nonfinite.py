@@ -11,6 +11,7 @@ import httpx
 import pytest
 from drf_spectacular.generators import SchemaGenerator
 
+from executors.routes import route_create
 from quotas.models import QuotaPolicy
 from tests.processes import Processes
 from tests.scheduler.gateway.conftest import may_chat, token
@@ -64,6 +65,8 @@ VALID = {
     ("put", "/api/teams/{slug}/grants/"): {"team": ["chat:use"], "users": {"alice": ["chat:use"]}},
     ("post", "/api/teams/{slug}/members/"): {"username": "bob", "role": "member"},
     ("post", "/api/users/"): {"username": "fz", "email": "fz@example.com"},
+    ("post", "/api/webhooks/"): {"team": "a", "url": "http://127.0.0.1:9/hook", "events": ["job.failed"]},
+    ("patch", "/api/webhooks/{webhook_id}/"): {"enabled": False},
 }
 # The gateway's bodies are declared as plain objects: these are the fields OpenAI's shapes define.
 GATEWAY_BODIES = {
@@ -159,7 +162,15 @@ def operations(ids: dict[str, str]) -> Iterator[tuple[str, str, Any]]:
 def test_a_non_finite_number_anywhere_is_never_a_server_error(base, member_setup, operator):
     alice, _, _, _, executor = member_setup
     policy = QuotaPolicy.objects.create(scope="team", subject="a", dimension="ai.tokens", limit=100, window="day")
-    ids = {"executor_id": executor.pk, "policy_id": policy.pk, "slug": "a", "job_id": 1}
+    route = route_create(name="smart", models=["m"])
+    ids = {
+        "executor_id": executor.pk,
+        "policy_id": policy.pk,
+        "slug": "a",
+        "job_id": 1,
+        "webhook_id": 1,
+        "route_id": route.pk,
+    }
     headers = {"Content-Type": "application/json", "Authorization": f"Token {token(operator)}"}
     gateway = {
         "Content-Type": "application/json",

@@ -86,7 +86,8 @@ class CpuNodeDriver(ExecutorDriver):
         if not outcome.ok:
             detail = None
             if outcome.traceback:
-                log.info("job %d: task %r raised\n%s", request.job_id, name, outcome.traceback)
+                # The task's failure, not the worker's: one line; the traceback is in the result.
+                log.info("job %d: task %r raised %s", request.job_id, name, outcome.exception_class)
                 detail = {"exception_class": outcome.exception_class, "traceback": outcome.traceback}
             raise DispatchError(f"task {name!r} {outcome.error}", retryable=False, detail=detail)
         return DispatchResult(

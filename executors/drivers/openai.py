@@ -8,9 +8,12 @@ A job's `tools` (OpenAI function schemas; a flow's are built from the tool regis
 server as they are, and the reply's `tool_calls` come back in the result's `message`. Each request
 names its job in an `X-Telemachus-Job` header, for the server's logs (simllm counts by it).
 `transport` may set `timeout_s` (default 120: the longest silence while waiting for the server's
-bytes, so a long stream is never cut while it flows), `connect_timeout_s` (default 5) and, for
-`remote-model`, `api_key_env`: the name of the environment variable holding the API key. The key
-itself is never stored in the database, returned by the API, written to events or logged.
+bytes, so a long stream is never cut while it flows), `connect_timeout_s` (default 5) and the
+credentials the server wants (executors/credentials.py): `api_key` or `api_key_env`, sent as
+`Authorization: Bearer`, and `headers`, each stored sealed or read from the environment, resolved
+each time a session is built (so an environment variable rotates with no database change), and
+redacted from every error. `remote-model` requires one. No secret is returned by the API, written
+to events or logged.
 
 The HTTP client is aiohttp's: one session (one keep-alive connection pool, no limit of its own:
 the executor's slots bound its concurrency) per driver, per event loop. It costs about a quarter
@@ -21,7 +24,6 @@ makes the model call itself, so that CPU is the call's latency. Proxies from the
 
 import json
 import math
-import os
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ from executors.contract import (
     Probe,
     StreamEvent,
 )
+from executors.credentials import SecretUnavailable, transport_has_credentials, transport_headers
 from executors.models import Executor
 from executors.tokens import count_prompt_tokens
 
@@ -113,11 +116,23 @@ class LocalModelDriver(ExecutorDriver):
     # --- configuration --------------------------------------------------------------------------
 
     def headers(self) -> dict[str, str]:
-        return {}
+        """The transport's credentials as headers (executors/credentials.py), resolved now: a
+        sealed one unsealed, an environment variable read. One this process cannot produce fails
+        the dispatch without a retry (another attempt here would fail alike)."""
+        try:
+            return transport_headers(self.executor.transport or {}, executor=self.executor.name)
+        except SecretUnavailable as exc:
+            raise DispatchError(str(exc), retryable=False) from None
 
     def secrets(self) -> list[str]:
-        """Strings that must never appear in an error message (the API key)."""
-        return []
+        """Strings that must never appear in an error message: each credential header's value (a
+        Bearer's or Basic's without its scheme), longest first."""
+        try:
+            values = transport_headers(self.executor.transport or {}, executor=self.executor.name).values()
+        except SecretUnavailable:
+            return []
+        found = {value.partition(" ")[2] if value.startswith(("Bearer ", "Basic ")) else value for value in values}
+        return sorted(found - {""}, key=len, reverse=True)
 
     def session(self) -> aiohttp.ClientSession:
         """This executor's session (per worker process), made on first use so it binds to the
@@ -385,31 +400,19 @@ def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) ->
 
 
 class RemoteModelDriver(LocalModelDriver):
-    """A hosted or remote OpenAI-compatible endpoint that needs an API key. The key is read from
-    the environment variable named by `transport.api_key_env` of the worker's host, each time a
-    client is built, so rotating it needs no database change."""
+    """A hosted or remote OpenAI-compatible endpoint that needs an API key (transport.api_key,
+    api_key_env or headers: executors/credentials.py). Environment variables are read each time a
+    client is built, so rotating one needs no database change."""
 
     kind = "remote-model"
 
-    def api_key(self) -> str:
-        name = (self.executor.transport or {}).get("api_key_env")
-        if not name:
-            raise DispatchError(f"executor {self.executor.name} has no transport.api_key_env", retryable=False)
-        key = os.environ.get(name)
-        if not key:
+    def headers(self) -> dict[str, str]:
+        if not transport_has_credentials(self.executor.transport or {}):
             raise DispatchError(
-                f"environment variable {name} (API key of {self.executor.name}) is not set on this worker",
+                f"executor {self.executor.name} has no API key (transport.api_key, api_key_env or headers)",
                 retryable=False,
             )
-        return key
-
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key()}"}
-
-    def secrets(self) -> list[str]:
-        name = (self.executor.transport or {}).get("api_key_env")
-        key = os.environ.get(name) if name else None
-        return [key] if key else []
+        return super().headers()
 
 
 def job_header(request: DispatchRequest) -> dict[str, str]:

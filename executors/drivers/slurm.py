@@ -275,7 +275,9 @@ class SlurmPartitionDriver(ExecutorDriver):
             if not result.get("ok"):
                 detail = None
                 if result.get("traceback"):
-                    log.info("task %r raised in batch job %s\n%s", name, slurm_id, result["traceback"])
+                    # A task that raises is the task's failure, not the worker's: one line, and its
+                    # traceback goes to the job's result (which retention may remove), not the log.
+                    log.info("task %r raised %s in batch job %s", name, result["exception_class"], slurm_id)
                     detail = {"exception_class": result["exception_class"], "traceback": result["traceback"]}
                 raise DispatchError(f"task {name!r} {result.get('error')}", retryable=False, detail=detail)
             value = json.loads(result["value_json"])

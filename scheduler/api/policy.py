@@ -9,8 +9,9 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from scheduler.core.bounds import MAPS, SCALARS, field_problem
+from scheduler.core.configuration import queue_policy
 from scheduler.core.policy import BaseQueuePolicy
-from scheduler.core.selectors import policy_seen_by, queue_policy
+from scheduler.core.selectors import policy_seen_by
 from scheduler.models import QueuePolicy
 from scheduler.services.policy import EDITABLE, queue_policy_update
 from telemachus.http.serializers import StrictSerializer
@@ -67,6 +68,7 @@ class PolicyInput(StrictSerializer):
     flow_rounds = serializers.ChoiceField(choices=QueuePolicy.FlowRounds.choices, required=False)
     affinity = serializers.ChoiceField(choices=QueuePolicy.Affinity.choices, required=False)
     affinity_wait_ms = bounded("affinity_wait_ms", required=False)
+    batch_share = bounded("batch_share", required=False)
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         """The shared bounds (scheduler/core/bounds.py) have the last word, so the API, the admin

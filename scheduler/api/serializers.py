@@ -8,7 +8,7 @@ from executors.tokens import embedding_inputs
 from quotas.models import money_text
 from scheduler.models import Job, JobEvent
 from scheduler.services.rounds import DEFAULT_MAX_ROUNDS, MAX_ROUNDS
-from scheduler.services.submit import MAX_BULK
+from scheduler.services.submit import BUDGET_FAIL, BUDGET_WAIT, MAX_BULK, MAX_QUEUE_SECONDS
 from telemachus.http.bounds import EST_TOKENS_MAX, MAX_TOKENS, MEMORY_MB_MAX
 from telemachus.http.serializers import StrictSerializer
 
@@ -40,6 +40,12 @@ class RequirementsInput(StrictSerializer):
     api = serializers.ChoiceField(choices=(CHAT_API, EMBEDDINGS_API), required=False)
     # `class` is a Python keyword; the field is declared under its JSON name below.
     memory_mb = serializers.IntegerField(min_value=0, max_value=MEMORY_MB_MAX, required=False)
+    # A budget spent while the job waits: wait for its window to reset (the default), or fail at
+    # once with the quota error (docs/policy.md, "Budgets").
+    on_budget_exhausted = serializers.ChoiceField(choices=(BUDGET_WAIT, BUDGET_FAIL), required=False)
+    # How long the job may wait for a slot (issue #39): past it, a job on a model route moves to
+    # its next model that can start it now; otherwise it ends failed, 429 queue_deadline_exceeded.
+    max_queue_seconds = serializers.FloatField(min_value=0, max_value=MAX_QUEUE_SECONDS, required=False)
 
     def get_fields(self) -> dict[str, serializers.Field[Any, Any, Any, Any]]:
         fields = super().get_fields()
@@ -178,6 +184,8 @@ class JobOutput(serializers.ModelSerializer[Job]):
             "priority",
             "status",
             "requirements",
+            "model",
+            "route",
             "executor",
             "submitted_at",
             "started_at",
@@ -191,6 +199,7 @@ class JobOutput(serializers.ModelSerializer[Job]):
             "result",
             "error",
             "meta",
+            "body_removed_at",
         ]
         read_only_fields = fields
 

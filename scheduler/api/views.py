@@ -1,4 +1,5 @@
 import re
+from contextlib import AbstractContextManager
 from typing import Any
 
 from django.db.models import QuerySet
@@ -25,7 +26,9 @@ from scheduler.models import Job, JobEvent
 from scheduler.rbac import require_cancel, visible_jobs
 from scheduler.services.cancel import job_cancel
 from scheduler.services.requeue import job_requeue
+from scheduler.services.retention import job_missing
 from scheduler.services.submit import MAX_BULK, JobSpec, job_submit, jobs_submit
+from telemachus import tracing
 from telemachus.errors import NotFound, ValidationFailed
 from telemachus.http.pagination import OldestFirstCursorPagination
 from telemachus.http.throttles import SubmitRateThrottle
@@ -44,7 +47,7 @@ def submit_team(data: dict[str, Any], key: ApiKey | None) -> dict[str, Any]:
 def visible_job(request: Request, job_id: int) -> Job:
     job = visible_jobs(request.user).select_related("team", "user", "executor").filter(pk=job_id).first()
     if job is None:
-        raise NotFound(f"Job {job_id} not found.")
+        raise NotFound(job_missing(job_id))
     return job
 
 
@@ -80,6 +83,16 @@ class JobListCreateApi(ListAPIView[Job]):
 
     @extend_schema(request=JobSubmitInput, responses={201: JobOutput})
     def post(self, request: Request) -> Response:
+        """The submit continues the caller's trace (W3C `traceparent`): a request span, and the
+        submit's (whose context the job keeps for the spans of its work: docs/tracing.md)."""
+        if tracing.active:
+            with request_span(request, "/api/jobs/") as span:
+                response = self._submit(request)
+                span.set_attribute("http.response.status_code", response.status_code)
+                return response
+        return self._submit(request)
+
+    def _submit(self, request: Request) -> Response:
         key = request_api_key(request)
         submission = JobSubmitInput(data=request.data, context={"key": key})
         submission.is_valid(raise_exception=True)
@@ -106,6 +119,14 @@ class JobBulkSubmitApi(APIView):
 
     @extend_schema(request=JobBulkSubmitInput, responses={201: JobBulkOutput})
     def post(self, request: Request) -> Response:
+        if tracing.active:
+            with request_span(request, "/api/jobs/bulk/") as span:
+                response = self._submit(request)
+                span.set_attribute("http.response.status_code", response.status_code)
+                return response
+        return self._submit(request)
+
+    def _submit(self, request: Request) -> Response:
         key = request_api_key(request)
         bulk = JobBulkSubmitInput(data=_bulk_body(request), context={"key": key})
         if not bulk.is_valid():
@@ -117,6 +138,16 @@ class JobBulkSubmitApi(APIView):
 
 
 BULK_ITEM = re.compile(r"^jobs\[(\d+)\]")
+
+
+def request_span(request: Request, route: str) -> AbstractContextManager[Any]:
+    """A submit request's span (kind SERVER), continuing the caller's trace from its headers."""
+    return tracing.span(
+        f"{request.method} {route}",
+        parent=tracing.context_from_headers(request.headers),
+        server=True,
+        attributes={"http.request.method": request.method, "http.route": route},
+    )
 
 
 def _bulk_body(request: Request) -> Any:

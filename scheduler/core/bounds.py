@@ -31,6 +31,7 @@ SCALARS: dict[str, tuple[float, float, type]] = {
     "max_attempts": (1, 100, int),
     "share_window_seconds": (1.0, 30 * DAY, float),
     "affinity_wait_ms": (0, 60_000, int),
+    "batch_share": (0.0, 1.0, float),
 }
 # Maps from a key (team slug, "default", role, team:<slug>, user:<name>) to a bounded number.
 MAPS: dict[str, tuple[float, float, type]] = {

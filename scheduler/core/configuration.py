@@ -10,15 +10,16 @@ Values are shared: treat them as read-only."""
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from executors.models import Executor
+from executors.models import Executor, ModelRoute
 from executors.selectors import executor_teams, usable_executors
 from quotas.budget import BUDGET_DIMENSIONS
 from quotas.concurrency import ConcurrencyCaps, concurrency_caps
 from quotas.models import QuotaPolicy
 from quotas.rules import Rule, quota_rules
-from scheduler.core.selectors import queue_policy
+from scheduler.core.bounds import policy_in_force
+from scheduler.core.selectors import stored_policy
 from scheduler.models import QueuePolicy
-from telemachus.control.config import ConfigSnapshot
+from telemachus.control.config import ConfigSnapshot, config_snapshot
 from telemachus.control.features import feature_switches
 from telemachus.models import Team
 from telemachus.teams import rbac
@@ -39,6 +40,8 @@ class Configuration:
     executor_teams: dict[int, set[int]]
     # Feature switches: (feature, team id or None) -> enabled.
     features: dict[tuple[str, int | None], bool]
+    # Model routes (issue #39): each public name's models, in the order they are tried.
+    routes: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # The budget rules (tokens, requests, money) a submit checks, by whom they count
     # (`_admission_key`), each with its place in `rules`. Built once per version, so a submit looks
     # only at the rules that may count its jobs, not at every rule (a deployment with a cap or a
@@ -89,24 +92,34 @@ def configuration(snapshot: ConfigSnapshot) -> Configuration:
 
 
 def policy_record(snapshot: ConfigSnapshot) -> QueuePolicy:
-    """The queue policy record, for readers that do not hold the claim lock (submit, finish)."""
-    return snapshot.get("policy", queue_policy)
+    """The queue policy record as of the snapshot's version, as the scheduler may use it
+    (scheduler/core/bounds.py: an out-of-bounds stored value is replaced, never trusted). Shared:
+    read-only."""
+    return snapshot.get("policy", lambda: policy_in_force(stored_policy()))
 
 
-def grants(snapshot: ConfigSnapshot, user) -> rbac.Grants:
-    """What the user may do in which team, as of the snapshot's version."""
+def queue_policy() -> QueuePolicy:
+    """The queue policy record now: `policy_record` of the version now (one query while the
+    version is unchanged). The one way the policy is read, but by its editor (`stored_policy`)."""
+    return policy_record(config_snapshot())
+
+
+def grants(snapshot: ConfigSnapshot, user: rbac.Principal) -> rbac.Grants:
+    """What the user may do in which team, as of the snapshot's version (an anonymous caller is
+    refused: only signed-in users submit)."""
+    signed = rbac.signed_in(user)
     users: dict[int, rbac.Grants] = snapshot.get("grants", dict)
-    found = users.get(user.pk)
+    found = users.get(signed.pk)
     if found is None:
         if len(users) >= MAX_USERS:
             users.clear()
-        found = users.setdefault(user.pk, rbac.grants_load(user))
+        found = users.setdefault(signed.pk, rbac.grants_load(signed))
     return found
 
 
 def _load(version: int) -> Configuration:
-    """Executors, teams, quota rules (subjects resolved), executor grants and feature switches: a
-    few plain queries."""
+    """Executors, teams, quota rules (subjects resolved), executor grants, feature switches and
+    model routes: a few plain queries."""
     executors = tuple(Executor.objects.all())
     teams = {team.pk: team for team in Team.objects.all()}
     team_ids = {team.slug: pk for pk, team in teams.items()}
@@ -127,6 +140,7 @@ def _load(version: int) -> Configuration:
         caps=concurrency_caps(list(rules)),
         executor_teams=executor_teams(executors=executors),
         features=feature_switches(),
+        routes={route.name: tuple(route.models) for route in ModelRoute.objects.all()},
     )
 
 

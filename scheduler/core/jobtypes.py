@@ -31,6 +31,16 @@ TRANSLATE_SYSTEM = (
     "You are a translator. Translate the user's message{source} into {target}. "
     "Reply with the translation only: no notes, no quotes, no explanation."
 )
+# The feature switch (telemachus/control/features.py) each job type answers to: its own, but a
+# governed slot is a flow's model call made by app code, so it is a flow's.
+JOB_TYPE_FEATURE: dict[str, str] = {Job.Type.GOVERNED: Job.Type.FLOW}
+
+
+def job_feature(type: str) -> str:
+    """The feature switch that turns jobs of this type off."""
+    return str(JOB_TYPE_FEATURE.get(type, type))
+
+
 # The job types that call a model, on an executor whose driver answers model calls
 # (ExecutorDriver.chat: local-model, remote-model, sim); a cpu-node's models name task queues and
 # take none of them. A governed slot is app code's own model call.

@@ -1,24 +1,25 @@
 """The scheduler's row locks: the claim lock and job rows, taken in the project's one global lock
-order (telemachus/locks.py, which says why and what comes before and after each level)."""
+order (telemachus/db/locks.py, which says why and what comes before and after each level)."""
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from django.db import connection
-from django.db.models import OuterRef, Q, Subquery
+from django.db.models import Exists, Func, OuterRef, Q, QuerySet, Subquery, TextField, Value
 from django.db.models.functions import Now
 
 from executors.models import Executor
+from quotas.concurrency import SlotCounts
 from scheduler.core.configuration import policy_record
-from scheduler.core.selectors import slot_counts, slot_counts_sql
+from scheduler.core.selectors import slot_counts_sent, stored_policy
 from scheduler.models import Job, QueuePolicy
-from telemachus.compiled import CompiledQuery
 from telemachus.control.config import config_at, version_annotation
-from telemachus.locks import Level, lock_sql, rows_lock
-from telemachus.models import ConfigVersion
-from telemachus.pipeline import together
+from telemachus.db.compiled import CompiledQuery
+from telemachus.db.constants import Constant
+from telemachus.db.locks import Level, rows_lock
+from telemachus.db.pipeline import together
 
 
 class Clocked(TypedDict):
@@ -54,7 +55,9 @@ def lock_claim(
     statement: the configuration version (`policy.config_version`, scheduler/core/configuration.py) and
     when the next retry's backoff ends (`policy.next_retry`, job_retry_idx) and whether any tool job
     is queued (`policy.tools_queued`, job_tool_queue_idx: the claim skips looking for them when
-    none is, a lookup that cost about a sixth of a claim). The policy returned
+    none is, a lookup that cost about a sixth of a claim), the earliest queue deadline
+    (`policy.next_deadline`, job_queue_deadline_idx) and whether a job on a model route is queued
+    (`policy.routed_queued`, job_routed_idx). The policy returned
     is a copy of the record as of that version (the configuration cache), so it is the row as it
     stands: any change to it moves the version, and a change cannot commit while the lock is held.
     It comes back as the scheduler may use it (scheduler/core/bounds.py: an out-of-bounds stored
@@ -67,66 +70,72 @@ def lock_claim(
     Must run inside a transaction. The time is the database's, so leases do not depend on the
     worker hosts' clocks agreeing, and it is read once the lock is held: a statement's timestamp is
     taken when it starts, so one read with the locking SELECT would be early by the time spent
-    waiting for the lock (stamping starts, leases and events before the job could start). Plain
-    SQL: this runs first in every claim, under the lock every claim waits for; on PostgreSQL the
-    lock and the clock go in one round trip (telemachus/pipeline.py)."""
-    qn = connection.ops.quote_name
-    table = qn(QueuePolicy._meta.db_table)
-    lock = f"SELECT 1 FROM {table} WHERE {qn('id')} = %s" + lock_sql(level=Level.CLAIM)
-    postgres = connection.vendor == "postgresql"
-    read_clock = _CLOCK_SQL[postgres] + (_UNFLUSHED_SQL if postgres and commit_unflushed else "")
-    reads = [read_clock, slot_counts_sql()] if counts else [read_clock]
-    with connection.cursor() as cursor, connection.cursor() as clock, connection.cursor() as slots:
+    waiting for the lock (stamping starts, leases and events before the job could start). Each
+    statement is compiled once (telemachus/db/compiled.py): this runs first in every claim, under
+    the lock every claim waits for; on PostgreSQL the lock, the clock and the counts go in one
+    round trip (telemachus/db/pipeline.py)."""
+    clock = _CLOCK_UNFLUSHED if commit_unflushed and connection.vendor == "postgresql" else _CLOCK
 
-        def send() -> None:
-            cursor.execute(lock, [QueuePolicy.SINGLETON_ID])
-            for reader, sql in zip((clock, slots), reads, strict=False):
-                reader.execute(sql)
-
-        # The lock, the clock and the slot counts in one round trip: the server runs them in
-        # order, so the others are read once it holds the lock (telemachus/pipeline.py).
+    def send() -> tuple[Callable[[], list[Any]], Callable[[], list[Any]], Callable[[], SlotCounts | None]]:
         with together():
-            send()
-        if cursor.fetchone() is None:
-            # The data migration creates the row; a flushed test database or a manual delete may
-            # not have it. Creating it concurrently is harmless: one insert wins, the other is
-            # ignored. The rest is read again: it was read without the lock.
-            QueuePolicy.objects.bulk_create([QueuePolicy(pk=QueuePolicy.SINGLETON_ID)], ignore_conflicts=True)
-            send()
-        now, version, next_retry, tools_queued, *_ = clock.fetchone()
-        grouped = slots.fetchall() if counts else None
-    if connection.vendor != "postgresql":
-        # SQLite's operations convert its text timestamps; the base class has no such method.
-        now, next_retry = (
-            connection.ops.convert_datetimefield_value(v, None, connection)  # type: ignore[attr-defined]
-            for v in (now, next_retry)
-        )
+            return _CLAIM_LOCK.sent(), clock.sent(), (slot_counts_sent() if counts else _no_counts)
+
+    locked, clocked, slots = send()
+    if not locked():
+        # The data migration creates the row; a flushed test database or a manual delete may
+        # not have it. Creating it concurrently is harmless: one insert wins, the other is
+        # ignored. The rest is read again: it was read without the lock.
+        clocked(), slots()
+        QueuePolicy.objects.bulk_create([QueuePolicy(pk=QueuePolicy.SINGLETON_ID)], ignore_conflicts=True)
+        locked, clocked, slots = send()
+        locked()
+    now, version, next_retry, tools_queued, next_deadline, routed_queued, *_ = clocked()[0]
+    found = slots()
     if as_stored:
-        policy = QueuePolicy.objects.get(pk=QueuePolicy.SINGLETON_ID)
+        policy = stored_policy()
     else:
         policy = copy.copy(policy_record(config_at(version)))  # queue_policy(): bounds applied
-    policy.config_version, policy.next_retry, policy.tools_queued = version, next_retry, bool(tools_queued)
-    if grouped is not None:
-        policy.slot_counts = slot_counts(grouped)
+    policy.config_version, policy.next_retry, policy.tools_queued = version or 0, next_retry, bool(tools_queued)
+    policy.next_deadline, policy.routed_queued = next_deadline, bool(routed_queued)
+    if found is not None:
+        policy.slot_counts = found
     return policy, now
 
 
-def _clock_sql(now: str) -> str:
-    qn = connection.ops.quote_name
-    job, version = qn(Job._meta.db_table), qn(ConfigVersion._meta.db_table)
-    return (
-        f"SELECT {now}, (SELECT {qn('version')} FROM {version} WHERE {qn('id')} = {ConfigVersion.SINGLETON_ID}), "
-        f"(SELECT MIN({qn('run_after')}) FROM {job} WHERE {qn('status')} = '{Job.Status.QUEUED.value}' "
-        f"AND {qn('run_after')} > {now}), "
-        f"EXISTS (SELECT 1 FROM {job} WHERE {qn('status')} = '{Job.Status.QUEUED.value}' "
-        f"AND {qn('type')} = '{Job.Type.TOOL.value}')"
-    )
+def _no_counts() -> None:
+    return None
 
 
-# By vendor (PostgreSQL or not): the clock, the configuration version and the next retry.
-_CLOCK_SQL = {True: _clock_sql("STATEMENT_TIMESTAMP()"), False: _clock_sql("STRFTIME('%Y-%m-%d %H:%M:%f', 'NOW')")}
-# SET LOCAL synchronous_commit = off, as a column of the clock's statement (no round trip of its own).
-_UNFLUSHED_SQL = ", set_config('synchronous_commit', 'off', true)"
+def _clock(*, unflushed: bool) -> "QuerySet[Any]":
+    """The clock's statement: the database's time, the configuration version, the next retry's
+    end, whether a tool job waits, the earliest queue deadline, whether a routed job waits;
+    `unflushed` adds SET LOCAL
+    synchronous_commit = off as a column (PostgreSQL: no round trip of its own)."""
+    # Each read is of a partial index whose predicate names these constants: in the statement's
+    # text, not parameters, so the prepared statement keeps one plan (telemachus/db/constants.py).
+    queued = Job.objects.filter(status=Constant(Job.Status.QUEUED))
+    columns: dict[str, Any] = {
+        "db_now": Now(),
+        "version": version_annotation(),
+        "next_retry": Subquery(queued.filter(run_after__gt=Now()).order_by("run_after").values("run_after")[:1]),
+        "tools": Exists(queued.filter(type=Constant(Job.Type.TOOL))),
+        "next_deadline": Subquery(
+            queued.filter(queue_deadline__isnull=False).order_by("queue_deadline").values("queue_deadline")[:1]
+        ),
+        "routed": Exists(queued.exclude(route=Constant(""))),
+    }
+    if unflushed:
+        columns["unflushed"] = Func(
+            Value("synchronous_commit"), Value("off"), Value(True), function="set_config", output_field=TextField()
+        )
+    return QueuePolicy.objects.filter(pk=QueuePolicy.SINGLETON_ID).annotate(**columns).values_list(*columns)
+
+
+_CLAIM_LOCK: CompiledQuery[tuple[int]] = CompiledQuery(
+    lambda: rows_lock(QueuePolicy.objects.filter(pk=QueuePolicy.SINGLETON_ID), level=Level.CLAIM).values_list("pk")
+)
+_CLOCK: CompiledQuery[tuple[Any, ...]] = CompiledQuery(lambda: _clock(unflushed=False))
+_CLOCK_UNFLUSHED: CompiledQuery[tuple[Any, ...]] = CompiledQuery(lambda: _clock(unflushed=True))
 
 
 def lock_job(job_id: int) -> "ClockedJob | None":
@@ -159,7 +168,7 @@ def lock_jobs_to_finish(job_ids: Sequence[int]) -> "list[FinishedJob]":
     and the configuration version read in the same statement, the failures its executor's breaker
     has counted (read, not locked: executor rows are never locked with job rows), and only the
     columns a finish reads (the batch's hot path: its SQL is compiled once per batch size,
-    telemachus/compiled.py). Must run inside a transaction."""
+    telemachus/db/compiled.py). Must run inside a transaction."""
     return _JOBS_TO_FINISH(ids=sorted(job_ids))
 
 
@@ -181,10 +190,14 @@ FINISH_READS = (
     "model",
     "key_id",
     "cost",
+    # A route's models: a job that failed after its retries moves to the next (issue #39).
+    "route_models",
+    # A batch's line pays the model's batch price (executors/prices.py).
+    "batch_id",
 )
 
 
-_JOBS_TO_FINISH = CompiledQuery(
+_JOBS_TO_FINISH: "CompiledQuery[FinishedJob]" = CompiledQuery(
     lambda ids: (
         rows_lock(Job.objects, level=Level.JOB, of=("self",))
         .filter(pk__in=ids)

@@ -46,19 +46,31 @@ def job_money_estimate(job: Job, executors: Iterable[Executor]) -> Decimal:
     """The most one attempt of the job is expected to cost on any of `executors` (one executor:
     on that one)."""
     return dearest(
-        executors, job.model, prompt_tokens=job.est_prompt_tokens, completion_tokens=job.est_completion_tokens
+        executors,
+        job.model,
+        prompt_tokens=job.est_prompt_tokens,
+        completion_tokens=job.est_completion_tokens,
+        batch=job.batch_id is not None,
     )
 
 
 def attempt_price(
-    executor: Executor | None, model: str, *, tokens: int, prompt_tokens: int | None, completion_tokens: int | None
+    executor: Executor | None,
+    model: str,
+    *,
+    tokens: int,
+    prompt_tokens: int | None,
+    completion_tokens: int | None,
+    batch: bool = False,
 ) -> tuple[Decimal, int, int]:
     """What an attempt cost, and its prompt and completion tokens: priced from the split the
-    executor reported; tokens without a split are priced as completion (the dearer side, as a rule)."""
+    executor reported; tokens without a split are priced as completion (the dearer side, as a rule).
+    A batch's line (`batch`) pays the model's batch price where it has one."""
     prompt = prompt_tokens or 0
     completion = completion_tokens or 0
     if prompt + completion < tokens:
         completion += tokens - prompt - completion
     if tokens <= 0 and prompt + completion <= 0:
         return ZERO, 0, 0
-    return price_of(executor, model, prompt_tokens=prompt, completion_tokens=completion), prompt, completion
+    cost = price_of(executor, model, prompt_tokens=prompt, completion_tokens=completion, batch=batch)
+    return cost, prompt, completion

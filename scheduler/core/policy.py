@@ -11,8 +11,8 @@ The default, `FairSharePolicy`:
           (running cost + next job's cost + decayed past usage) / weight goes next, first ready
           first within the team (a flow's next round is ready when its last one ended). Weight 0
           takes only capacity no team with a positive weight wants.
-  admit   a per-team queue depth cap: beyond it, try later (with a Retry-After from the team's
-          recent drain rate).
+  admit   a per-team queue depth cap (`queue_room`): beyond it, try later (with a Retry-After
+          from the team's recent drain rate).
   place   the job's preferred executor when it has a free slot (round affinity, QueuePolicy.affinity),
           else least-loaded (default), pack or weighted, among executors that fit the job.
 """
@@ -22,16 +22,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import cache
+from typing import Any
 
 from django.conf import settings
 from django.utils.module_loading import import_string
 
-from scheduler.core.selectors import queued_heads_sent
+from scheduler.core.prefix import prefix_place
+from scheduler.core.selectors import queue_depths, queued_heads_sent
 from scheduler.core.state import ClaimState, ExecutorView
 from scheduler.models import Job, QueuePolicy, TeamShare
-from telemachus.compiled import CompiledQuery
+from telemachus.db.compiled import CompiledQuery
+from telemachus.db.pipeline import together
 from telemachus.models import Team
-from telemachus.pipeline import together
 
 DEFAULT_POLICY = "scheduler.core.policy.FairSharePolicy"
 # Drain-rate look-back for the Retry-After of a full queue, and its bounds.
@@ -51,28 +53,22 @@ class Admission:
 
 
 class AdmissionState:
-    """What admission may ask about the queue, computed only when asked (each is one query, once
-    per state: a bulk submit asks again for each of a team's jobs)."""
+    """What admission may ask about the queue, computed only when asked."""
 
-    def __init__(self, *, team: Team, now: datetime, queued: int | None = None) -> None:
+    def __init__(self, *, team: Team, now: datetime) -> None:
         self.team = team
         self.now = now
         # Jobs of the team ahead of this one in the same submission, not yet written.
         self.pending = 0
-        # The depth as the submit read it (the queue tally, PostgreSQL), else counted when asked.
-        self._queued = queued
-        self._counted: dict[int, int] = {}
+        self._queued: int | None = None
 
-    def queued(self, *, at_most: int) -> int:
-        """The team's queue depth (with the submission's own jobs ahead of this one), counted no
-        further than `at_most` (cheap on a deep queue) unless the submit read it already."""
-        if self._queued is not None:
-            return min(self._queued + self.pending, at_most)
-        if at_most not in self._counted:
-            self._counted[at_most] = (
-                Job.objects.filter(team=self.team, status=Job.Status.QUEUED).order_by()[:at_most].count()
-            )
-        return min(self._counted[at_most] + self.pending, at_most)
+    def queued(self) -> int:
+        """The team's queue depth, with the submission's own jobs ahead of this one (the queue
+        tally, read once per state: scheduler/core/selectors.py `queue_depths`). Read without a
+        lock: the depth cap itself is the submit statement's, atomic (`queue_room`)."""
+        if self._queued is None:
+            self._queued = queue_depths(team_ids=[self.team.pk]).get(self.team.pk, 0)
+        return self._queued + self.pending
 
     def drain_rate(self) -> float:
         """Jobs of the team that ended per second, over the last few minutes."""
@@ -90,13 +86,22 @@ class BaseQueuePolicy:
         self.record = record
         self.state: ClaimState | None = None
 
+    def queue_room(self, team: Team) -> int:
+        """How many jobs the team's queue may hold (its depth cap). The submit's statement admits
+        a team's jobs only while its queue holds no more than this less the jobs being submitted,
+        under the team's lock (scheduler/core/statements.py): the rule is applied there, once,
+        atomically. Override to change the cap."""
+        return self.record.queue_depth_limit(team.slug)
+
     def admit(self, job: Job, state: AdmissionState) -> Admission:
-        """At submit, before the job is written: a team whose queue is at its depth cap is told to
-        try later, with an estimate of when its queue will have drained enough."""
-        limit = self.record.queue_depth_limit(state.team.slug)
-        depth = state.queued(at_most=limit + 1)
-        if depth < limit:
-            return Admission(Admission.ENQUEUE)
+        """At submit, before the job is written, any admission rule besides the depth cap (which
+        is `queue_room`'s): the default has none. A custom policy may refuse (e.g. outside
+        business hours), reading `state.queued()` if it needs the depth."""
+        return Admission(Admission.ENQUEUE)
+
+    def queue_full(self, state: AdmissionState, *, depth: int, limit: int) -> Admission:
+        """The refusal of a job whose team's queue is at its cap (`depth` jobs queued, `limit`
+        allowed): try later, with an estimate of when its queue will have drained enough."""
         rate = state.drain_rate()
         wait = (depth - limit + 1) / rate if rate > 0 else 60
         low, high = RETRY_AFTER_BOUNDS
@@ -128,6 +133,16 @@ class BaseQueuePolicy:
         rule = self.record.placement
         if rule == QueuePolicy.Placement.PACK:
             return min(candidates, key=lambda v: (v.free, v.executor.name))
+        if rule == QueuePolicy.Placement.PREFIX:
+            serving = (
+                [v for v in self.state.executors if v.usable_by(job.team_id) and v.matches(job)]
+                if self.state is not None
+                else candidates
+            )
+            work = self.state.recent_work() if self.state is not None else {}
+            chosen = prefix_place(job, candidates, serving, work)
+            if chosen is not None:
+                return chosen
         if rule == QueuePolicy.Placement.WEIGHTED:
             return min(candidates, key=lambda v: (v.in_use / (v.executor.weight or 0.001), v.executor.name))
         return min(candidates, key=lambda v: (v.executor.health != "ok", v.load, -v.executor.weight, v.executor.name))
@@ -170,8 +185,11 @@ class BaseQueuePolicy:
         """The starvation guard: after `aging_after_seconds` in the queue a job gains a level per
         `aging_step_seconds`, at most `aging_max_boost` (never past the top priority). The wait
         counts from when the job last entered the queue (`queued_at`): a flow's round has waited
-        only since its previous round ended, whatever place in line it keeps."""
+        only since its previous round ended, whatever place in line it keeps. A batch's line does
+        not age: it stays behind every live call."""
         record = self.record
+        if job.batch_id is not None:  # a batch line never ages past live calls (docs/batches.md)
+            return job.priority
         waited = (now - job.queued_at).total_seconds() - record.aging_after_seconds
         if waited < 0 or record.aging_step_seconds <= 0:
             return job.priority
@@ -187,7 +205,7 @@ class BaseQueuePolicy:
 
     def eligible_heads_sent(self, state: ClaimState, *, limit: int) -> Callable[[], dict[int, list[Job]]]:
         """`eligible_heads`, its statements executed now and read when the result is called:
-        inside telemachus.pipeline.together() they go with the block's other statements."""
+        inside telemachus.db.pipeline.together() they go with the block's other statements."""
         wanted = {
             team_id: (state.placeable_models(team_id), int(min(limit, state.team_free(team_id))))
             for team_id in self.unblocked_teams(state)
@@ -267,7 +285,7 @@ class FairSharePolicy(BaseQueuePolicy):
                 return math.inf
             return math.floor(weights[team_id] / total_weight * capacity) + 1
 
-        def key(team_id: int) -> tuple:
+        def key(team_id: int) -> tuple[Any, ...]:
             job = heads[team_id][cursor[team_id]]
             weight = weights[team_id]
             return (
@@ -314,12 +332,12 @@ def team_usage(*, team_ids: list[int], now: datetime, half_life: float) -> dict[
 
 
 def team_usage_sent(*, team_ids: list[int], now: datetime, half_life: float) -> Callable[[], dict[int, float]]:
-    """`team_usage`, executed now and read when the result is called (telemachus/pipeline.py)."""
+    """`team_usage`, executed now and read when the result is called (telemachus/db/pipeline.py)."""
     read = _TEAM_SHARES.sent(teams=sorted(team_ids))
     return lambda: {share.team_id: share.decayed(now, half_life) for share in read()}
 
 
-_TEAM_SHARES = CompiledQuery(lambda teams: TeamShare.objects.filter(team_id__in=teams))
+_TEAM_SHARES: CompiledQuery[TeamShare] = CompiledQuery(lambda teams: TeamShare.objects.filter(team_id__in=teams))
 
 
 @cache

@@ -1,32 +1,67 @@
 """Reads that the claim and the services share. Writes live in scheduler/services/."""
 
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import datetime
 from typing import Any
 
 from django.db import connection
-from django.db.models.sql.compiler import SQLCompiler
+from django.db.models import BigIntegerField, Count, F, Func, OuterRef, Subquery
 
 from quotas.concurrency import SlotCounts
-from scheduler.core.bounds import policy_in_force
-from scheduler.models import Job, QueuePolicy, Slot
-from telemachus.models import Membership
-from telemachus.pipeline import sent
+from scheduler.core.statements import queued_heads_statements
+from scheduler.models import Job, QueuePolicy, QueueTally, Slot
+from telemachus.db.compiled import CompiledQuery
+from telemachus.db.pipeline import sent
+from telemachus.db.rows import RowMapper
+from telemachus.models import Membership, Team
 from telemachus.teams import rbac
 
-# SQLite allows at most 500 terms in a compound SELECT.
-LOOKUPS_PER_STATEMENT = 200
 # The payload columns: the claim reads many more heads than it takes, so these are left out of
 # the lookups (deferred: a policy that reads them still gets them, one query per job) and the
 # claim reads them only for the jobs it takes. A prompt can be far bigger than the rest of a row.
 PAYLOAD_FIELDS = ("input", "result", "error", "conversation")
+HEAD_FIELDS = tuple(f.name for f in Job._meta.concrete_fields if f.name not in PAYLOAD_FIELDS)
 
 
-def queue_policy() -> QueuePolicy:
-    """The policy record as it is now, without locking it (the claim reads it under its lock), as
-    the scheduler may use it: out-of-bounds stored values replaced (scheduler/core/bounds.py)."""
-    return policy_in_force(QueuePolicy.objects.filter(pk=QueuePolicy.SINGLETON_ID).first() or QueuePolicy())
+def stored_policy() -> QueuePolicy:
+    """The policy record as it is stored (its editor's view: out-of-bounds values and all), or
+    an unsaved default when there is no row. Everyone else reads `queue_policy`
+    (scheduler/core/configuration.py), the record as the scheduler may use it."""
+    return QueuePolicy.objects.filter(pk=QueuePolicy.SINGLETON_ID).first() or QueuePolicy()
+
+
+def queue_depths(*, team_ids: Collection[int] | None = None) -> dict[int, int]:
+    """Each team's queue depth (its jobs queued now), from the queue tally (QueueTally): the one
+    way the depth is read, by admission, the metrics, the dashboard and its history. Teams with
+    no tally row (none: every team gets two) are left out. On PostgreSQL the tally is written at
+    commit: a reader inside a transaction that moved jobs adds what it has not applied yet, as the
+    submit's guard does (scheduler/migrations/0015_queue_tally.py)."""
+    rows = QueueTally.objects.all() if team_ids is None else QueueTally.objects.filter(team_id__in=team_ids)
+    counted: Any = F("n")
+    if connection.vendor == "postgresql" and not connection.get_autocommit():
+        counted += Func(F("team_id"), F("side"), function="scheduler_queue_noted", output_field=BigIntegerField())
+    depths: dict[int, int] = {}
+    for team_id, side, n in rows.values_list("team_id", "side", counted):
+        depths[team_id] = depths.get(team_id, 0) + (n if side == "in" else -n)
+    return depths
+
+
+def jobs_running() -> dict[int, int]:
+    """Each team's running jobs (teams with none left out)."""
+    running = Job.objects.filter(status=Job.Status.RUNNING).order_by().values_list("team_id").annotate(n=Count("id"))
+    return dict(running)
+
+
+def queued_by_priority() -> dict[tuple[int, int], int]:
+    """How each team's queue splits across priorities, (team id, priority) -> jobs (the metrics'
+    labels): a count over the queued jobs (job_team_ready_idx), which the tally does not keep."""
+    queued = (
+        Job.objects.filter(status=Job.Status.QUEUED)
+        .order_by()
+        .values_list("team_id", "priority")
+        .annotate(n=Count("id"))
+    )
+    return {(team_id, priority): n for team_id, priority, n in queued}
 
 
 def policy_seen_by(user: rbac.Principal, data: dict[str, Any]) -> dict[str, Any]:
@@ -56,60 +91,20 @@ def queued_heads_sent(
     the given models, highest priority then first ready (`ready_at`, then id), skipping users at
     their cap and retries still waiting out their backoff; with `aged_before`, also those of its n
     longest waiting that entered the queue by then (`queued_at`: aging may have lifted them, and a
-    job not yet aged can never outrank the head by priority).
-    Each team's jobs come back unsorted, without their payload (PAYLOAD_FIELDS).
+    job not yet aged can never outrank the head by priority). Each team's jobs come back
+    unsorted, without their payload (PAYLOAD_FIELDS: deferred, so a policy that reads them still
+    gets them, one query per job).
 
-    Indexed lookups per team (job_team_ready_idx, job_team_wait_idx), so rows examined grow with
-    the number of teams and the batch size, not with the depth of any queue; all of them travel
-    as one UNION ALL. Written as SQL rather than with the ORM: this runs in every claim, under
-    the claim lock, and compiling two querysets per team cost more than the database's work. The
-    status is a literal, so both backends can use the partial indexes, and each lookup asks for at
-    least two rows: at LIMIT 1 PostgreSQL may walk the primary key instead of the team's index.
-
-    Executed now, read when the result is called: inside telemachus.pipeline.together() the
-    lookups go with the block's other statements (the claim reads the teams' fair-share usage with
-    them)."""
-    qn = connection.ops.quote_name
-    heads_sql = _heads_row()
-    columns = heads_sql.columns
-    lookups: list[tuple[str, list]] = []
-    for team_id, (models, n) in wanted.items():
-        if not models or n <= 0:
-            continue
-        where = [
-            f"{qn('team_id')} = %s",
-            f"{qn('status')} = '{Job.Status.QUEUED.value}'",
-            f"{qn('model')} IN ({', '.join(['%s'] * len(models))})",
-            f"({qn('run_after')} IS NULL OR {qn('run_after')} <= %s)",
-        ]
-        params = [team_id, *sorted(models), connection.ops.adapt_datetimefield_value(now)]
-        if exclude_users:
-            where.append(f"{qn('user_id')} NOT IN ({', '.join(['%s'] * len(exclude_users))})")
-            params += sorted(exclude_users)
-        table = qn(Job._meta.db_table)
-        lookups.append(
-            (
-                f"SELECT {columns} FROM {table} WHERE {' AND '.join(where)} "
-                f"ORDER BY {qn('priority')} DESC, {qn('ready_at')}, {qn('id')} LIMIT %s",
-                [*params, max(n, 2)],
-            )
-        )
-        if aged_before is not None:
-            # The n longest waiting, then those of them that have aged: filtering inside the lookup
-            # would walk a whole deep queue whenever nothing has aged yet.
-            lookups.append(
-                (
-                    f"SELECT * FROM (SELECT {columns} FROM {table} WHERE {' AND '.join(where)} "
-                    f"ORDER BY {qn('queued_at')}, {qn('id')} LIMIT %s) AS oldest "
-                    f"WHERE {qn('queued_at')} <= %s",
-                    [*params, max(n, 2), connection.ops.adapt_datetimefield_value(aged_before)],
-                )
-            )
-    reads = []
-    for start in range(0, len(lookups), LOOKUPS_PER_STATEMENT):
-        chunk = lookups[start : start + LOOKUPS_PER_STATEMENT]
-        sql = " UNION ALL ".join(f"SELECT * FROM ({part}) AS head{i}" for i, (part, _) in enumerate(chunk))
-        reads.append(heads_sql.jobs_sent(sql, [param for _, params in chunk for param in params]))
+    Indexed lookups per team, so rows examined grow with the number of teams and the batch size,
+    not with the depth of any queue; all of them travel as one UNION ALL, written by hand
+    (scheduler/core/statements.py says why). Executed now, read when the result is called: inside
+    telemachus.db.pipeline.together() the lookups go with the block's other statements (the claim
+    reads the teams' fair-share usage with them)."""
+    mapper = RowMapper.of_fields(Job, HEAD_FIELDS)
+    statements = queued_heads_statements(
+        columns=", ".join(mapper.columns), wanted=wanted, exclude_users=exclude_users, now=now, aged_before=aged_before
+    )
+    reads = [sent(statement.sql, statement.params, mapper.instances) for statement in statements]
 
     def read() -> dict[int, list[Job]]:
         heads: dict[int, list[Job]] = {}
@@ -124,63 +119,49 @@ def queued_heads_sent(
     return read
 
 
-class _HeadsRow:
-    """A head's columns (the job without its payload) and how a row of them becomes a Job, as
-    the ORM makes it (its converters, the payload deferred), worked out once per database: read
-    through `Job.objects.raw` each claim paid for that every time, about a third of the heads'
-    read (measured in-process on PostgreSQL)."""
-
-    def __init__(self) -> None:
-        query = Job.objects.only(*(f.name for f in Job._meta.concrete_fields if f.name not in PAYLOAD_FIELDS)).query
-        self.compiler: SQLCompiler = query.get_compiler(connection=connection)
-        self.compiler.setup_query()
-        targets = [column[0].target for column in self.compiler.select]
-        qn = connection.ops.quote_name
-        self.columns = ", ".join(qn(target.column) for target in targets)
-        self.attnames = [target.attname for target in targets]
-        self.converters = self.compiler.get_converters([column[0] for column in self.compiler.select])
-
-    def jobs_sent(self, sql: str, params: list[Any]) -> Callable[[], list[Job]]:
-        """Execute now, read when the result is called (telemachus/pipeline.py)."""
-        return sent(sql, params, self._jobs)
-
-    def _jobs(self, rows: Any) -> list[Job]:
-        if self.converters:
-            rows = self.compiler.apply_converters(rows, self.converters)
-        return [Job.from_db(connection.alias, self.attnames, row) for row in rows]
+def slot_counts_sent() -> Callable[[], SlotCounts]:
+    """`slot_counts`, executed now and read when the result is called (the claim sends it with its
+    lock: scheduler/core/locks.py)."""
+    read = _SLOT_COUNTS.sent()
+    return lambda: _counts(read())
 
 
-# Per thread, as Django's connections are: the compiler keeps the connection it was made for.
-_heads_rows = threading.local()
+def slot_counts() -> SlotCounts:
+    """Slots held right now, per scope, from one grouped query over the Slot table."""
+    return slot_counts_sent()()
 
 
-def _heads_row() -> _HeadsRow:
-    found: _HeadsRow | None = getattr(_heads_rows, "row", None)
-    if found is None:
-        found = _heads_rows.row = _HeadsRow()
-    return found
+_SLOT_COUNTS: CompiledQuery[Any] = CompiledQuery(
+    lambda: Slot.objects.order_by().values_list("executor_id", "team_id", "user_id", "batch").annotate(n=Count("*"))
+)
 
 
-def slot_counts_sql() -> str:
-    """The grouped query of `slot_counts` (plain SQL: it runs in every claim, under the claim
-    lock, which sends it with the lock: scheduler/core/locks.py)."""
-    qn = connection.ops.quote_name
-    columns = ", ".join(qn(c) for c in ("executor_id", "team_id", "user_id"))
-    return f"SELECT {columns}, COUNT(*) FROM {qn(Slot._meta.db_table)} GROUP BY {columns}"
-
-
-def slot_counts(grouped: Sequence[tuple[int, int, int, int]] | None = None) -> SlotCounts:
-    """Slots held right now, per scope, from one grouped query over the Slot table; `grouped`:
-    that query's rows, read already."""
-    if grouped is None:
-        with connection.cursor() as cursor:
-            cursor.execute(slot_counts_sql())
-            grouped = cursor.fetchall()
+def _counts(grouped: Sequence[tuple[int, int, int, bool, int]]) -> SlotCounts:
     counts = SlotCounts()
     total = 0
-    for executor_id, team_id, user_id, n in grouped:
+    for executor_id, team_id, user_id, batch, n in grouped:
         counts.executor[executor_id] += n
         counts.team[team_id] += n
         counts.user[user_id] += n
+        if batch:
+            counts.batch[executor_id] += n
         total += n
-    return SlotCounts(total=total, executor=counts.executor, team=counts.team, user=counts.user)
+    return SlotCounts(total=total, executor=counts.executor, team=counts.team, user=counts.user, batch=counts.batch)
+
+
+def oldest_finished() -> dict[int, datetime]:
+    """When each team's oldest kept finished job ended, in one query whatever the number of teams:
+    per team, two correlated reads of one row each through retention's two indexes
+    (job_ended_idx, job_stripped_idx), the earlier of the two kept. No lock."""
+    ended = Job.objects.filter(team=OuterRef("pk"), status__in=Job.TERMINAL, body_removed_at__isnull=True)
+    stripped = Job.objects.filter(team=OuterRef("pk"), body_removed_at__isnull=False)
+    found: dict[int, datetime] = {}
+    rows = Team.objects.order_by().annotate(
+        ended=Subquery(ended.order_by("finished_at").values("finished_at")[:1]),
+        stripped=Subquery(stripped.order_by("finished_at").values("finished_at")[:1]),
+    )
+    for team_id, *ends in rows.values_list("pk", "ended", "stripped"):
+        kept = [end for end in ends if end is not None]
+        if kept:
+            found[team_id] = min(kept)
+    return found

@@ -10,17 +10,19 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
+from typing import Any
 
 from django.db.models import Sum
 
 from executors.contract import EMBEDDINGS_API
 from executors.models import Executor
-from quotas.budget import Budgets
+from quotas.budget import Account, Budgets
 from quotas.concurrency import ConcurrencyCaps, SlotCounts, executor_limit
 from quotas.models import ZERO, QuotaPolicy
 from scheduler.core.configuration import configuration
 from scheduler.core.jobtypes import kind_serves
 from scheduler.core.money import job_money_estimate
+from scheduler.core.prefix import PREFIX_WORK_WINDOW
 from scheduler.core.selectors import slot_counts
 from scheduler.models import Job, QueuePolicy, Slot
 from telemachus.control.config import config_at, config_snapshot
@@ -39,6 +41,9 @@ class ExecutorView:
     trial: bool = False
     # Teams a team-owned executor serves (its owner and teams granted use_executor); None: all.
     teams: set[int] | None = None
+    # Slots batch lines hold here, and the most they may (QueuePolicy.batch_share of `limit`).
+    batch_in_use: int = 0
+    batch_limit: int = 0
 
     @property
     def pk(self) -> int:
@@ -74,6 +79,12 @@ class ExecutorView:
         return not (wanted_memory and offered_memory is not None and wanted_memory > offered_memory)
 
 
+def batch_slots(limit: int, share: float) -> int:
+    """The most of an executor's `limit` slots batch lines may hold: its batch share, rounded
+    down (so a share below 1 always leaves a live call a slot), within 0..limit."""
+    return max(0, min(limit, math.floor(limit * share + 1e-9)))
+
+
 class ClaimState:
     def __init__(
         self,
@@ -99,7 +110,8 @@ class ClaimState:
         self.cooldown_ends: list[datetime] = []
         self.wake_moments: list[datetime] = []
         self.team_slugs: dict[int, str] = {}
-        self._running_tokens: Counter | None = None
+        self._running_tokens: Counter[int] | None = None
+        self._recent_work: Counter[int] | None = None
 
     @classmethod
     def load(cls, *, policy: QueuePolicy, now: datetime) -> "ClaimState":
@@ -132,6 +144,8 @@ class ClaimState:
                     in_use=counts.executor[e.pk],
                     trial=trial,
                     teams=owned_by.get(e.pk, {e.team_id}) if e.team_id else None,
+                    batch_in_use=counts.batch[e.pk],
+                    batch_limit=batch_slots(min(limit, 1) if trial else limit, policy.batch_share),
                 )
             )
         budgets = Budgets.load(now=now, rules=list(conf.rules))
@@ -144,7 +158,7 @@ class ClaimState:
         """A job left queued now may be placed at `moment`: the claim's `wake_in` includes it."""
         self.wake_moments.append(moment)
 
-    def running_tokens(self) -> Counter:
+    def running_tokens(self) -> Counter[int]:
         """Estimated tokens of each team's running jobs (for fair share by tokens), read on first
         use and kept current as this claim takes jobs."""
         if self._running_tokens is None:
@@ -152,6 +166,16 @@ class ClaimState:
                 dict(Slot.objects.order_by().values_list("team_id").annotate(tokens=Sum("job__cost_estimate")))
             )
         return self._running_tokens
+
+    def recent_work(self) -> Counter[int]:
+        """Per executor, how many of the last PREFIX_WORK_WINDOW placed jobs it took, as every
+        process placed them (prefix placement's load bound): read on first use (one query, newest
+        jobs first down the primary key, stopping at the window) and kept current as this claim
+        takes jobs."""
+        if self._recent_work is None:
+            recent = Job.objects.filter(executor__isnull=False).order_by("-id").values_list("executor_id", flat=True)
+            self._recent_work = Counter(recent[:PREFIX_WORK_WINDOW])
+        return self._recent_work
 
     def capacity(self) -> float:
         """Slots in the system: the placeable executors' limits, within the global cap."""
@@ -211,7 +235,7 @@ class ClaimState:
         """A free slot at the global, team and user scopes (the executor scope is `candidates`)."""
         return self.global_free() > 0 and self.team_free(job.team_id) > 0 and self.user_free(job.user_id) > 0
 
-    def over_budget(self, job: Job):
+    def over_budget(self, job: Job) -> Account | None:
         """The global, team, user or key budget that cannot cover the job's estimate, if any (its
         money estimate: on the dearest executor that could take it, as the executor is not chosen yet)."""
         return self.budgets.blocking(
@@ -230,11 +254,14 @@ class ClaimState:
         )
 
     def candidates(self, job: Job) -> list[ExecutorView]:
-        """Executors that fit the job, have a free slot and whose own budget covers its estimate."""
+        """Executors that fit the job, have a free slot and whose own budget covers its estimate;
+        for a batch line, only those whose batch lines hold less than their batch share."""
+        batch = job.batch_id is not None
         return [
             v
             for v in self.executors
             if v.free > 0
+            and (not batch or v.batch_in_use < v.batch_limit)
             and v.usable_by(job.team_id)
             and v.matches(job)
             and self.budgets.blocking(
@@ -247,16 +274,21 @@ class ClaimState:
             is None
         ]
 
-    def take(self, job: Job, view: ExecutorView) -> None:
+    def take(self, job: Job, view: ExecutorView) -> dict[str, Any] | None:
         """Count a slot just placed, at all four scopes, and reserve the job's estimate in every
-        budget it counts against (kept on the job until the attempt ends)."""
+        budget it counts against: the reservation, which the job keeps until the attempt ends
+        (`Job.start`)."""
         self.global_in_use += 1
         self.team_in_use[job.team_id] += 1
         self.user_in_use[job.user_id] += 1
         view.in_use += 1
+        if job.batch_id is not None:
+            view.batch_in_use += 1
         if self._running_tokens is not None:
             self._running_tokens[job.team_id] += job.cost_estimate
-        job.reservation = self.budgets.reserve(
+        if self._recent_work is not None:
+            self._recent_work[view.pk] += 1
+        return self.budgets.reserve(
             team_id=job.team_id,
             user_id=job.user_id,
             executor_id=view.pk,

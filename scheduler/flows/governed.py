@@ -24,14 +24,13 @@ If the app dies holding the slot, its lease runs out and recovery fails the job 
 run it). If the job is canceled (an operator, the dashboard) the slot's `lost` is set; leaving the
 block then raises LeaseLost, unless the block raised already. `timeout` bounds the wait in the
 queue: past it, the job is canceled and TimeoutError raised. A running worker is needed, as for
-any queued work. Both wait on a job feed (scheduler/gateway/feed.py: the job's notification, heard
+any queued work. Both wait on a job feed (scheduler/notify/feed.py: the job's notification, heard
 through one listener) and read the job only when it changed, or WAKE_MAX seconds passed: the async
 twin on its event loop's feed, the sync one on the feed of an event loop run in a daemon thread
 while any sync wait of the process is under way (`_SyncFeed`), so sync waits share its listener.
 """
 
 import asyncio
-import os
 import threading
 import time
 import uuid
@@ -45,9 +44,10 @@ from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import DatabaseError, connection
 
+from executors.credentials import transport_headers
 from executors.models import Executor
-from scheduler.gateway.feed import JobFeed, Watch
 from scheduler.models import Job
+from scheduler.notify.feed import JobFeed, Watch
 from scheduler.services.cancel import job_cancel
 from scheduler.services.lease import leases_renew
 from scheduler.services.rounds import LeaseLost, round_begin, round_finish
@@ -85,11 +85,11 @@ class GovernedSlot:
         return self.prompt_tokens + self.completion_tokens
 
     def headers(self) -> dict[str, str]:
-        """Authorization for a `remote-model` executor, from the environment variable its
-        transport names (the key is never stored); empty for others."""
-        name = self.transport.get("api_key_env")
-        key = os.environ.get(name) if name else None
-        return {"Authorization": f"Bearer {key}"} if key else {}
+        """The executor's credentials as headers (its API key as `Authorization: Bearer`, its
+        other headers: executors/credentials.py), unsealed or read from this process's
+        environment; empty when it has none. Raises SecretUnavailable for one this process
+        cannot produce (its variable unset here, no key to unseal it)."""
+        return transport_headers(self.transport, executor=self.executor)
 
 
 class governed_slot:

@@ -1,4 +1,4 @@
-"""A flow's round and a tool job, as a worker runs them (the worker's `_dispatch` hands them here).
+"""A flow's round and a tool job, as a worker runs them (scheduler/worker/dispatch.py hands them here).
 
 One claim of a flow is one round:
 
@@ -33,8 +33,9 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from django.conf import settings
@@ -43,6 +44,7 @@ from django.core.exceptions import ImproperlyConfigured
 from executors.contract import DispatchError
 from executors.health import DispatchReport
 from executors.tools import ToolOutcome, UnknownTool, tool_invoke
+from scheduler.core.configuration import configuration
 from scheduler.core.jobtypes import job_request
 from scheduler.metrics import dispatch_observe
 from scheduler.models import Job
@@ -59,7 +61,11 @@ from scheduler.services.rounds import (
     round_requeue,
     round_tool_record,
 )
-from scheduler.worker.flight import InFlight
+from scheduler.worker.flight import Flight
+from scheduler.worker.traces import model_call_traced, tool_traced
+from telemachus import tracing
+from telemachus.control.config import config_current
+from telemachus.control.features import feature_on
 
 log = logging.getLogger("telemachus.worker")
 T = TypeVar("T")
@@ -81,7 +87,7 @@ class RoundHost(Protocol):
         ...
 
 
-async def flow_round_run(host: RoundHost, flight: InFlight) -> None:
+async def flow_round_run(host: RoundHost, flight: Flight) -> None:
     """Run the claimed round of a flow to its end (the flow done or failed, or queued for its next
     round). Raises what the model call raises (DispatchError, CancelledError), for the worker to
     end the job as any other; handles everything after the call itself, and ends the flight."""
@@ -93,7 +99,7 @@ async def flow_round_run(host: RoundHost, flight: InFlight) -> None:
     host.flight_ended(flight.claim.job.pk, queued=queued)
 
 
-async def _round(host: RoundHost, flight: InFlight) -> bool:
+async def _round(host: RoundHost, flight: Flight) -> bool:
     """The round; True when it queued the flow's next round without waking the other workers
     (the host claims it with the capacity the round freed)."""
     claim = flight.claim
@@ -102,6 +108,8 @@ async def _round(host: RoundHost, flight: InFlight) -> bool:
     start = round_claimed(job)
     if start is None:
         start = await host.db_retrying(round_begin, job_id=job.pk, lease=claim.lease)
+    if tracing.active:
+        tracing.current_span().set_attribute("telemachus.flow.round", start.round)
     if start.pending:
         log.info("job %d: running the tool calls of round %d (their worker stopped)", job.pk, start.round)
         await _requeue_after(host, claim, start.round, _tools_start(host, job, start.pending))
@@ -112,7 +120,8 @@ async def _round(host: RoundHost, flight: InFlight) -> bool:
         raise DispatchError(f"flow tools unavailable: {exc}", retryable=False, executor_fault=False) from exc
     on_delta = DeltaStream(job.pk, attempt=job.attempts, round=start.round) if job.input.get("stream") else None
     began = time.monotonic()
-    result = await flight.driver.execute(request, on_delta)
+    call = flight.driver.execute(request, on_delta)
+    result = await (model_call_traced(job, claim.executor, call) if tracing.active else call)
     if on_delta is not None:
         await on_delta.flush()  # the round's output goes out before its end is announced
     dispatch_observe(executor=claim.executor, outcome="ok", seconds=time.monotonic() - began)
@@ -175,20 +184,35 @@ def _max_rounds(job: Job) -> int:
 
 
 def _tools_start(host: RoundHost, job: Job, calls: list[dict[str, Any]]) -> "list[asyncio.Task[ToolOutcome]]":
-    """The round's tool calls, started in the worker's tool threads, in call order."""
+    """The round's tool calls, started in the worker's tool threads, in call order. While the
+    `tool` feature is switched off for the flow's team (the switches as this process last read
+    them: the claim of this round confirmed their version), none runs: each fails, saying so, and
+    the flow fails with it (or, with `return_tool_errors`, the model is told)."""
+    switches = configuration(config_current()[0]).features
+    if not feature_on(feature=Job.Type.TOOL, team_id=job.team_id, switches=switches):
+        return [asyncio.ensure_future(_switched_off(call)) for call in calls]
     allowed = set(job.input.get("tools") or ())
-    return [
-        asyncio.ensure_future(
-            tool_invoke(
-                name=str((call.get("function") or {}).get("name", "")),
-                arguments=(call.get("function") or {}).get("arguments", "{}"),
-                call_id=str(call.get("id", "")),
-                threads=host.tool_threads,
-                allowed=allowed,
-            )
-        )
-        for call in calls
-    ]
+    return [asyncio.ensure_future(_tool_start(host, job, call, allowed)) for call in calls]
+
+
+def _tool_start(host: RoundHost, job: Job, call: dict[str, Any], allowed: set[str]) -> Awaitable[ToolOutcome]:
+    """One tool call of the round (in its `execute_tool` span when the flow is traced)."""
+    name, call_id = str((call.get("function") or {}).get("name", "")), str(call.get("id", ""))
+    invoke = partial(
+        tool_invoke,
+        name=name,
+        arguments=(call.get("function") or {}).get("arguments", "{}"),
+        call_id=call_id,
+        threads=host.tool_threads,
+        allowed=allowed,
+    )
+    return tool_traced(job, name, call_id, invoke) if tracing.active else invoke()
+
+
+async def _switched_off(call: dict[str, Any]) -> ToolOutcome:
+    name = str((call.get("function") or {}).get("name", ""))
+    message = f"tool {name!r} was not run: the tool feature is switched off for this team"
+    return ToolOutcome(name=name, call_id=str(call.get("id", "")), ok=False, content=message, seconds=0.0)
 
 
 async def _quick(running: "list[asyncio.Task[ToolOutcome]]") -> bool:

@@ -1,8 +1,8 @@
 """Who is calling. The same credentials as the REST API (telemachus/keys/): an app's API key or a
 person's token, as `Authorization: Bearer SECRET` (as OpenAI SDKs send it) or `Token SECRET`,
 and, for the job API's paths, the session cookie of a signed-in user. Bad credentials count
-against the client's address; past the limit its requests get 429 with Retry-After. Run on a
-database thread."""
+against the client's address and their prefix; past a limit they get 429 with Retry-After, and a
+right credential from the same address is served all the same. Run on a database thread."""
 
 from importlib import import_module
 from types import SimpleNamespace
@@ -11,10 +11,16 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth import get_user
 
-from telemachus.keys.authentication import Credential, TooManyFailures, credential_authenticate, secret_from_header
+from telemachus.keys.authentication import (
+    Credential,
+    CredentialRefused,
+    TooManyFailures,
+    credential_authenticate,
+    secret_from_header,
+)
 from telemachus.teams import rbac
 
-__all__ = ["Credential", "TooManyFailures", "client_address", "credential_for", "user_for_session"]
+__all__ = ["Credential", "CredentialRefused", "TooManyFailures", "client_address", "credential_for", "user_for_session"]
 
 
 def client_address(scope: dict[str, Any]) -> str:
@@ -29,8 +35,9 @@ def client_address(scope: dict[str, Any]) -> str:
 
 
 def credential_for(*, authorization: str | None, address: str) -> Credential | None:
-    """The key or token of an Authorization header, or None (no usable header, or it matches
-    nothing live). Raises TooManyFailures while the address is over its limit."""
+    """The key or token of an Authorization header, or None (no usable header). Raises
+    CredentialRefused for one that matches nothing live (saying whether it was revoked or expired),
+    TooManyFailures past the failure limits (telemachus/keys/failures.py)."""
     secret = secret_from_header(authorization)
     if secret is None:
         return None

@@ -1,10 +1,10 @@
 """The gateway's paths in the OpenAPI schema (/api/schema/, /api/docs/). They are served ahead of
-Django's URLconf (scheduler/gateway/asgi.py), so drf-spectacular cannot find them by itself; this
+Django's URLconf (scheduler/gateway/router.py), so drf-spectacular cannot find them by itself; this
 postprocessing hook adds them, referring to the schema's own components where they apply."""
 
 from typing import Any
 
-from scheduler.gateway.jobs import DEFAULT_TIMEOUT, MAX_TIMEOUT
+from scheduler.gateway.jobwatch import DEFAULT_TIMEOUT, MAX_TIMEOUT
 
 JOB = {"$ref": "#/components/schemas/JobOutput"}
 API_ERROR = {"type": "object", "properties": {"error": {"type": "string"}, "detail": {"type": "string"}}}
@@ -128,102 +128,8 @@ def _openai(
 
 
 def gateway_paths(result: dict[str, Any], generator: Any, request: Any, public: bool) -> dict[str, Any]:
-    paths = result.setdefault("paths", {})
-    paths["/api/jobs/{job_id}/wait/"] = {
-        "get": {
-            "operationId": "jobs_wait_retrieve",
-            "tags": ["jobs"],
-            "security": API_AUTH,
-            "summary": "Wait for a job to end",
-            "description": "Answers when the job ends, or when the timeout passes, with the job as it is then. "
-            "Woken by the job's own changes, not by polling.",
-            "parameters": [
-                JOB_ID,
-                {
-                    "name": "timeout",
-                    "in": "query",
-                    "required": False,
-                    "description": "Seconds.",
-                    "schema": {"type": "number", "minimum": 0, "maximum": MAX_TIMEOUT, "default": DEFAULT_TIMEOUT},
-                },
-            ],
-            "responses": {
-                "200": _json(JOB, "The job."),
-                "400": _json(API_ERROR, "Bad timeout."),
-                "401": _json(API_ERROR, "Not authenticated."),
-                "404": _json(API_ERROR, "No such job."),
-            },
-        }
-    }
-    paths["/api/jobs/{job_id}/stream/"] = {
-        "get": {
-            "operationId": "jobs_stream_retrieve",
-            "tags": ["jobs"],
-            "security": API_AUTH,
-            "summary": "A job's status, events and output as they happen (Server-Sent Events)",
-            "description": "Events: `job` (the job now), `event` (each job event, with its id as the SSE id; "
-            "reconnect with Last-Event-ID to resume), `status`, `delta` (`{attempt, offset, text}` of "
-            "a streamed job's output), `done` (the final job; the stream ends).",
-            "parameters": [
-                JOB_ID,
-                {"name": "Last-Event-ID", "in": "header", "required": False, "schema": {"type": "integer"}},
-            ],
-            "responses": {
-                "200": {"description": "An event stream.", "content": {"text/event-stream": {"schema": SSE_EVENT}}},
-                "401": _json(API_ERROR, "Not authenticated."),
-                "404": _json(API_ERROR, "No such job."),
-            },
-        }
-    }
-    paths["/v1/chat/completions"] = _openai(
-        "v1_chat_completions_create",
-        "Chat completion (OpenAI-compatible, governed)",
-        "OpenAI's chat completions request (`stream`, `tools` and `tool_choice` included). It runs as a queued "
-        "chat job under the team's caps and budgets; the answer is OpenAI's response, or its stream of chunks.",
-        post=True,
-        stream=True,
-        errors=(400, 401, 403, 404, 409, 429, 502, 504),
-        parameters=(TEAM_HEADER, PRIORITY_HEADER),
-    )
-    paths["/v1/responses"] = _openai(
-        "v1_responses_create",
-        "Response (OpenAI's Responses API, governed, stateless)",
-        "OpenAI's Responses request, translated to a chat completion: a queued chat job under the team's caps "
-        "and budgets. Nothing is kept: `previous_response_id`, `conversation` and `store: true` are refused. "
-        "What maps and what is refused: docs/gateway.md.",
-        post=True,
-        stream=True,
-        errors=(400, 401, 403, 404, 409, 429, 502, 504),
-        parameters=(TEAM_HEADER, PRIORITY_HEADER),
-    )
-    paths["/v1/messages"] = _anthropic(
-        "v1_messages_create",
-        "Message (Anthropic's Messages API, governed)",
-        "Anthropic's Messages request, translated to a chat completion: a queued chat job under the team's caps "
-        "and budgets; the token as `x-api-key` or Bearer. What maps and what is refused: docs/gateway.md.",
-        stream=True,
-    )
-    paths["/v1/messages/count_tokens"] = _anthropic(
-        "v1_messages_count_tokens",
-        "Count a Messages request's input tokens",
-        "The prompt's tokens as the budget estimate counts them; no job.",
-        stream=False,
-    )
-    paths["/v1/embeddings"] = _openai(
-        "v1_embeddings_create",
-        "Embeddings (OpenAI-compatible, governed)",
-        "OpenAI's embeddings request, run by an executor that declares `capabilities.embeddings`.",
-        post=True,
-        errors=(400, 401, 403, 404, 429, 502, 504),
-        parameters=(TEAM_HEADER, PRIORITY_HEADER),
-    )
-    paths["/v1/models"] = _openai(
-        "v1_models_list",
-        "Models the team may use",
-        "Models of the enabled executors the caller's team may use.",
-        post=False,
-        errors=(400, 401, 404),
-    )
+    """drf-spectacular's postprocessing hook: the gateway's paths and security schemes added."""
+    paths = {**result.get("paths", {}), **_job_paths(), **_model_paths()}
     result["paths"] = dict(sorted(paths.items()))
     schemes = result.setdefault("components", {}).setdefault("securitySchemes", {})
     schemes["bearerAuth"] = {
@@ -238,3 +144,111 @@ def gateway_paths(result: dict[str, Any], generator: Any, request: Any, public: 
         "description": "An API token, as Anthropic's SDK sends its key (the Messages API only).",
     }
     return result
+
+
+def _job_paths() -> dict[str, Any]:
+    """The job API's long-lived requests (scheduler/gateway/jobwatch.py)."""
+    return {
+        "/api/jobs/{job_id}/wait/": {
+            "get": {
+                "operationId": "jobs_wait_retrieve",
+                "tags": ["jobs"],
+                "security": API_AUTH,
+                "summary": "Wait for a job to end",
+                "description": "Answers when the job ends, or when the timeout passes, with the job as it is then. "
+                "Woken by the job's own changes, not by polling.",
+                "parameters": [
+                    JOB_ID,
+                    {
+                        "name": "timeout",
+                        "in": "query",
+                        "required": False,
+                        "description": "Seconds.",
+                        "schema": {"type": "number", "minimum": 0, "maximum": MAX_TIMEOUT, "default": DEFAULT_TIMEOUT},
+                    },
+                ],
+                "responses": {
+                    "200": _json(JOB, "The job."),
+                    "400": _json(API_ERROR, "Bad timeout."),
+                    "401": _json(API_ERROR, "Not authenticated."),
+                    "404": _json(API_ERROR, "No such job."),
+                },
+            }
+        },
+        "/api/jobs/{job_id}/stream/": {
+            "get": {
+                "operationId": "jobs_stream_retrieve",
+                "tags": ["jobs"],
+                "security": API_AUTH,
+                "summary": "A job's status, events and output as they happen (Server-Sent Events)",
+                "description": "Events: `job` (the job now), `event` (each job event, with its id as the SSE id; "
+                "reconnect with Last-Event-ID to resume), `status`, `delta` (`{attempt, offset, text}` of "
+                "a streamed job's output), `done` (the final job; the stream ends).",
+                "parameters": [
+                    JOB_ID,
+                    {"name": "Last-Event-ID", "in": "header", "required": False, "schema": {"type": "integer"}},
+                ],
+                "responses": {
+                    "200": {"description": "An event stream.", "content": {"text/event-stream": {"schema": SSE_EVENT}}},
+                    "401": _json(API_ERROR, "Not authenticated."),
+                    "404": _json(API_ERROR, "No such job."),
+                },
+            }
+        },
+    }
+
+
+def _model_paths() -> dict[str, Any]:
+    """The three model APIs (OpenAI's chat completions, embeddings and models; the Responses API;
+    Anthropic's Messages)."""
+    return {
+        "/v1/chat/completions": _openai(
+            "v1_chat_completions_create",
+            "Chat completion (OpenAI-compatible, governed)",
+            "OpenAI's chat completions request (`stream`, `tools` and `tool_choice` included). It runs as a queued "
+            "chat job under the team's caps and budgets; the answer is OpenAI's response, or its stream of chunks.",
+            post=True,
+            stream=True,
+            errors=(400, 401, 403, 404, 409, 429, 502, 504),
+            parameters=(TEAM_HEADER, PRIORITY_HEADER),
+        ),
+        "/v1/responses": _openai(
+            "v1_responses_create",
+            "Response (OpenAI's Responses API, governed, stateless)",
+            "OpenAI's Responses request, translated to a chat completion: a queued chat job under the team's caps "
+            "and budgets. Nothing is kept: `previous_response_id`, `conversation` and `store: true` are refused. "
+            "What maps and what is refused: docs/gateway.md.",
+            post=True,
+            stream=True,
+            errors=(400, 401, 403, 404, 409, 429, 502, 504),
+            parameters=(TEAM_HEADER, PRIORITY_HEADER),
+        ),
+        "/v1/messages": _anthropic(
+            "v1_messages_create",
+            "Message (Anthropic's Messages API, governed)",
+            "Anthropic's Messages request, translated to a chat completion: a queued chat job under the team's caps "
+            "and budgets; the token as `x-api-key` or Bearer. What maps and what is refused: docs/gateway.md.",
+            stream=True,
+        ),
+        "/v1/messages/count_tokens": _anthropic(
+            "v1_messages_count_tokens",
+            "Count a Messages request's input tokens",
+            "The prompt's tokens as the budget estimate counts them; no job.",
+            stream=False,
+        ),
+        "/v1/embeddings": _openai(
+            "v1_embeddings_create",
+            "Embeddings (OpenAI-compatible, governed)",
+            "OpenAI's embeddings request, run by an executor that declares `capabilities.embeddings`.",
+            post=True,
+            errors=(400, 401, 403, 404, 429, 502, 504),
+            parameters=(TEAM_HEADER, PRIORITY_HEADER),
+        ),
+        "/v1/models": _openai(
+            "v1_models_list",
+            "Models the team may use",
+            "Models of the enabled executors the caller's team may use.",
+            post=False,
+            errors=(400, 401, 404),
+        ),
+    }

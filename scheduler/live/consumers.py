@@ -3,7 +3,7 @@ as GET /api/queue/ returns it, the page of jobs the page chose, the policy and t
 switches) each time the database changes, and carries operators' actions (scheduler/live/actions.py).
 
 The page chooses its page of jobs with `{"id": ..., "view": {tab, team, type, model, executor,
-after, size}}` (scheduler/live/jobs.py), anyone signed in, members too; the reply echoes `id` and
+after, size}}` (scheduler/live/joblist.py), anyone signed in, members too; the reply echoes `id` and
 the next push carries that page.
 
 Re-reads are driven by change notifications, coalesced over a short window, not by a timer per
@@ -34,7 +34,7 @@ from django.db import DatabaseError
 from django.utils import timezone
 
 from scheduler.live.actions import dashboard_action
-from scheduler.live.jobs import JobView, JobViewInput
+from scheduler.live.joblist import JobView, JobViewInput
 from scheduler.live.snapshot import dashboard_state
 from scheduler.notify import broadcast
 from scheduler.notify.listener import Listener, Subscription

@@ -2,9 +2,12 @@
 last N minutes, as aligned columns ready to plot, for the teams and executors the user may see.
 
 Long ranges are folded into steps of several buckets (at most MAX_POINTS per series): gauges and
-waits keep the step's highest value (a burst or a slow spell must not be averaged away), counts
-and tokens add up. A step without any recorded bucket (no worker was running) is null, drawn as
-a gap, never as zero. The series start at the first recorded step in the range."""
+waits keep the step's highest value (a burst or a slow spell must not be averaged away; a gauge's
+bucket already holds the most it was at once within it), counts, tokens and money add up. A step
+without any recorded bucket (no worker was running) is null, drawn as a gap, never as zero. The
+series start at the first recorded step in the range. Each value stands for its whole step, from
+its start to its end (`times`), and the page draws it so: as a level across the step, not a point
+joined to the next by a slope."""
 
 import math
 from collections import defaultdict
@@ -50,12 +53,13 @@ def _fold(into: dict[str, Any], values: dict[str, Any]) -> None:
 
 
 def history_series(*, user: rbac.Principal, minutes: int, now: datetime | None = None) -> dict[str, Any]:
-    """The last `minutes` of history as `{"times": [epoch seconds of each step's end, ...], "global":
-    {measure: [...]}, "teams": {slug: {measure: [...]}}, "executors": {name: {measure: [...]}}}`,
-    every list as long as `times`. A team with no row in a recorded bucket had nothing queued,
-    running or ending then: its counts are 0 there, not gaps. Members see their own teams and
-    the executors their teams may use; the whole-queue series are shown to everyone, as the
-    global slot count is."""
+    """The last `minutes` of history as `{"since": epoch seconds of the first step's start, "times":
+    [epoch seconds of each step's end, ...], "global": {measure: [...]}, "teams": {slug: {measure:
+    [...]}}, "executors": {name: {measure: [...]}}, "currency": ...}`, every list as long as
+    `times`; `cost` is money in TELEMACHUS_CURRENCY. A team with no row in a recorded bucket had
+    nothing queued, running or ending then: its counts are 0 there, not gaps. Members see their
+    own teams and the executors their teams may use; the whole-queue series are shown to everyone,
+    as the global slot count is."""
     now = now or timezone.now()
     size = bucket_seconds()
     buckets = max(math.ceil(minutes * 60 / size), 1)
@@ -111,6 +115,8 @@ def history_series(*, user: rbac.Principal, minutes: int, now: datetime | None =
         "step_seconds": step,
         "minutes": minutes,
         "max_minutes": history_range_minutes(),
+        "currency": settings.TELEMACHUS_CURRENCY,
+        "since": int((first + timedelta(seconds=step * begin)).timestamp()),
         "times": [
             int(min(first + timedelta(seconds=step * (i + 1)), current).timestamp()) for i in range(begin, count)
         ],

@@ -2,34 +2,39 @@
 and why it is not being served, slots in use per scope against caps, executors; for the dashboard
 also the page of jobs it asked for (with why each queued one waits), the policy and the feature switches.
 
-Each picture is read in one transaction (`consistent_read`), so running counts, slots and the job
-list always agree with each other."""
+Each picture is read in one snapshot (telemachus/db/snapshots.py `consistent_read`), so running
+counts, slots and the job list always agree with each other."""
 
 from collections import Counter, defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.db import connection, transaction
-from django.db.models import Count, DurationField, ExpressionWrapper, F, OuterRef, Subquery, Sum, Value
+from django.db.models import DurationField, ExpressionWrapper, F, OuterRef, Subquery, Sum, Value
 from django.db.models.functions import Coalesce, Greatest
 from django.urls import reverse
 from django.utils import timezone
 
-from executors.models import Executor
+from executors.models import Executor, ModelRoute
 from executors.selectors import executor_serves, executor_teams
 from quotas.budget import Budgets
 from quotas.concurrency import ConcurrencyCaps, SlotCounts, concurrency_caps, executor_limit
 from quotas.models import QuotaPolicy
 from quotas.rules import quota_rules
-from scheduler.core.selectors import policy_seen_by, queue_policy, slot_counts
-from scheduler.live.jobs import PAGE_SIZE, JobView, jobs_page
+from scheduler.batches.models import Batch
+from scheduler.batches.services import batch_counts
+from scheduler.core.configuration import queue_policy
+from scheduler.core.policy import policy_for
+from scheduler.core.selectors import jobs_running, policy_seen_by, queue_depths, slot_counts
+from scheduler.live.joblist import PAGE_SIZE, JobView, jobs_page
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot
+from scheduler.services.history import bucket_start, first_start_waits, waits_summary
 from scheduler.services.policy import EDITABLE
+from scheduler.services.retention import retention_overview
 from telemachus.control.features import feature_states
+from telemachus.db.snapshots import consistent_read
 from telemachus.models import ApiKey, Team
 from telemachus.teams import rbac
 
@@ -39,31 +44,8 @@ POLICY_CHOICES = {
     for field in QueuePolicy._meta.get_fields()
     if field.name in EDITABLE and getattr(field, "choices", None)
 }
-
-
-@contextmanager
-def consistent_read() -> Iterator[None]:
-    """Run the reads inside as one snapshot of the database: a read-only REPEATABLE READ
-    transaction on PostgreSQL; on SQLite a deferred (read) transaction, which in WAL mode sees one
-    snapshot from its first read on and never takes the write lock (Django's own transactions
-    begin IMMEDIATE, which would). Inside a transaction already, the caller's one is used."""
-    if connection.in_atomic_block:
-        yield
-        return
-    if connection.vendor == "postgresql":
-        with transaction.atomic():
-            with connection.cursor() as cursor:
-                cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-            yield
-        return
-    connection.ensure_connection()
-    with connection.cursor() as cursor:
-        cursor.execute("BEGIN DEFERRED")
-    try:
-        yield
-    finally:
-        with connection.cursor() as cursor:
-            cursor.execute("COMMIT")
+# What each editable setting does, as the admin shows it under the field: the page shows it beside.
+POLICY_HELP = {name: str(getattr(QueuePolicy._meta.get_field(name), "help_text", "")) for name in EDITABLE}
 
 
 @dataclass
@@ -77,6 +59,7 @@ class Cluster:
     budgets: Budgets
     executors: list[Executor]
     executor_teams: dict[int, set[int]]
+    routes: list[ModelRoute]
 
     @classmethod
     def load(cls, *, now: datetime) -> "Cluster":
@@ -89,6 +72,7 @@ class Cluster:
             budgets=Budgets.load(now=now, rules=rules),
             executors=list(Executor.objects.select_related("team")),
             executor_teams=executor_teams(),
+            routes=list(ModelRoute.objects.all()),
         )
 
     def limit(self, executor: Executor) -> int:
@@ -217,25 +201,16 @@ def queue_heads(team_ids: list[int]) -> dict[int, tuple[str, int]]:
     return {team_id: (model, user_id) for team_id, model, user_id in rows if model is not None}
 
 
-def queue_snapshot(*, user: rbac.Principal, cluster: Cluster | None = None) -> dict[str, Any]:
-    """Operators see everything; others see their own teams, themselves, and the executors their
-    teams may use. Read in one transaction unless the caller holds one."""
-    with consistent_read():
-        return _queue_snapshot(user=user, cluster=cluster or Cluster.load(now=timezone.now()))
-
-
-def _queue_snapshot(*, user: rbac.Principal, cluster: Cluster) -> dict[str, Any]:
+def _team_rows(cluster: Cluster, teams: list[Team]) -> list[dict[str, Any]]:
+    """Each team's queue and running jobs, slots against its cap, its share of capacity (target,
+    if busy, actual) and why its queue is not being served."""
     now, record, caps, slots = cluster.now, cluster.record, cluster.caps, cluster.slots
-    operator = rbac.is_operator(user)
-    teams = list(rbac.visible_teams(user).order_by("slug"))
-    depth: Counter = Counter()
-    for team_id, status, n in (
-        Job.objects.filter(status__in=[Job.Status.QUEUED, Job.Status.RUNNING])
-        .order_by()
-        .values_list("team_id", "status")
-        .annotate(n=Count("id"))
-    ):
-        depth[team_id, status] = n
+    policy = policy_for(record)
+    depth: Counter[tuple[int, str]] = Counter()
+    for status, counts in ((Job.Status.QUEUED, queue_depths()), (Job.Status.RUNNING, jobs_running())):
+        for team_id, n in counts.items():
+            if n:
+                depth[team_id, status] = n
     active = {team_id for team_id, _ in depth}
     weights = {t.pk: record.weight(t.slug) for t in Team.objects.filter(pk__in=active)}
     total_weight = sum(w for w in weights.values() if w > 0)
@@ -249,7 +224,7 @@ def _queue_snapshot(*, user: rbac.Principal, cluster: Cluster) -> dict[str, Any]
         if team.pk in heads:
             model, user_id = heads[team.pk]
             reasons = wait_reasons(cluster, team_id=team.pk, model=model, user_id=user_id)
-        depth_limit = record.queue_depth_limit(team.slug)
+        depth_limit = policy.queue_room(team)
         if queued >= depth_limit:
             reasons.append(
                 {
@@ -260,19 +235,10 @@ def _queue_snapshot(*, user: rbac.Principal, cluster: Cluster) -> dict[str, Any]
             )
         return reasons
 
-    executors = [e for e in cluster.executors if operator or e.team_id is None or e.team_id in {t.pk for t in teams}]
-    keys = list(
-        ApiKey.objects.filter(team__in=[t.pk for t in teams], revoked_at__isnull=True)
-        .select_related("team")
-        .order_by("team__slug", "name")
-    )
-    key_users = {key.principal_id for key in keys} | set(caps.key_users.values())
-    user_ids = (set(caps.user) | set(slots.user)) - key_users if operator else {user.pk}
-    usernames = dict(get_user_model().objects.filter(pk__in=user_ids).values_list("pk", "username"))  # type: ignore[misc]
-    team_rows = []
+    rows = []
     for team in teams:
         reasons = waits(team)
-        team_rows.append(
+        rows.append(
             {
                 "team": team.slug,
                 "queued": depth[team.pk, Job.Status.QUEUED],
@@ -286,13 +252,43 @@ def _queue_snapshot(*, user: rbac.Principal, cluster: Cluster) -> dict[str, Any]
                 # An idle team's target share is 0; this is what it would get if it had work now.
                 "share_if_busy": _share_if_busy(record.weight(team.slug), team.pk in active, total_weight),
                 "actual_share": round(used[team.pk] / total_used, 4) if total_used else 0.0,
+                # Retention in force (docs/retention.md): its own, else the deployment's.
+                "retention_hours": team.retention_hours
+                if team.retention_hours is not None
+                else settings.TELEMACHUS_RETENTION_HOURS,
+                "body_retention_hours": team.body_retention_hours,
                 "not_served": [reason["text"] for reason in reasons],
                 "waits": reasons,
             }
         )
+    return rows
+
+
+def queue_snapshot(*, user: rbac.Principal, cluster: Cluster | None = None) -> dict[str, Any]:
+    """Operators see everything; others see their own teams, themselves, and the executors their
+    teams may use. Read in one transaction unless the caller holds one."""
+    with consistent_read():
+        return _queue_snapshot(user=user, cluster=cluster or Cluster.load(now=timezone.now()))
+
+
+def _queue_snapshot(*, user: rbac.Principal, cluster: Cluster) -> dict[str, Any]:
+    caps, slots = cluster.caps, cluster.slots
+    operator = rbac.is_operator(user)
+    teams = list(rbac.visible_teams(user).order_by("slug"))
+    team_rows = _team_rows(cluster, teams)
+    executors = [e for e in cluster.executors if operator or e.team_id is None or e.team_id in {t.pk for t in teams}]
+    keys = list(
+        ApiKey.objects.filter(team__in=[t.pk for t in teams], revoked_at__isnull=True)
+        .select_related("team")
+        .order_by("team__slug", "name")
+    )
+    key_users = {key.principal_id for key in keys} | set(caps.key_users.values())
+    user_ids = (set(caps.user) | set(slots.user)) - key_users if operator else {user.pk}
+    usernames = dict(get_user_model().objects.filter(pk__in=user_ids).values_list("pk", "username"))  # type: ignore[misc]
     return {
         "global": {"in_use": slots.total, "cap": caps.global_cap},
         "teams": team_rows,
+        "batches": _batch_rows(teams),
         "users": [
             {"user": usernames[uid], "in_use": slots.user[uid], "cap": caps.user.get(uid)}
             for uid in sorted(usernames, key=usernames.get)  # type: ignore[arg-type]
@@ -312,6 +308,8 @@ def _queue_snapshot(*, user: rbac.Principal, cluster: Cluster) -> dict[str, Any]
             }
             for key in keys
         ],
+        # Model routes (docs/routing.md), read-only: edited through /api/routes/ or the admin.
+        "routes": [{"name": r.name, "models": list(r.models)} for r in cluster.routes],
         "executors": [
             {
                 "id": e.pk,
@@ -332,6 +330,46 @@ def _queue_snapshot(*, user: rbac.Principal, cluster: Cluster) -> dict[str, Any]
     }
 
 
+def _batch_rows(teams: list[Team]) -> list[dict[str, Any]]:
+    """The batches under way of the teams shown, each with its progress (docs/batches.md)."""
+    rows = []
+    for batch in Batch.objects.filter(team__in=teams, status__in=Batch.ACTIVE).select_related("team"):
+        counts = batch_counts(batch=batch)
+        rows.append(
+            {
+                "id": batch.pk,
+                "team": batch.team.slug,
+                "api": batch.api,
+                "status": batch.status,
+                "total": counts.total,
+                "completed": counts.completed,
+                "failed": counts.failed,
+                "running": counts.running,
+                "expires_at": batch.expires_at,
+            }
+        )
+    return rows
+
+
+def queue_waits(*, now: datetime) -> dict[str, Any]:
+    """The queue wait as the dashboard's tile and the right edge of its wait chart show it: the
+    p50 and p95 of the jobs that first started in the open history bucket so far (`since`), the
+    same measure the bucket's row will hold when it closes (scheduler/services/history.py), and
+    when the job waiting longest now entered the queue (`oldest_queued_at`, None when none
+    waits), so a wait that has not ended yet shows too. For the whole queue, like the history's
+    whole-queue series. One read of the bucket's starts through the events index, and one
+    indexed lookup per team (job_team_wait_idx) for the oldest queued job."""
+    since = bucket_start(now)
+    waits = first_start_waits(start=since, end=now)
+    queued = Job.objects.filter(team=OuterRef("pk"), status=Job.Status.QUEUED).order_by("queued_at", "id")
+    entered = Team.objects.annotate(oldest=Subquery(queued.values("queued_at")[:1])).values_list("oldest", flat=True)
+    return {
+        "since": since,
+        **waits_summary([w for team_waits in waits.values() for w in team_waits]),
+        "oldest_queued_at": min((at for at in entered if at is not None), default=None),
+    }
+
+
 def _share_if_busy(weight: float, active: bool, total_weight: float) -> float:
     if weight <= 0:
         return 0.0
@@ -340,7 +378,7 @@ def _share_if_busy(weight: float, active: bool, total_weight: float) -> float:
 
 def dashboard_state(*, user: rbac.Principal, view: JobView | None = None) -> dict[str, Any]:
     """What the live dashboard shows, all from one snapshot: the queue, the page of jobs the page
-    asked for (scheduler/live/jobs.py; each queued one with why it waits), how many jobs each tab
+    asked for (scheduler/live/joblist.py; each queued one with why it waits), how many jobs each tab
     holds, and for the controls the queue policy and the feature switches."""
     view = view or JobView()
     with consistent_read():
@@ -360,7 +398,9 @@ def dashboard_state(*, user: rbac.Principal, view: JobView | None = None) -> dic
             "jobs_link": reverse("admin:scheduler_job_changelist") if user.is_staff else reverse("job-list"),
             "policy": policy_seen_by(user, {name: getattr(cluster.record, name) for name in EDITABLE}),
             "policy_choices": POLICY_CHOICES,
+            "waits": queue_waits(now=cluster.now),
             "features": feature_states(teams=rbac.visible_teams(user).order_by("slug")),
+            "retention": retention_overview() if operator else None,
         }
 
 

@@ -31,6 +31,7 @@ from django.conf import settings
 from django.db import connection
 
 from telemachus.control import notify
+from telemachus.db.notify import MAX_PAYLOAD_BYTES
 
 log = logging.getLogger("telemachus.broadcast")
 LAYER, POSTGRES = "layer", "postgres"
@@ -181,7 +182,7 @@ def _delta_payloads(message: dict[str, Any]) -> list[str]:
     """A delta as NOTIFY payloads under PostgreSQL's size limit: long text is split in pieces
     that each carry their own offset."""
     text, offset, payloads = message["text"], message["offset"], []
-    step = notify.MAX_PAYLOAD_BYTES // 13  # JSON may spend 12 bytes on one character; room for the rest
+    step = MAX_PAYLOAD_BYTES // 13  # JSON may spend 12 bytes on one character; room for the rest
     for start in range(0, max(len(text), 1), step):
         piece = {**message, "offset": offset + start, "text": text[start : start + step]}
         del piece["type"]

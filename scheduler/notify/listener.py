@@ -1,7 +1,7 @@
 """One listener per process (per event loop) for everything in it that hears of database changes:
-the worker's claim loop (scheduler/worker/runner.py), open dashboards (scheduler/live/consumers.py)
-and the gateway's job feed (scheduler/gateway/feed.py). Channels, payloads and who sends them:
-telemachus/control/notify.py.
+the worker's claim loop (scheduler/worker/claims.py), open dashboards (scheduler/live/consumers.py)
+and the job feed (scheduler/notify/feed.py), which the gateway's requests and governed slots wait
+on. Channels, payloads and who sends them: telemachus/control/notify.py.
 
 * PostgreSQL: ONE connection (TELEMACHUS_LISTEN_DATABASE_URL if set, else Django's database)
   LISTENs on the union of the channels the subscribers want: LISTEN when a subscriber wants a
@@ -33,10 +33,10 @@ from typing import Protocol
 
 import psycopg
 from django.db import connection
-from psycopg import sql
 from psycopg.rows import TupleRow
 
 from telemachus.control.notify import listen_connection_params
+from telemachus.db.notify import DATA_VERSION, listen
 
 log = logging.getLogger("telemachus.listener")
 RECONNECT_FIRST_SECONDS = 0.5
@@ -200,7 +200,7 @@ class Listener:
                     conn.add_notify_handler(self._deliver)
                     await self._listen_on(conn)
             except (psycopg.Error, OSError) as exc:
-                log.warning("LISTEN connection lost (%s); reconnecting in %.1fs", exc, self._delay)
+                log.warning("the listening connection was lost (%s); reconnecting in %.1fs", exc, self._delay)
             except Exception:  # a bug must not leave the process deaf for good
                 log.exception("the listener failed; restarting in %.1fs", self._delay)
             if not self._mine():
@@ -215,9 +215,9 @@ class Listener:
             self._wants.clear()
             wanted = frozenset(c for s in self.subscriptions for c in s.channels)
             for channel in sorted(wanted - listened):
-                await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                await conn.execute(listen(channel))
             for channel in sorted(listened - wanted):
-                await conn.execute(sql.SQL("UNLISTEN {}").format(sql.Identifier(channel)))
+                await conn.execute(listen(channel, stop=True))
             listened = self.listened = wanted
             self.live, self._delay = True, RECONNECT_FIRST_SECONDS
             for subscription in list(self.subscriptions):
@@ -296,7 +296,7 @@ class Listener:
             if not path or path.startswith((":memory:", "file:")):
                 return None
             self._sqlite = sqlite3.connect(path, check_same_thread=False)
-        version: int = self._sqlite.execute("PRAGMA data_version").fetchone()[0]
+        version: int = self._sqlite.execute(DATA_VERSION).fetchone()[0]
         return version
 
     async def _watch_sqlite(self) -> None:

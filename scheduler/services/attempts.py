@@ -25,8 +25,6 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from django.db import connection
-
 from executors.models import Executor
 from quotas.budget import Bill, quota_settle
 from quotas.models import ZERO
@@ -35,7 +33,10 @@ from scheduler.core.money import attempt_price
 from scheduler.models import Job, QueuePolicy, Slot
 from scheduler.services.shares import team_shares_charge
 from telemachus.control import notify
-from telemachus.pipeline import committing, sent
+from telemachus.db.bulk import delete_sent
+from telemachus.db.notify import notice, notices_supported
+from telemachus.db.pipeline import committing
+from telemachus.db.statements import NO_RIDERS, Riders
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class AttemptEnd:
     cost: Decimal = ZERO
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # The model the attempt ran (a routed job's moves on before its end is billed: Job.fall_back).
+    model: str = ""
 
     @classmethod
     def of(
@@ -70,15 +73,20 @@ class AttemptEnd:
         """The end of the job's attempt. With `tokens`, prices them on `executor` (the prompt and
         completion split as reported; tokens without one count as completion), or takes `cost`
         as given (a canceled attempt: what its reservation held), and adds it to the job's
-        `cost` (not saved: the caller writes the job's row, `Job.END_FIELDS` includes it)."""
+        `cost` (`Job.cost_add`; not saved: the caller writes the job's changes)."""
         price, prompt, completion = ZERO, 0, 0
         if tokens is not None:
             price, prompt, completion = attempt_price(
-                executor, job.model, tokens=tokens, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
+                executor,
+                job.model,
+                tokens=tokens,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                batch=job.batch_id is not None,
             )
             if cost is not None:
                 price = cost
-            job.cost += price
+            job.cost_add(price)
         return cls(
             job=job,
             reservation=job.reservation,
@@ -87,6 +95,7 @@ class AttemptEnd:
             cost=price,
             prompt_tokens=prompt,
             completion_tokens=completion,
+            model=job.model,
         )
 
 
@@ -102,14 +111,14 @@ def attempts_end(
 ) -> None:
     """Free the attempts' slots, settle their budgets and charge fair share, in the caller's
     transaction, which holds their job rows (level 3): ledger rows next (level 4), then team
-    shares (level 5), so call it last. Clears each job's `reservation` (not saved: the caller
-    writes its rows, with `Job.end` or `Job.return_to_queue`, which clear it too).
+    shares (level 5), so call it last. Releases each job's `reservation` (`Job.reservation_released`;
+    not saved: the caller writes the job's changes).
 
     `wake`: tell the workers that slots were freed (not when the caller will claim with them
     itself, or keeps them for the flow's next round). `rules`: the quota rules as cached, to
     spare reading them. `freed`: the slots' DELETE, sent already with the caller's statements
     (`slots_free_sent`, for these jobs and `wake`). `commit`: the caller's durable transaction
-    ends with these writes, and its COMMIT goes with the last (telemachus/pipeline.py)."""
+    ends with these writes, and its COMMIT goes with the last (telemachus/db/pipeline.py)."""
     if not ends:
         return
     started = (freed or slots_free_sent(job_ids=[end.job.pk for end in ends], wake=wake))()
@@ -120,7 +129,7 @@ def attempts_end(
             executor_id=end.job.executor_id,
             tokens=end.tokens,
             cost=end.cost,
-            model=end.job.model,
+            model=end.model or end.job.model,
             key_id=end.job.key_id,
             prompt_tokens=end.prompt_tokens,
             completion_tokens=end.completion_tokens,
@@ -131,7 +140,7 @@ def attempts_end(
     quota_settle(reservations=[end.reservation for end in ends], bills=bills, now=now, rules=rules)
     charges: defaultdict[int, float] = defaultdict(float)
     for end in ends:
-        end.job.reservation = None
+        end.job.reservation_released()
         began = started.get(end.job.pk)
         if end.charge and began is not None:
             charges[end.job.team_id] += attempt_cost(
@@ -142,39 +151,25 @@ def attempts_end(
 
 
 def slots_free_sent(*, job_ids: Sequence[int], wake: bool = False) -> Callable[[], dict[int, datetime]]:
-    """Delete the jobs' slots in one statement (DELETE ... RETURNING, PostgreSQL and SQLite 3.35+),
-    executed now; calling the result reads when each job's attempt began (its first slot's
-    `acquired_at`), so inside telemachus.pipeline.together() the DELETE goes with the block's
-    other statements (the finish sends it with its jobs' end). A job that held no slot (a tool
-    job) is absent from the answer. `wake`: the same statement tells the workers that slots were
-    freed, if any was (`notify.FREED` once per transaction, as PostgreSQL delivers identical
-    notifications of one transaction once): a round trip fewer on every finish."""
+    """Delete the jobs' slots in one statement, executed now; calling the result reads when each
+    job's attempt began (its first slot's `acquired_at`), so inside telemachus.db.pipeline.together()
+    the DELETE goes with the block's other statements (the finish sends it with its jobs' end). A
+    job that held no slot (a tool job) is absent from the answer. `wake`: the same statement tells
+    the workers that slots were freed, if any was (`notify.FREED`, once per transaction, as
+    PostgreSQL delivers identical notifications of one transaction once): a round trip fewer on
+    every finish."""
     if not job_ids:
         return dict
-    qn = connection.ops.quote_name
-    returning = [qn("job_id"), qn("acquired_at"), qn("id")]
-    params: list[Any] = list(job_ids)
-    if wake and connection.vendor == "postgresql":
-        returning.append("pg_notify(%s, %s)")
-        params += [notify.WORKERS_CHANNEL, notify.FREED]
-    sql = (
-        f"DELETE FROM {qn(Slot._meta.db_table)} WHERE {qn('job_id')} IN ({', '.join(['%s'] * len(job_ids))}) "
-        f"RETURNING {', '.join(returning)}"
+    told = (
+        Riders(notices=[notice(notify.WORKERS_CHANNEL, [notify.FREED])]) if wake and notices_supported() else NO_RIDERS
     )
-    return sent(sql, params, _began)
+    deleted = delete_sent(Slot, field="job", values=job_ids, returning=("job", "acquired_at", "id"), riders=told)
+    return lambda: _began(deleted())
 
 
-def _began(rows: Sequence[Any]) -> dict[int, datetime]:
+def _began(rows: Sequence[tuple[Any, ...]]) -> dict[int, datetime]:
     """Each job's first slot's `acquired_at` (the lowest slot id) from the DELETE's rows."""
-    return {row[0]: _as_datetime(row[1]) for row in sorted(rows, key=lambda row: row[2], reverse=True)}
-
-
-def _as_datetime(value: Any) -> datetime:
-    """PostgreSQL returns an aware datetime; SQLite's operations convert what it stored, as the
-    ORM would (scheduler/core/locks.py reads its clock the same way)."""
-    if connection.vendor == "postgresql":
-        return value  # type: ignore[no-any-return]
-    return connection.ops.convert_datetimefield_value(value, None, connection)  # type: ignore[attr-defined,no-any-return]
+    return {row[0]: row[1] for row in sorted(rows, key=lambda row: row[2], reverse=True)}
 
 
 def attempt_cost(

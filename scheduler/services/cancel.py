@@ -6,14 +6,14 @@ from django.db import transaction
 from executors.models import Executor
 from executors.tokens import count_prompt_tokens
 from quotas.models import money_text
-from scheduler.core.configuration import policy_record
+from scheduler.core.configuration import queue_policy
 from scheduler.core.locks import lock_job
 from scheduler.models import Job, JobEvent
 from scheduler.services.attempts import AttemptEnd, attempts_end
 from scheduler.services.events import event_record
 from telemachus.control import notify
 from telemachus.control.audit import Actor, audit_record
-from telemachus.control.config import config_snapshot
+from telemachus.db.changes import rows_save
 from telemachus.errors import Conflict, NotFound
 from telemachus.models import ApiKey
 
@@ -53,7 +53,7 @@ def job_cancel(*, job_id: int, by: Actor = None, reason: str = "", bill: bool = 
             error=reason or (f"canceled by {who}" if who else "canceled"),
             tokens=tokens,
         )
-        job.save(update_fields=Job.END_FIELDS)
+        rows_save([job])
         billing: dict[str, Any] = {"tokens": tokens, "billed": "estimate"} if billed else {}
         if end.cost:
             billing["cost"] = money_text(end.cost)
@@ -71,7 +71,7 @@ def job_cancel(*, job_id: int, by: Actor = None, reason: str = "", bill: bool = 
         if was == Job.Status.RUNNING:
             notify.notify_workers(f"{notify.CANCELED}:{job.pk}")
         # Slots, then ledger rows (lock level 4) and team shares (level 5), last.
-        attempts_end(ends=[end], now=now, record=policy_record(config_snapshot()), wake=was == Job.Status.RUNNING)
+        attempts_end(ends=[end], now=now, record=queue_policy(), wake=was == Job.Status.RUNNING)
     return job
 
 

@@ -3,28 +3,38 @@ from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
 from django.conf import settings
-from django.db import connection, transaction
-from django.db.models import Field, JSONField
+from django.db import transaction
+from django.db.models import Q
 
 from executors.health import breaker_trial_started
 from executors.models import Executor
 from quotas.budget import Account
-from scheduler.core.bulk import rows_insert
+from quotas.models import QuotaPolicy
+from scheduler.core.configuration import configuration
 from scheduler.core.locks import lock_claim
 from scheduler.core.policy import policy_for
+from scheduler.core.selectors import PAYLOAD_FIELDS
 from scheduler.core.state import ClaimState, ExecutorView
-from scheduler.models import Job, JobEvent, Slot
-from scheduler.services.events import events_record, events_riding, job_event
+from scheduler.models import Job, JobEvent, QueuePolicy, Slot
+from scheduler.services.events import events_record, events_riders, job_event
 from scheduler.services.rounds import round_claimed, round_started_event
+from scheduler.services.routes import routes_sweep
 from scheduler.services.shares import team_shares_charge
 from scheduler.services.tooljobs import tool_jobs_start
+from scheduler.webhooks import jobs_failed_emit
 from telemachus.control import notify
+from telemachus.control.config import config_at
 from telemachus.control.notify import changes_notify
-from telemachus.locks import Level, for_update_sql
-from telemachus.pipeline import committing
+from telemachus.db.bulk import rows_insert
+from telemachus.db.changes import rows_save
+from telemachus.db.locks import Level, rows_lock
+from telemachus.db.notify import notice, notices_supported
+from telemachus.db.pipeline import committing
+from telemachus.db.statements import NO_RIDERS, Riders
+from telemachus.errors import QuotaExceeded
 
 MAX_ORDER_ROUNDS = 3
 
@@ -85,104 +95,199 @@ def job_claim(*, worker: str, limit: int = 1, only: Collection[int] | None = Non
     with transaction.atomic(durable=True):
         record, now = lock_claim(commit_unflushed=True, counts=True)
         state = ClaimState.load(policy=record, now=now)
-        chosen: list[tuple[Job, ExecutorView]] = []
-        deferred: dict[int, tuple[Job, Account]] = {}
-        passed_over = False
-        # A job passed over because a cap filled during this batch may hide others that now fit
-        # (a teammate behind a user who just reached their cap): ask the policy again, with the
-        # caps as they stand, while each round still makes progress.
-        policy = policy_for(record)
-        policy.state = state
-        taken: set[int] = set()
-        head_elsewhere = False  # with `only`: the claim would take a job that is not one of them
-        for _ in range(MAX_ORDER_ROUNDS if state.global_free() > 0 else 0):
-            taken_before, passed_over = len(chosen), False
-            for job in policy.order(state, limit=limit - len(chosen)):
-                if job.pk in taken:  # a later round (or a custom policy) may offer a job again
-                    continue
-                if len(chosen) >= limit or state.global_free() <= 0:
-                    passed_over = True
-                    break
-                account = state.over_budget(job)
-                view = policy.place(job, state.candidates(job)) if account is None and state.fits(job) else None
-                if view is None:
-                    passed_over = True
-                    # An empty budget gets one event of its own (below); a job too big for what is
-                    # left of a budget gets one of its own.
-                    if account is not None and account.remaining > 0:
-                        deferred[job.pk] = (job, account)
-                    continue
-                if only is not None and job.pk not in only:
-                    head_elsewhere = passed_over = True
-                    break
-                state.take(job, view)
-                chosen.append((job, view))
-                taken.add(job.pk)
-            if (
-                not passed_over
-                or head_elsewhere
-                or len(chosen) == taken_before
-                or len(chosen) >= limit
-                or state.global_free() <= 0
-                or not state.room_anywhere()
-            ):
-                break
-        backlog = (
-            passed_over
-            or len(chosen) >= limit
-            or state.global_free() <= 0
-            or bool(state.capped_teams() or state.capped_users())
-            or state.executor_full()
-        )
-        wake_at = _next_eligible(state) if len(chosen) < limit else None
-        for view in {view.pk: view for _, view in chosen if view.trial}.values():
+        choice = _choose(record, state, limit=limit, only=only)
+        for view in {view.pk: view for _, view, _ in choice.chosen if view.trial}.values():
             breaker_trial_started(executor=view.executor, now=now)
-        claims = _start(chosen, worker=worker, state=state) if chosen else []
+        claims = _start(choice.chosen, worker=worker, state=state) if choice.chosen else []
         told = bool(claims)  # live views were told by the statement that started them
-        tools = (
-            tool_jobs_start(worker=worker, limit=limit - len(claims), now=now, expires=now + lease_length())
-            if record.tools_queued and only is None
-            else []
-        )
-        claims += [_tool_claim(job) for job in tools]
+        if record.tools_queued and only is None:
+            expires = now + lease_length()
+            claims += [
+                _tool_claim(job)
+                for job in tool_jobs_start(worker=worker, limit=limit - len(claims), now=now, expires=expires)
+            ]
         if only is not None and len(claims) < len(only):
             notify.notify_workers(notify.QUEUED)
-        backlog = backlog or len(claims) >= limit
         if claims and not told:
             changes_notify("claimed")  # live dashboards, not workers
-        _record_deferrals(list(deferred.values()), now=now)
-        # Ledger rows last (lock level 4): the reservations of the jobs actually started, and one
-        # `deferred` event for each budget found empty for the first time in its window.
-        state.budgets.hold([claim.job.reservation for claim in claims])
-        events_record(
-            job_event(job=None, event=JobEvent.Type.DEFERRED, at=now, **account.describe())
-            for account in state.budgets.note_exhausted()
+        _budget_refusals(state, deferred=choice.deferred, now=now)
+        routes = configuration(config_at(record.config_version)).routes
+        moved = routes_sweep(
+            state,
+            routes=routes if getattr(record, "routed_queued", True) else {},
+            next_deadline=getattr(record, "next_deadline", None),
         )
-        # Fair share's entry penalty, last (lock level 5): a burst pays as it starts, before its
-        # usage is known, so it cannot take more than its share in the meantime.
-        charges: dict[int, float] = defaultdict(float)
-        for claim in claims:
-            charges[claim.job.team_id] += (
-                claim.job.cost_estimate if record.cost == record.Cost.TOKENS else record.entry_penalty
-            )
-        with committing():  # the last write, whose rows nothing reads, goes with the COMMIT
-            team_shares_charge(charges=charges, now=now, half_life=record.half_life_seconds)
-        wake_in = max((wake_at - now).total_seconds(), 0.0) if wake_at is not None else None
-        return ClaimBatch(claims=claims, backlog=backlog, wake_in=wake_in)
+        _settle(record, state, claims=claims, deferred=choice.deferred, now=now)
+        wake_at = _next_eligible(state) if len(choice.chosen) < limit else None
+        return ClaimBatch(
+            claims=claims,
+            # Jobs moved to another route model may start now: the caller claims again for them.
+            backlog=choice.backlog or len(claims) >= limit or moved > 0,
+            wake_in=0.0 if moved else max((wake_at - now).total_seconds(), 0.0) if wake_at is not None else None,
+        )
+
+
+@dataclass
+class _Choice:
+    """What the policy chose: each job with its executor and budget reservation, the jobs a budget
+    deferred, and whether work may be waiting for capacity (`ClaimBatch.backlog`)."""
+
+    chosen: list[tuple[Job, ExecutorView, dict[str, Any] | None]]
+    deferred: dict[int, tuple[Job, Account]]
+    backlog: bool
+
+
+def _choose(record: QueuePolicy, state: ClaimState, *, limit: int, only: Collection[int] | None) -> _Choice:
+    """Ask the policy for jobs in its order and place each that fits, under every cap and budget,
+    until `limit` jobs are chosen or nothing more fits. A job passed over because a cap filled
+    during this batch may hide others that now fit (a teammate behind a user who just reached
+    their cap): the policy is asked again, with the caps as they stand, while each round still
+    makes progress (at most MAX_ORDER_ROUNDS)."""
+    chosen: list[tuple[Job, ExecutorView, dict[str, Any] | None]] = []
+    deferred: dict[int, tuple[Job, Account]] = {}
+    passed_over = False
+    policy = policy_for(record)
+    policy.state = state
+    taken: set[int] = set()
+    head_elsewhere = False  # with `only`: the claim would take a job that is not one of them
+    for _ in range(MAX_ORDER_ROUNDS if state.global_free() > 0 else 0):
+        taken_before, passed_over = len(chosen), False
+        for job in policy.order(state, limit=limit - len(chosen)):
+            if job.pk in taken:  # a later round (or a custom policy) may offer a job again
+                continue
+            if len(chosen) >= limit or state.global_free() <= 0:
+                passed_over = True
+                break
+            account = state.over_budget(job)
+            view = policy.place(job, state.candidates(job)) if account is None and state.fits(job) else None
+            if view is None:
+                passed_over = True
+                # An empty budget gets one event of its own (`_settle`); a job too big for what is
+                # left of a budget gets one of its own.
+                if account is not None and account.remaining > 0:
+                    deferred[job.pk] = (job, account)
+                continue
+            if only is not None and job.pk not in only:
+                head_elsewhere = passed_over = True
+                break
+            chosen.append((job, view, state.take(job, view)))
+            taken.add(job.pk)
+        if (
+            not passed_over
+            or head_elsewhere
+            or len(chosen) == taken_before
+            or len(chosen) >= limit
+            or state.global_free() <= 0
+            or not state.room_anywhere()
+        ):
+            break
+    backlog = (
+        passed_over
+        or len(chosen) >= limit
+        or state.global_free() <= 0
+        or bool(state.capped_teams() or state.capped_users())
+        or state.executor_full()
+    )
+    return _Choice(chosen=chosen, deferred=deferred, backlog=backlog)
+
+
+def _settle(
+    record: QueuePolicy,
+    state: ClaimState,
+    *,
+    claims: list[Claim],
+    deferred: dict[int, tuple[Job, Account]],
+    now: datetime,
+) -> None:
+    """The claim's last writes: deferrals, then ledger rows (lock level 4), the reservations of
+    the jobs actually started and one `deferred` event for each budget found empty for the first
+    time in its window; then fair share's entry penalty (lock level 5), with the COMMIT: a burst
+    pays as it starts, before its usage is known, so it cannot take more than its share in the
+    meantime."""
+    _record_deferrals([(job, account) for job, account in deferred.values() if job.budget_wait], now=now)
+    state.budgets.hold([claim.job.reservation for claim in claims])
+    events_record(
+        job_event(job=None, event=JobEvent.Type.DEFERRED, at=now, **account.describe())
+        for account in state.budgets.note_exhausted()
+    )
+    charges: dict[int, float] = defaultdict(float)
+    for claim in claims:
+        charges[claim.job.team_id] += (
+            claim.job.cost_estimate if record.cost == record.Cost.TOKENS else record.entry_penalty
+        )
+    with committing():  # the last write, whose rows nothing reads, goes with the COMMIT
+        team_shares_charge(charges=charges, now=now, half_life=record.half_life_seconds)
 
 
 def _next_eligible(state: ClaimState) -> datetime | None:
     """The next moment queued work that waits on time may become claimable: the earliest end of a
     retry's backoff (read with the claim lock), of a breaker's cooldown, or of a budget window
     that refused work or ran out, or of a wait the policy named (a round waiting for its preferred
-    executor). A worker sleeps until then instead of polling."""
+    executor); or a queue deadline (read with the claim lock). A worker sleeps until then instead of polling."""
     moments = [
         *state.cooldown_ends,
         *state.wake_moments,
         state.budgets.next_reset(),
         getattr(state.policy, "next_retry", None),
+        # A queue deadline to enforce (`routes_sweep`), unless it has passed and was just enforced.
+        deadline if (deadline := getattr(state.policy, "next_deadline", None)) and deadline > state.now else None,
     ]
     return min(filter(None, moments), default=None)
+
+
+# The most queued jobs one claim ends for a spent budget (the rest: the next claim's).
+MAX_REFUSALS = 500
+
+
+def _budget_refusals(state: ClaimState, *, deferred: dict[int, tuple[Job, Account]], now: datetime) -> None:
+    """End, with the quota error, the queued jobs that do not wait for their budget
+    (`Job.budget_wait` False: every /v1/ call) when their budget cannot cover them now: those the
+    policy offered and a budget deferred, and those of teams, users and keys whose budget is spent
+    (the heads of those are never read: scheduler/core/state.py `blocked_teams`), found through
+    job_no_budget_wait_idx. Their callers answer 429 with the budget's reset_at at once instead of
+    holding their connections until the window resets; the refusal is kept in the `failed` event.
+    Only when some budget refuses something: otherwise no statement. Locks the rows (level 3)
+    SKIP LOCKED, after the claim's own, so it never waits (a second batch of job rows, as the tool
+    jobs' start takes)."""
+    budgets = state.budgets
+    teams = budgets.exhausted(QuotaPolicy.Scope.TEAM)
+    users = budgets.exhausted(QuotaPolicy.Scope.USER) | budgets.exhausted(QuotaPolicy.Scope.KEY)
+    offered = {job.pk: job for job, _ in deferred.values() if not job.budget_wait}
+    everyone = budgets.global_exhausted()
+    if not (everyone or teams or users or offered):
+        return
+    spent = Job.objects.filter(status=Job.Status.QUEUED, budget_wait=False)
+    if not everyone:
+        spent = spent.filter(Q(team_id__in=teams) | Q(user_id__in=users))
+    found = list(
+        rows_lock(spent.order_by("pk"), level=Level.JOB, skip_locked=True).defer(*PAYLOAD_FIELDS)[:MAX_REFUSALS]
+    )
+    refused: list[tuple[Job, QuotaExceeded]] = []
+    for job in {**offered, **{job.pk: job for job in found}}.values():
+        account = state.over_budget(job)
+        if account is None:
+            continue
+        left = account.show(max(account.remaining, 0))
+        refusal = QuotaExceeded(
+            f"The {account.rule.dimension} budget of {account.rule.scope} {account.rule.subject or ''}".rstrip()
+            + f" has {left} left per {account.rule.window}, spent while this job waited; it resets at "
+            + f"{account.end.isoformat()}.",
+            **account.describe(),
+        )
+        job.end(status=Job.Status.FAILED, at=now, error=refusal.detail)
+        refused.append((job, refusal))
+    if not refused:
+        return
+    read = rows_save(
+        [job for job, _ in refused], where={"status": Job.Status.QUEUED}, lock=Level.JOB, returning=("id",)
+    )
+    ended = {pk for (pk,) in read()}
+    events_record(
+        job_event(job=job, event=JobEvent.Type.FAILED, at=now, refusal=refusal.body())
+        for job, refusal in refused
+        if job.pk in ended
+    )
+    jobs_failed_emit(jobs=[job for job, _ in refused if job.pk in ended])
 
 
 def _record_deferrals(deferred: list[tuple[Job, Account]], *, now: datetime) -> None:
@@ -192,44 +297,64 @@ def _record_deferrals(deferred: list[tuple[Job, Account]], *, now: datetime) -> 
     if not fresh:
         return
     for job, account in fresh:
-        Job.objects.filter(pk=job.pk, status=Job.Status.QUEUED).update(deferred_until=account.end)
+        job.defer(until=account.end)
+    rows_save([job for job, _ in fresh], where={"status": Job.Status.QUEUED})
     events_record(
         job_event(job=job, event=JobEvent.Type.DEFERRED, at=now, estimate=job.cost_estimate, **account.describe())
         for job, account in fresh
     )
 
 
-def _start(chosen: list[tuple[Job, ExecutorView]], *, worker: str, state: ClaimState) -> list[Claim]:
-    """Mark the chosen jobs running under one lease token for this claim (the fencing token is the
-    pair job id + lease), then write their slots and events. A job that is no longer queued, or
-    that another transaction holds (a cancel at this very moment), is left out, not waited for."""
+def _start(
+    chosen: list[tuple[Job, ExecutorView, dict[str, Any] | None]], *, worker: str, state: ClaimState
+) -> list[Claim]:
+    """Start the chosen jobs under one lease token for this claim (the fencing token is the pair
+    job id + lease): `Job.start`, written by one statement that locks their rows (SKIP LOCKED on
+    PostgreSQL, level 3; SQLite holds the whole database), writes only those still queued as the
+    claim read them, tells live views that jobs were claimed, and reads back their payload, left
+    out of the heads the policy read. A job that is no longer queued, or that another transaction
+    holds (a cancel at this very moment), is left out, not waited for. Then their slots and events,
+    in one statement."""
     now, expires, lease = state.now, state.now + lease_length(), uuid.uuid4()
-    payloads = _mark_running(chosen, worker=worker, now=now, expires=expires, lease=lease)
-    chosen = [(job, view) for job, view in chosen if job.pk in payloads]
-    for job, view in chosen:
-        job.status, job.executor, job.worker = Job.Status.RUNNING, view.executor, worker
-        job.started_at = job.started_at or now  # a queued row's first start is stable: only a claim sets it
-        job.attempts += 1
-        job.lease, job.lease_expires_at = lease, expires
-        job.input, job.conversation = payloads[job.pk]
+    jobs = [job for job, _, _ in chosen]
+    read = [{"attempts": job.attempts} for job in jobs]
+    for job, view, reservation in chosen:
+        job.start(executor=view.executor, worker=worker, lease=lease, expires=expires, now=now, reservation=reservation)
+    started = rows_save(
+        jobs,
+        where={"status": Job.Status.QUEUED},
+        expect=read,
+        lock=Level.JOB,
+        returning=("id", "input", "conversation"),
+        riders=Riders(notices=[notice(notify.CHANGES_CHANNEL, ["claimed"])]) if notices_supported() else NO_RIDERS,
+    )()
+    payloads = {pk: (payload, conversation) for pk, payload, conversation in started}
+    chosen = [(job, view, reservation) for job, view, reservation in chosen if job.pk in payloads]
     if not chosen:
         return []
-    events = []
-    for job, view in chosen:
+    events, slots = [], []
+    for job, view, _ in chosen:
+        job.input, job.conversation = payloads[job.pk]
         events.append(job_event(job=job, event=JobEvent.Type.PLACED, at=now, executor=view.pk, attempt=job.attempts))
         events.append(job_event(job=job, event=JobEvent.Type.STARTED, at=now, executor=view.pk, worker=worker))
         if round_claimed(job) is not None:
             # A flow's round starts with its claim: its holder makes no write before the model call.
             events.append(round_started_event(job, at=now))
-    slots = [
-        Slot(job=job, executor=view.executor, team_id=job.team_id, user_id=job.user_id, worker=worker, acquired_at=now)
-        for job, view in chosen
-    ]
-    with events_riding(events):  # one statement writes the slots and the events
-        rows_insert(Slot, slots)
+        slots.append(
+            Slot(
+                job=job,
+                executor=view.executor,
+                team_id=job.team_id,
+                user_id=job.user_id,
+                worker=worker,
+                acquired_at=now,
+                batch=job.batch_id is not None,
+            )
+        )
+    rows_insert(Slot, slots, riders=events_riders(events))  # one statement writes the slots and the events
     return [
         Claim(job=job, executor=view.executor, slot_id=slot.pk, lease=lease)
-        for (job, view), slot in zip(chosen, slots, strict=True)
+        for (job, view, _), slot in zip(chosen, slots, strict=True)
     ]
 
 
@@ -237,64 +362,3 @@ def _tool_claim(job: Job) -> Claim:
     """A tool job holds no executor and no slot; tool_jobs_start gave it its lease."""
     assert job.lease is not None
     return Claim(job=job, executor=None, slot_id=None, lease=job.lease)
-
-
-def _column(name: str) -> "Field[Any, Any]":
-    """A column of Job (`get_field` also answers reverse relations, which have none)."""
-    found = Job._meta.get_field(name)
-    if not isinstance(found, Field):
-        raise TypeError(f"Job.{name} is not a column")
-    return found
-
-
-def _mark_running(
-    chosen: list[tuple[Job, ExecutorView]], *, worker: str, now: datetime, expires: datetime, lease: uuid.UUID
-) -> dict[int, tuple[dict[str, Any], list[dict[str, Any]]]]:
-    """One statement for all the chosen rows: lock them (SKIP LOCKED on PostgreSQL; SQLite holds
-    the whole database), check they are still queued, mark them running on their executor with
-    their budget reservation (its first start kept: `started_at` is when the job first started,
-    a flow's first round; each attempt's start is its slot's `acquired_at`), and read back their
-    payload, left out of the heads the policy read. On PostgreSQL the same statement tells live
-    views that jobs were claimed (once per transaction, however many rows), saving a round trip.
-    Returns job id -> (input, conversation) for the rows it changed (lock level 3)."""
-    qn = connection.ops.quote_name
-    table, field = qn(Job._meta.db_table), _column
-    postgres = connection.vendor == "postgresql"
-    row = "(%s::bigint, %s::bigint, %s::jsonb)" if postgres else "(%s, %s, %s)"
-    params: list[Any] = []
-    for job, view in chosen:
-        params += [job.pk, view.pk, field("reservation").get_db_prep_save(job.reservation, connection)]
-    fixed = {"status": Job.Status.RUNNING.value, "worker": worker, "lease": lease, "lease_expires_at": expires}
-    params += [field(name).get_db_prep_save(value, connection) for name, value in fixed.items()]
-    params.append(field("started_at").get_db_prep_save(now, connection))
-    queued = f"{qn('status')} = '{Job.Status.QUEUED.value}'"
-    if postgres:
-        lock = for_update_sql(level=Level.JOB, of="j", skip_locked=True)
-        still_queued = (
-            f"{table}.{qn('id')} IN (SELECT j.{qn('id')} FROM {table} j JOIN v ON j.{qn('id')} = v.job "
-            f"WHERE j.{queued}{lock})"
-        )
-    else:
-        still_queued = f"{table}.{queued}"
-    sql = (
-        f"WITH v(job, executor, reservation) AS (VALUES {', '.join([row] * len(chosen))}) "
-        f"UPDATE {table} SET {qn('executor_id')} = v.executor, {qn('reservation')} = v.reservation, "
-        + ", ".join(f"{qn(field(name).get_attname_column()[1] or name)} = %s" for name in fixed)
-        + f", {qn('started_at')} = COALESCE({table}.{qn('started_at')}, %s)"
-        + f", {qn('attempts')} = {table}.{qn('attempts')} + 1 "
-        f"FROM v WHERE {table}.{qn('id')} = v.job AND {still_queued} "
-        f"RETURNING {qn('id')}, {qn('input')}, {qn('conversation')}" + (", pg_notify(%s, %s)" if postgres else "")
-    )
-    if postgres:
-        params += [notify.CHANGES_CHANNEL, "claimed"]
-    payload, conversation = cast(JSONField, field("input")), cast(JSONField, field("conversation"))
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        # Django passes no expression here either when it converts a column read outside a query.
-        return {
-            pk: (
-                payload.from_db_value(value, None, connection),  # type: ignore[arg-type]
-                conversation.from_db_value(said, None, connection),  # type: ignore[arg-type]
-            )
-            for pk, value, said, *_ in cursor.fetchall()
-        }

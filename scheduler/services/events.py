@@ -6,19 +6,18 @@ endpoint) that it changed, at commit: jobs change state only through services th
 event in the same transaction, so this one place covers every transition. A job's first event
 (`queued`, from submit) tells nobody: no one can be watching a job before its id is returned."""
 
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from django.db import connection
 from django.utils import timezone
 
 from executors.health import ExecutorEvent
 from executors.models import Executor
-from scheduler.core.bulk import insert_statement, rows_insert
 from scheduler.models import Job, JobEvent
 from telemachus.control import notify
+from telemachus.db.bulk import children_insert_statement, insert_statement, rows_insert
+from telemachus.db.statements import NO_RIDERS, Riders, Statement, riding_supported
 
 
 def job_event(
@@ -31,29 +30,35 @@ def job_event(
 
 def events_record(events: Iterable[JobEvent]) -> None:
     """Write events in one multi-row INSERT (one array per column on PostgreSQL, its SQL built
-    once: scheduler/core/bulk.py), and tell API processes watching the jobs (none for `queued`
+    once: telemachus/db/bulk.py), and tell API processes watching the jobs (none for `queued`
     events: nobody watches a job before its submit returns) from that same statement: a round
     trip fewer on every finish. The notice still leaves at commit, as any NOTIFY in a
     transaction."""
     events = list(events)
-    with notify.job_watchers_told(_watched(events)):
-        rows_insert(JobEvent, events)
+    rows_insert(JobEvent, events, riders=notify.job_watchers_riders(_watched(events)))
 
 
-@contextmanager
-def events_riding(events: Sequence[JobEvent]) -> Iterator[None]:
-    """Write `events`, and tell their watchers, within the first statement the block runs, which
-    must return a row for each row it writes (an INSERT or UPDATE with RETURNING): on PostgreSQL
-    the events' INSERT rides along as a CTE of that statement, a round trip fewer than
-    `events_record` (the claim's, on its slots' INSERT; the finish's, on its jobs' end UPDATE);
-    elsewhere they are written after the block. Their ids are
-    not read back."""
-    if connection.vendor != "postgresql" or not events:
-        yield
-        events_record(events)
-        return
-    with notify.job_watchers_told(_watched(events), riders=[insert_statement(JobEvent, events)]):
-        yield
+def events_riders(events: Sequence[JobEvent]) -> Riders:
+    """`events` written, and their watchers told, as riders of another statement the caller
+    sends, which must return a row for each row it writes (telemachus/db/statements.py): a round
+    trip fewer than `events_record` (the claim's events ride on its slots' INSERT; the finish's
+    on its jobs' end UPDATE). Where nothing can ride (SQLite) they are written after it. Their
+    ids are not read back."""
+    if not events:
+        return NO_RIDERS
+    told = notify.job_watchers_riders(_watched(events))
+    return Riders(
+        writes=[insert_statement(JobEvent, events)] if riding_supported() else [],
+        notices=told.notices,
+        instead=lambda: events_record(events),
+    )
+
+
+def submitted_events(children: Sequence[tuple[int, JobEvent]]) -> Statement:
+    """The events of jobs that the submit's statement inserts (scheduler/core/statements.py),
+    each with the position of its job among them: their `job` is set from the new ids. No notice:
+    nobody watches a job before its submit returns."""
+    return children_insert_statement(JobEvent, children, parent="job", source="inserted")
 
 
 def _watched(events: Sequence[JobEvent]) -> list[tuple[int, str]]:

@@ -9,19 +9,22 @@ from typing import TYPE_CHECKING, Any
 from django.conf import settings
 from django.db import transaction
 
+from executors.models import Executor
 from quotas.models import money_text
-from scheduler.core.bulk import update_rows
 from scheduler.core.configuration import configuration, policy_record
 from scheduler.core.locks import lock_jobs_to_finish
-from scheduler.models import Job, JobEvent
+from scheduler.models import Job, JobEvent, QueuePolicy
 from scheduler.services.attempts import AttemptEnd, attempts_end, slots_free_sent
-from scheduler.services.events import events_record, events_riding, job_event
+from scheduler.services.events import events_riders, job_event
+from scheduler.services.routes import FAILED
+from scheduler.webhooks import jobs_failed_emit
 from telemachus.control import notify
 from telemachus.control.config import config_at
-from telemachus.pipeline import together
+from telemachus.db.changes import rows_save
+from telemachus.db.pipeline import together
 
 if TYPE_CHECKING:
-    from scheduler.core.locks import ClockedJob
+    from scheduler.core.locks import ClockedJob, FinishedJob
 
 
 @dataclass(frozen=True)
@@ -90,99 +93,21 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
         now, snapshot = first.db_now, config_at(first.config_version)
         record = policy_record(snapshot)
         executors = {e.pk: e for e in configuration(snapshot).executors}
-        finished: list[Job] = []
-        retrying: list[dict[str, Any]] = []
-        events, refused, ends = [], [], []
+        written = _Written()
         for job_id, outcome in by_job.items():
-            job = held.get(job_id)
-            reason = _refusal(job, outcome)
-            if reason is not None or job is None:
-                refused.append(job_id)
-                if job is not None:
-                    events.append(
-                        job_event(
-                            job=job,
-                            event=JobEvent.Type.FINISH_REFUSED,
-                            at=job.db_now,
-                            reason=reason,
-                            worker_ok=outcome.ok,
-                        )
-                    )
-                continue
-            meta = {"tokens": outcome.tokens_used, **outcome.meta}
-            end = AttemptEnd.of(
-                job,
-                tokens=outcome.tokens_used or 0,
-                executor=executors.get(job.executor_id) if job.executor_id is not None else None,
-                prompt_tokens=outcome.meta.get("prompt_tokens"),
-                completion_tokens=outcome.meta.get("completion_tokens"),
-            )
-            ends.append(end)
-            if end.cost:
-                meta["cost"] = money_text(end.cost)
-            if not outcome.ok and outcome.retryable and job.attempts < record.max_attempts:
-                delay = retry_delay(attempt=job.attempts, retry_after=outcome.retry_after)
-                retrying.append(
-                    {
-                        "id": job_id,
-                        "status": Job.Status.QUEUED,
-                        "executor": None,
-                        "lease": None,
-                        "lease_expires_at": None,
-                        "error": outcome.error,
-                        "tokens_used": (job.tokens_used or 0) + (outcome.tokens_used or 0),
-                        "cost": job.cost,
-                        "run_after": job.db_now + timedelta(seconds=delay),
-                        "avoid_executor": job.executor_id,
-                        "reservation": None,
-                    }
-                )
-                events.append(
-                    job_event(
-                        job=job,
-                        event=JobEvent.Type.RETRY_SCHEDULED,
-                        at=job.db_now,
-                        executor=job.executor_id,
-                        error=outcome.error,
-                        attempt=job.attempts,
-                        delay_s=round(delay, 3),
-                        **meta,
-                    )
-                )
-                continue
-            error = outcome.error
-            if not outcome.ok and outcome.retryable:
-                error = f"{error} (gave up after {job.attempts} attempts)"
-            job.end(
-                status=Job.Status.DONE if outcome.ok else Job.Status.FAILED,
-                at=job.db_now,
-                result=outcome.result,
-                error=error,
-                tokens=outcome.tokens_used or 0,
-            )
-            finished.append(job)
-            if not outcome.ok:
-                meta["error"] = error
-            event = JobEvent.Type.FINISHED if outcome.ok else JobEvent.Type.FAILED
-            events.append(job_event(job=job, event=event, at=job.db_now, executor=job.executor_id, **meta))
-        ended = [{"id": job.pk, **{name: getattr(job, name) for name in Job.END_FIELDS}} for job in finished]
+            _outcome_apply(held.get(job_id), outcome, job_id=job_id, record=record, executors=executors, into=written)
+        jobs_failed_emit(jobs=written.finished)
         # The jobs' new states and the slots' DELETE need nothing from each other: one round
-        # trip (telemachus/pipeline.py), the server running them in this order.
+        # trip (telemachus/db/pipeline.py), the server running them in this order. The events
+        # and their watchers' notice ride on the first of the jobs' UPDATEs.
         with together():
-            if ended:
-                # The events and their watchers' notice ride on the ends' UPDATE, which returns a
-                # row for each job it ends (all of them: they are locked, and held).
-                with events_riding(events):
-                    update_rows(Job, ended, returning=True)
-            update_rows(Job, retrying)
-            if retrying and wake_others:
+            rows_save([*written.finished, *written.retrying], riders=events_riders(written.events))
+            if written.retrying and wake_others:
                 notify.notify_workers(notify.QUEUED)  # the retries wait in the queue for whoever claims next
-            if not ended:
-                events_record(events)
-            freed = slots_free_sent(job_ids=[end.job.pk for end in ends], wake=wake_others)
+            freed = slots_free_sent(job_ids=[end.job.pk for end in written.ends], wake=wake_others)
         # Slots, then ledger rows (lock level 4) and team shares (level 5), last, with the COMMIT.
         attempts_end(
-            ends=ends,
+            ends=written.ends,
             now=now,
             record=record,
             wake=wake_others,
@@ -190,11 +115,12 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
             freed=freed,
             commit=True,
         )
+    refused = set(written.refused)
     return FinishReport(
-        accepted=[job.pk for job in finished],
-        refused=refused,
-        retrying=[row["id"] for row in retrying],
-        costs={job.pk: job.cost for job in finished},
+        accepted=[job.pk for job in written.finished],
+        refused=written.refused,
+        retrying=[job.pk for job in written.retrying],
+        costs={job.pk: job.cost for job in written.finished},
         clean=frozenset(
             executor.pk
             for job_id, job in held.items()
@@ -205,6 +131,98 @@ def jobs_finish(*, outcomes: Sequence[Outcome], wake_others: bool = True) -> Fin
             and executor.breaker == executor.Breaker.CLOSED
         ),
     )
+
+
+@dataclass
+class _Written:
+    """What a finish writes: the jobs it ends and those it sends back to retry, their attempts'
+    ends, their events, and the outcomes it refused."""
+
+    finished: list[Job] = field(default_factory=list)
+    retrying: list[Job] = field(default_factory=list)
+    ends: list[AttemptEnd] = field(default_factory=list)
+    events: list[JobEvent] = field(default_factory=list)
+    refused: list[int] = field(default_factory=list)
+
+
+def _outcome_apply(
+    job: "FinishedJob | None",
+    outcome: Outcome,
+    *,
+    job_id: int,
+    record: QueuePolicy,
+    executors: dict[int, Executor],
+    into: _Written,
+) -> None:
+    """One outcome, against its locked job: refused (not from the lease's live holder), a retry
+    (a retryable failure with attempts left: after a jittered exponential backoff, never sooner
+    than Retry-After, preferably on another executor), a fallback (a job on a model route that
+    failed after its retries with a retryable error: queued on the route's next model), or the
+    job's end."""
+    reason = _refusal(job, outcome)
+    if reason is not None or job is None:
+        into.refused.append(job_id)
+        if job is not None:
+            into.events.append(
+                job_event(
+                    job=job, event=JobEvent.Type.FINISH_REFUSED, at=job.db_now, reason=reason, worker_ok=outcome.ok
+                )
+            )
+        return
+    meta = {"tokens": outcome.tokens_used, **outcome.meta}
+    end = AttemptEnd.of(
+        job,
+        tokens=outcome.tokens_used or 0,
+        executor=executors.get(job.executor_id) if job.executor_id is not None else None,
+        prompt_tokens=outcome.meta.get("prompt_tokens"),
+        completion_tokens=outcome.meta.get("completion_tokens"),
+    )
+    into.ends.append(end)
+    if end.cost:
+        meta["cost"] = money_text(end.cost)
+    if not outcome.ok and outcome.retryable and job.attempts < record.max_attempts:
+        delay = retry_delay(attempt=job.attempts, retry_after=outcome.retry_after)
+        failed_on, attempt = job.executor_id, job.attempts
+        job.retry(after=job.db_now + timedelta(seconds=delay), error=outcome.error, tokens=outcome.tokens_used or 0)
+        into.retrying.append(job)
+        into.events.append(
+            job_event(
+                job=job,
+                event=JobEvent.Type.RETRY_SCHEDULED,
+                at=job.db_now,
+                executor=failed_on,
+                error=outcome.error,
+                attempt=attempt,
+                delay_s=round(delay, 3),
+                **meta,
+            )
+        )
+        return
+    error = outcome.error
+    if not outcome.ok and outcome.retryable:
+        error = f"{error} (gave up after {job.attempts} attempts)"
+        target = job.next_model()
+        if target is not None:  # a route's next model takes it (scheduler/services/routes.py)
+            failed_on, before = job.executor_id, job.model
+            job.fall_back(model=target, now=job.db_now, error=error, tokens=outcome.tokens_used or 0)
+            into.retrying.append(job)
+            details = {"from": before, "to": target, "reason": FAILED, **meta, "error": error}
+            into.events.append(
+                job_event(job=job, event=JobEvent.Type.FELL_BACK, at=job.db_now, executor=failed_on, **details)
+            )
+            return
+    job.end(
+        status=Job.Status.DONE if outcome.ok else Job.Status.FAILED,
+        at=job.db_now,
+        result=outcome.result,
+        error=error,
+        tokens=outcome.tokens_used or 0,
+    )
+    into.finished.append(job)
+    if not outcome.ok:
+        meta["error"] = error
+    event = JobEvent.Type.FINISHED if outcome.ok else JobEvent.Type.FAILED
+    into.events.append(job_event(job=job, event=event, at=job.db_now, executor=job.executor_id, **meta))
 
 
 def _refusal(job: "ClockedJob | None", outcome: Outcome) -> str | None:

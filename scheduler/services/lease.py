@@ -7,13 +7,14 @@ from django.db import transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 
+from scheduler.core.configuration import queue_policy
 from scheduler.core.locks import lock_jobs_held
-from scheduler.core.selectors import queue_policy
 from scheduler.models import Job, JobEvent
 from scheduler.services.attempts import AttemptEnd, attempts_end
 from scheduler.services.claim import lease_length
-from scheduler.services.events import events_record, job_event
+from scheduler.services.events import events_riders, job_event
 from telemachus.control import notify
+from telemachus.db.changes import rows_save
 
 
 def held_by(held: Mapping[int, uuid.UUID]) -> Q:
@@ -57,10 +58,8 @@ def jobs_release(*, held: Mapping[int, uuid.UUID], reason: str) -> list[int]:
             events.append(
                 job_event(job=job, event=JobEvent.Type.REQUEUED, at=job.db_now, reason=reason, worker=job.worker)
             )
-            job.return_to_queue()
-            job.attempts = max(job.attempts - 1, 0)
-        Job.objects.bulk_update(jobs, Job.REQUEUE_FIELDS)
-        events_record(events)
+            job.return_to_queue(attempt_counts=False)
+        rows_save(jobs, riders=events_riders(events))
         notify.notify_workers(notify.QUEUED)
         attempts_end(ends=ends, now=jobs[0].db_now, record=queue_policy(), wake=True)
     return [job.pk for job in jobs]

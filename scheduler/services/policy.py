@@ -26,6 +26,7 @@ EDITABLE = (
     "flow_rounds",
     "affinity",
     "affinity_wait_ms",
+    "batch_share",
 )
 
 

@@ -3,12 +3,14 @@ from typing import Any
 
 from django.db import transaction
 
+from scheduler.core.configuration import queue_policy
 from scheduler.core.locks import lock_jobs_expired
-from scheduler.core.selectors import queue_policy
 from scheduler.models import Job, JobEvent, QueuePolicy
 from scheduler.services.attempts import AttemptEnd, attempts_end
-from scheduler.services.events import events_record, job_event
+from scheduler.services.events import events_riders, job_event
+from scheduler.webhooks import jobs_failed_emit
 from telemachus.control import notify
+from telemachus.db.changes import rows_save
 
 
 @dataclass(frozen=True)
@@ -50,11 +52,9 @@ def jobs_recover(*, limit: int = 500) -> RecoveryReport:
                 job.end(status=Job.Status.FAILED, at=job.db_now, error=error)
                 events.append(job_event(job=job, event=JobEvent.Type.FAILED, at=job.db_now, error=error, **context))
                 failed.append(job)
+        rows_save(jobs, riders=events_riders(events))
+        jobs_failed_emit(jobs=failed)
         if requeued:
-            Job.objects.bulk_update(requeued, Job.REQUEUE_FIELDS)
             notify.notify_workers(notify.QUEUED)
-        if failed:
-            Job.objects.bulk_update(failed, Job.END_FIELDS)
-        events_record(events)
         attempts_end(ends=ends, now=jobs[0].db_now, record=record, wake=True)
     return RecoveryReport(requeued=[job.pk for job in requeued], failed=[job.pk for job in failed])

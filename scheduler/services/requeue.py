@@ -5,6 +5,7 @@ from scheduler.models import Job, JobEvent
 from scheduler.services.events import event_record
 from telemachus.control import notify
 from telemachus.control.audit import audit_record
+from telemachus.db.changes import rows_save
 from telemachus.errors import Conflict, NotFound
 from telemachus.teams import rbac
 
@@ -29,28 +30,11 @@ def job_requeue(*, job_id: int, by: rbac.Principal) -> Job:
             raise Conflict(
                 f"Job {job_id} is {job.status}; only failed or canceled jobs can be requeued.", status=job.status
             )
+        if job.body_removed_at is not None:
+            raise Conflict(f"Job {job_id} lost its input to body retention; submit it again.", status=job.status)
         was = job.status
-        job.status = Job.Status.QUEUED
-        job.attempts = job.rounds = 0
-        job.error, job.result, job.conversation = "", None, []
-        job.executor = job.avoid_executor = None
-        job.started_at = job.finished_at = job.run_after = job.deferred_until = None
-        job.save(
-            update_fields=[
-                "status",
-                "attempts",
-                "rounds",
-                "error",
-                "result",
-                "conversation",
-                "executor",
-                "avoid_executor",
-                "started_at",
-                "finished_at",
-                "run_after",
-                "deferred_until",
-            ]
-        )
+        job.requeue_fresh()
+        rows_save([job])
         event_record(
             job=job, event=JobEvent.Type.REQUEUED, at=job.db_now, reason="operator", was=was, by=by.get_username()
         )

@@ -30,27 +30,27 @@ their messages are in `Job.conversation`, written in the transaction that ends t
 
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
 from django.db import transaction
-from django.db.models import Field
 
 from executors.models import Executor
 from executors.tools import ToolOutcome
-from scheduler.core.bulk import update_rows
-from scheduler.core.configuration import configuration, policy_record
+from scheduler.core.configuration import configuration, policy_record, queue_policy
 from scheduler.core.estimates import round_estimate
 from scheduler.core.locks import lock_job, lock_jobs_versioned
 from scheduler.core.money import token_split_estimate
-from scheduler.core.selectors import queue_policy
 from scheduler.models import Job, JobEvent, QueuePolicy
 from scheduler.services.attempts import AttemptEnd, attempts_end
-from scheduler.services.events import events_record, job_event
+from scheduler.services.events import events_record, events_riders, job_event
+from scheduler.webhooks import jobs_failed_emit
 from telemachus.control import notify
-from telemachus.control.config import config_at
+from telemachus.control.config import config_at, config_snapshot
+from telemachus.control.features import feature_on
+from telemachus.db.changes import rows_save
 from telemachus.errors import Conflict
 
 if TYPE_CHECKING:
@@ -186,7 +186,7 @@ def round_begin(*, job_id: int, lease: uuid.UUID) -> RoundStart:
             )
             events_record([event])
             attempts_end(ends=[AttemptEnd.of(job, tokens=None)], now=now, record=record, wake=True)
-            job.save(update_fields=["reservation"])
+            rows_save([job])
             return RoundStart(round=job.rounds, messages=messages, pending=pending)
         events_record([round_started_event(job, at=now)])
         return RoundStart(round=job.rounds + 1, messages=messages)
@@ -218,7 +218,7 @@ def round_finish(
     with transaction.atomic(durable=True):
         job = _held(job_id, lease, rounds=round - 1)
         events: list[JobEvent] = []
-        attempt, fields = _round_close(
+        attempt = _round_close(
             job,
             round=round,
             message=message,
@@ -234,8 +234,7 @@ def round_finish(
         # rather than newer work of its team; a claim woken by something else may still use it.
         goes_on = job.status == Job.Status.RUNNING and record.flow_rounds == QueuePolicy.FlowRounds.CONTINUE
         attempts_end(ends=[attempt], now=job.db_now, record=record, wake=not goes_on)
-        job.save(update_fields=list(dict.fromkeys(fields)))
-        events_record(events)
+        rows_save([job], riders=events_riders(events))
     return RoundEnd(
         status=job.status,
         tool_calls=list(pending_tool_calls(job.conversation)) if job.status == Job.Status.RUNNING else [],
@@ -311,14 +310,14 @@ def rounds_end(*, ends: Sequence[RoundOutcome], wake_others: bool = True) -> dic
         snapshot = config_at(next(iter(locked.values())).config_version)
         record, config = policy_record(snapshot), configuration(snapshot)
         executors = {e.pk: e for e in config.executors}
-        closed: list[tuple[ClockedJob, RoundOutcome, list[str]]] = []
+        closed: list[tuple[ClockedJob, RoundOutcome]] = []
         attempts: list[AttemptEnd] = []
         events: list[JobEvent] = []
         for end in ends:
             job = locked.pop(end.job_id, None)
             if job is None or _lost(job, end.lease, rounds=end.round - 1) is not None:
                 continue
-            attempt, fields = _round_close(
+            attempt = _round_close(
                 job,
                 round=end.round,
                 message=end.message,
@@ -329,35 +328,31 @@ def rounds_end(*, ends: Sequence[RoundOutcome], wake_others: bool = True) -> dic
                 events=events,
             )
             attempts.append(attempt)
-            closed.append((job, end, fields))
+            closed.append((job, end))
         if not closed:
             return {}
         # The rounds billed as they ended (their estimates, before the next rounds' replace them).
         attempts_end(ends=attempts, now=closed[0][0].db_now, record=record, wake=False, rules=config.rules)
-        written: dict[tuple[str, ...], list[Job]] = {}
-        for held, end, fields in closed:
+        for held, end in closed:
             if held.status == Job.Status.RUNNING:
-                fields += _round_requeue(held, record, round=end.round, results=end.results, events=events, wake=False)
-            written.setdefault(tuple(dict.fromkeys(fields)), []).append(held)
+                _round_requeue(
+                    held,
+                    record,
+                    round=end.round,
+                    results=end.results,
+                    events=events,
+                    wake=False,
+                    features=config.features,
+                )
         # One statement per set of fields changed (rounds requeued, flows ended), not one per job.
-        for names, jobs in written.items():
-            update_rows(Job, [_row(job, names) for job in jobs])
-        events_record(events)
-        statuses = {job.pk: str(job.status) for job, _, _ in closed}
+        rows_save([job for job, _ in closed], riders=events_riders(events))
+        statuses = {job.pk: str(job.status) for job, _ in closed}
         if wake_others:
             if Job.Status.QUEUED in statuses.values():
                 notify.notify_workers(notify.QUEUED)
             if any(status != Job.Status.QUEUED for status in statuses.values()):
                 notify.notify_workers(notify.FREED)
         return statuses
-
-
-def _row(job: Job, names: Sequence[str]) -> dict[str, Any]:
-    """The job's fields `names` as `update_rows` writes them (a foreign key as its id)."""
-    return {
-        "id": job.pk,
-        **{name: getattr(job, cast("Field[Any, Any]", Job._meta.get_field(name)).attname) for name in names},
-    }
 
 
 def _round_close(
@@ -371,17 +366,17 @@ def _round_close(
     executor: Executor | None,
     events: list[JobEvent],
     error: str = "",
-) -> tuple[AttemptEnd, list[str]]:
+) -> AttemptEnd:
     """The end of a locked job's round (see `round_finish`), not saved and not yet settled: the
-    round's attempt (for the caller's `attempts_end`) and the fields changed; its events are
-    appended to `events`. `executor` prices the tokens."""
+    round's attempt (for the caller's `attempts_end`); its events are appended to `events`.
+    `executor` prices the tokens."""
     tokens = prompt_tokens + completion_tokens
     now = cast("ClockedJob", job).db_now
     attempt = AttemptEnd.of(
         job, tokens=tokens, executor=executor, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
     )
     total = (job.tokens_used or 0) + tokens
-    job.rounds = round
+    job.round_closed(round=round, message=message)
     calls = list((message or {}).get("tool_calls") or []) if job.type == Job.Type.FLOW else []
     events.append(
         job_event(
@@ -397,10 +392,7 @@ def _round_close(
             **(meta or {}),
         )
     )
-    fields = ["tokens_used", "cost", "rounds", "reservation"]
     if job.type == Job.Type.FLOW:
-        job.conversation = [*job.conversation, message]
-        fields.append("conversation")
         max_rounds = int(job.input.get("max_rounds") or DEFAULT_MAX_ROUNDS)
         if not calls:
             result = {"message": message, "rounds": round, "tokens": total}
@@ -423,10 +415,8 @@ def _round_close(
         result = {"tokens": tokens, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
         events.append(_end(job, status=Job.Status.DONE, now=now, result=result, tokens=tokens))
     if job.status == Job.Status.RUNNING:
-        job.tokens_used = total
-    else:
-        fields += Job.END_FIELDS
-    return attempt, fields
+        job.tokens_add(tokens)
+    return attempt
 
 
 def _end(
@@ -442,6 +432,7 @@ def _end(
     """End the job (`Job.end`, not saved), its last attempt having used `tokens`, and return its
     `finished` or `failed` event, which names the job's tokens in all."""
     job.end(status=status, at=now, result=result, error=error, tokens=tokens)
+    jobs_failed_emit(jobs=[job])
     event = JobEvent.Type.FINISHED if status == Job.Status.DONE else JobEvent.Type.FAILED
     return job_event(
         job=job,
@@ -474,8 +465,8 @@ def round_tool_record(*, job_id: int, lease: uuid.UUID, round: int, result: Tool
         waiting = {call.get("id") for call in pending_tool_calls(job.conversation)}
         if result.call_id not in waiting or not (result.ok or job.input.get("return_tool_errors")):
             return False
-        job.conversation = [*job.conversation, _tool_message(result)]
-        job.save(update_fields=["conversation"])
+        job.tool_results_added([_tool_message(result)])
+        rows_save([job])
         return True
 
 
@@ -493,15 +484,15 @@ def round_requeue(*, job_id: int, lease: uuid.UUID, round: int, results: list[To
 
     Durable; locks the job (level 3). Returns the job's status. Raises LeaseLost unless `lease`
     holds the job with round `round`'s tool calls still waiting for results."""
-    record = queue_policy()
+    snapshot = config_snapshot()
+    record, features = policy_record(snapshot), configuration(snapshot).features
     with transaction.atomic(durable=True):
         job = _held(job_id, lease, rounds=round)
         if not _awaiting_results(job.conversation):
             raise LeaseLost(f"Job {job_id} has no tool calls waiting in round {round}.")
         events: list[JobEvent] = []
-        fields = _round_requeue(job, record, round=round, results=results, events=events, wake=True)
-        job.save(update_fields=fields)
-        events_record(events)
+        _round_requeue(job, record, round=round, results=results, events=events, wake=True, features=features)
+        rows_save([job], riders=events_riders(events))
         return str(job.status)
 
 
@@ -513,34 +504,43 @@ def _round_requeue(
     results: list[ToolOutcome],
     events: list[JobEvent],
     wake: bool,
-) -> list[str]:
+    features: Mapping[tuple[str, int | None], bool],
+) -> None:
     """Record a locked flow's tool results and queue its next round, or fail it (see
-    `round_requeue`), not saved: appends the event to `events`, returns the fields changed, and
-    with `wake` wakes the workers at commit when the flow is queued."""
+    `round_requeue`), not saved: appends the event to `events`, and with `wake` wakes the workers
+    at commit when the flow is queued. A flow whose feature was switched off for its team since
+    it started (`features`: the switches as cached) stops here, at its round boundary, canceled
+    as a cancel would leave it: its rounds so far billed, its results kept in the conversation."""
     now = job.db_now
     waiting = {call.get("id") for call in pending_tool_calls(job.conversation)}
-    job.conversation = [*job.conversation, *(_tool_message(r) for r in results if r.call_id in waiting)]
+    job.tool_results_added([_tool_message(r) for r in results if r.call_id in waiting])
     tools = [r.describe() for r in results]
     failure = next((r for r in results if not r.ok), None)
     if failure is not None and not job.input.get("return_tool_errors"):
         events.append(_end(job, status=Job.Status.FAILED, now=now, error=failure.content, rounds=round, tools=tools))
-        return ["conversation", *Job.END_FIELDS]
-    # The next round prefers the executor that served this one: its model server may still hold
-    # the prefix cache of the conversation so far (QueuePolicy.affinity).
-    job.affinity_executor_id = job.executor_id
-    job.return_to_queue()
-    job.attempts, job.error, job.run_after, job.avoid_executor = 0, "", None, None
+        return
+    if not feature_on(feature=Job.Type.FLOW, team_id=job.team_id, switches=features):
+        reason = "the flow feature was switched off for its team; stopped at a round boundary"
+        job.end(status=Job.Status.CANCELED, at=now, error=reason)
+        events.append(
+            job_event(job=job, event=JobEvent.Type.CANCELED, at=now, reason=reason, rounds=round, tools=tools)
+        )
+        return
     # The next round's prompt holds the whole conversation: its budgets reserve that.
-    job.cost_estimate = round_estimate(job)
-    job.est_prompt_tokens, job.est_completion_tokens = token_split_estimate(
+    estimate = round_estimate(job)
+    prompt, completion = token_split_estimate(
         type=job.type,
         requirements=job.requirements,
         input={**job.input, "messages": [*(job.input.get("messages") or ()), *job.conversation]},
-        estimate=job.cost_estimate,
+        estimate=estimate,
     )
-    job.queued_at = now
-    if record.flow_rounds == QueuePolicy.FlowRounds.REQUEUE:
-        job.ready_at = now
+    job.next_round(
+        now=now,
+        keep_place=record.flow_rounds == QueuePolicy.FlowRounds.CONTINUE,
+        estimate=estimate,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+    )
     events.append(
         job_event(
             job=job, event=JobEvent.Type.QUEUED, at=now, round=round + 1, tools=tools, flow_rounds=record.flow_rounds
@@ -548,16 +548,3 @@ def _round_requeue(
     )
     if wake:
         notify.notify_workers(notify.QUEUED)
-    return [
-        "conversation",
-        "cost_estimate",
-        "est_prompt_tokens",
-        "est_completion_tokens",
-        *Job.REQUEUE_FIELDS,
-        "error",
-        "run_after",
-        "avoid_executor",
-        "affinity_executor",
-        "queued_at",
-        "ready_at",
-    ]

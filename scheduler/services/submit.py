@@ -1,34 +1,29 @@
 """Admission: from a request to a queued job (or a refusal), at the speed of the API.
 
 The checks read only configuration (teams, memberships, permissions, executors, quota rules, the
-queue policy), kept per configuration version (scheduler/core/configuration.py). The version is
-confirmed by the statement that locks the team rows, so an unchanged configuration costs no
-round trip; if it moved since the process last read it, the submit reads it again and checks
-again. What must be live is read live: the budget ledger (only when a budget applies) and the
-queue depth, which PostgreSQL keeps per team in a tally (scheduler/migrations/0015_queue_tally.py)
-so that no submit counts the queue.
+queue policy), kept per configuration version (scheduler/core/configuration.py), and confirmed by
+the statement that writes the jobs: an unchanged configuration costs no round trip; if it moved
+since the process last read it, the submit reads it again and checks again. What must be live is
+read live: the budget ledger (one query, only when a budget applies: the submit never writes it,
+so it needs no lock) and the queue depth, which the statement reads from the queue tally under
+the team's lock and checks against the policy's cap (`queue_room`) before it inserts.
 
-Round trips per submit (tests/scheduler/services/test_submit.py pins them):
-  PostgreSQL, no budget, the default admission: one statement, which commits by itself: it locks
-      the team rows and then their tally rows, confirms the version, inserts the jobs and their
-      events only if the queues have room, and wakes the workers (`_write_at_once`).
-  otherwise (a budget, a policy with an admission of its own, SQLite; and on PostgreSQL a refusal
-      or a moved configuration, to say why): BEGIN; the team lock, which also confirms the version,
-      reads the ledger rows and queues the workers' wake-up; the depth (the tally, or a count on
-      SQLite); the job insert; the event insert; COMMIT (`_write_checked`)."""
+One path on both databases: the checks in Python, then one statement built in one place
+(scheduler/core/statements.py). On PostgreSQL it is the whole write, and commits by itself: lock
+the teams' rows and tally rows, confirm the version, insert the jobs and their events only if the
+queues have room, wake the workers. On SQLite the same guard runs in a write transaction, then
+the inserts. A refusal comes back from that statement, which says why (a moved configuration, a
+full queue). Round trips per submit (tests/scheduler/services/test_submit.py pins them): one on
+PostgreSQL, two with a budget (the ledger's read)."""
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from datetime import datetime
-from functools import lru_cache
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
 from typing import Any
 
-import psycopg
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
-from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
-from django.db.models import TextField, Value
+from django.db import connection, transaction
 from django.utils import timezone
 
 from executors.contract import EMBEDDINGS_API
@@ -37,36 +32,43 @@ from quotas.budget import Budgets, admission_budgets, quota_check
 from quotas.models import ZERO
 from scheduler.core.configuration import Configuration, configuration, grants, policy_record
 from scheduler.core.estimates import job_estimate
-from scheduler.core.jobtypes import MODEL_CALL_TYPES, TASK_TYPES, job_input_check
+from scheduler.core.jobtypes import MODEL_CALL_TYPES, TASK_TYPES, job_feature, job_input_check
 from scheduler.core.money import job_money_estimate, token_split_estimate
 from scheduler.core.policy import Admission, AdmissionState, BaseQueuePolicy, policy_for
+from scheduler.core.prefix import prompt_prefix
+from scheduler.core.statements import guard_checked, submit_admitted, submit_guard, submit_statement
 from scheduler.models import Job, JobEvent, QueuePolicy
 from scheduler.rbac import JOB_TYPE_PERMISSION
-from scheduler.services.events import events_record, job_event
-from telemachus.control import notify
-from telemachus.control.config import (
-    ConfigSnapshot,
-    config_at,
-    config_current,
-    config_reload,
-    config_snapshot,
-    version_annotation,
-)
+from scheduler.services.events import events_record, job_event, submitted_events
+from scheduler.services.retention import holds_for
+from scheduler.services.routes import executor_takes_work, fell_back_events, route_choose
+from telemachus import tracing
+from telemachus.control.config import ConfigSnapshot, StaleConfiguration, config_believed
 from telemachus.control.features import feature_require
+from telemachus.db.bulk import rows_insert
+from telemachus.db.rows import rows_stored
+from telemachus.db.statements import riding_supported
 from telemachus.errors import DomainError, TryLater, UnknownModel, ValidationFailed
-from telemachus.locks import Level, for_update_sql, rows_lock
-from telemachus.models import ApiKey, ConfigVersion, Team
+from telemachus.models import ApiKey, Team
 from telemachus.teams import rbac
+
+# What a job does when its budget is spent while it waits (`requirements.on_budget_exhausted`).
+BUDGET_WAIT, BUDGET_FAIL = "wait", "fail"
 
 # The most jobs one bulk submit may carry.
 MAX_BULK = 1000
 
+# The longest queue deadline a job may name (requirements.max_queue_seconds), in seconds: a day.
+MAX_QUEUE_SECONDS = 86_400
+
 
 @dataclass(frozen=True)
 class JobSpec:
-    """One job to submit, shape-checked (JobSubmitInput)."""
+    """One job to submit, shape-checked (JobSubmitInput). `team` None: the submitter's only team,
+    chosen from the same configuration the submit's statement confirms (TeamRequired when it is in
+    none or several), so a membership just added or removed is never missed."""
 
-    team: str
+    team: str | None
     type: str
     requirements: dict[str, Any]
     input: dict[str, Any]
@@ -79,12 +81,18 @@ class JobSpec:
     # A session the job continues (the /v1/ header X-Telemachus-Session): it prefers the executor
     # that served the session's last call in its team (QueuePolicy.affinity).
     affinity_key: str = ""
+    # Seconds its submitter waits for the answer (a /v1/ call): if the team removes bodies early
+    # (body_retention_hours), its body is kept that long (Job.body_hold_until).
+    body_hold_seconds: float = 0.0
+    # A batch's line (scheduler/batches/feeder.py): its batch and line number.
+    batch_id: str | None = None
+    batch_line: int | None = None
 
 
 def job_submit(
     *,
     user: rbac.Principal,
-    team: str,
+    team: str | None,
     type: str,
     requirements: dict[str, Any],
     input: dict[str, Any],
@@ -95,6 +103,7 @@ def job_submit(
     key: ApiKey | None = None,
     wake: bool = True,
     affinity_key: str = "",
+    body_hold_seconds: float = 0.0,
 ) -> Job:
     """Admit a job and persist it `queued` with its `queued` event, in one transaction.
 
@@ -119,7 +128,11 @@ def job_submit(
     (scheduler/gateway/onehop.py), and that claim wakes them if it leaves the job queued.
 
     `affinity_key`: the session the job continues; it prefers the executor that served the last
-    call of that session in its team (one more query, only with a key)."""
+    call of that session in its team (one more query, only with a key).
+
+    `body_hold_seconds`: how long the caller waits for the answer (a /v1/ call): if the team
+    removes bodies early, its prompt and answer are kept at least that long from now, or until
+    the caller lets go (scheduler/services/retention.py `body_hold_release`)."""
     spec = JobSpec(
         team=team,
         type=type,
@@ -130,8 +143,12 @@ def job_submit(
         run_after=run_after,
         features=features,
         affinity_key=affinity_key,
+        body_hold_seconds=body_hold_seconds,
     )
-    (job,) = _submit(user=user, specs=[spec], key=key, wake=wake)
+    if tracing.active:
+        (job,) = _submit_traced(user=user, specs=[spec], key=key, wake=wake)
+    else:
+        (job,) = _submit(user=user, specs=[spec], key=key, wake=wake)
     return job
 
 
@@ -142,12 +159,9 @@ def jobs_submit(*, user: rbac.Principal, jobs: Sequence[JobSpec], key: ApiKey | 
     the failing job's position in `index` and nothing is written."""
     if not 1 <= len(jobs) <= MAX_BULK:
         raise ValidationFailed({"jobs": [f"Between 1 and {MAX_BULK} jobs."]})
+    if tracing.active:
+        return _submit_traced(user=user, specs=jobs, indexed=True, key=key)
     return _submit(user=user, specs=jobs, indexed=True, key=key)
-
-
-class _StaleConfiguration(Exception):
-    def __init__(self, version: int | None) -> None:
-        self.version = version
 
 
 @dataclass
@@ -160,6 +174,8 @@ class _Admitted:
     source: str
     # The executors that could take it (for its money estimate against `ai.cost` budgets).
     executors: list[Executor] = field(default_factory=list)
+    # A routed job's models passed over at submit, each with why (its `fell_back` events).
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _submit(
@@ -170,21 +186,49 @@ def _submit(
     key: ApiKey | None = None,
     wake: bool = True,
 ) -> list[Job]:
-    """Check against the configuration this process last read; confirm its version under the team
-    locks. A refusal from configuration that may be stale is checked again on a fresh read
-    before it is believed."""
-    snapshot, fresh = config_current()
-    while True:
-        try:
-            return _admit(user=user, specs=specs, snapshot=snapshot, indexed=indexed, key=key, wake=wake)
-        except _StaleConfiguration as stale:
-            # The same version with different rows can only be a rolled-back or flushed database.
-            same = (stale.version or 0) == snapshot.version
-            snapshot, fresh = (config_reload if same else config_at)(stale.version), True
-        except DomainError:
-            if fresh:
-                raise
-            snapshot, fresh = config_snapshot(), True
+    """Check against the configuration this process last read; the statement that writes the
+    jobs confirms its version. A refusal from configuration that may be stale is checked again on
+    a fresh read before it is believed (`config_believed`)."""
+    return config_believed(
+        lambda snapshot: _admit(user=user, specs=specs, snapshot=snapshot, indexed=indexed, key=key, wake=wake)
+    )
+
+
+def _submit_traced(
+    *,
+    user: rbac.Principal,
+    specs: Sequence[JobSpec],
+    indexed: bool = False,
+    key: ApiKey | None = None,
+    wake: bool = True,
+) -> list[Job]:
+    """The submit inside its `job.submit` span, a child of the current span (the request's, or the
+    calling code's), each job keeping the span's context in `meta.trace`: the spans of its work,
+    in whatever process claims it, join the same trace (scheduler/worker/traces.py). A refusal
+    fails the span with the error it raises."""
+    with tracing.span("job.submit", attributes={"telemachus.jobs": len(specs)}) as span:
+        carrier = {tracing.TRACE_META_KEY: tracing.trace_carrier()}
+        jobs = _submit(
+            user=user,
+            specs=[replace(spec, meta={**spec.meta, **carrier}) for spec in specs],
+            indexed=indexed,
+            key=key,
+            wake=wake,
+        )
+        if len(jobs) == 1:
+            (job,) = jobs
+            span.set_attributes(
+                {
+                    "telemachus.job.id": job.pk,
+                    "telemachus.job.type": job.type,
+                    "telemachus.team": job.team.slug,
+                    "telemachus.job.priority": job.priority,
+                    "gen_ai.request.model": job.model,
+                }
+            )
+        else:
+            span.set_attribute("telemachus.job.ids", [job.pk for job in jobs])
+        return jobs
 
 
 def _admit(
@@ -202,66 +246,75 @@ def _admit(
         _check(conf, record, who, user, spec, now, index=i if indexed else None, key=key)
         for i, spec in enumerate(specs)
     ]
-    teams = sorted({item.job.team_id for item in admitted})
     subjects = {(item.job.team_id, item.job.user_id) for item in admitted}
     budgets = admission_budgets(subjects=subjects, now=now, rules=conf.admission_rules(subjects))
-    if connection.vendor == "postgresql" and not budgets.accounts and _default_admission(record):
-        _sessions_continue([item.job for item in admitted])
-        jobs = _write_at_once(admitted, record=record, teams=teams, version=snapshot.version, now=now, wake=wake)
-        if jobs is not None:
-            return jobs
-        # Refused, or the configuration moved: the checks below say which, and why.
-    with transaction.atomic():
-        return _write_checked(
-            admitted,
-            record=record,
-            teams=teams,
-            budgets=budgets,
-            snapshot=snapshot,
-            now=now,
-            indexed=indexed,
-            wake=wake,
-        )
-
-
-def _write_checked(
-    admitted: list[_Admitted],
-    *,
-    record: QueuePolicy,
-    teams: list[int],
-    budgets: Budgets,
-    snapshot: ConfigSnapshot,
-    now: datetime,
-    indexed: bool,
-    wake: bool,
-) -> list[Job]:
-    """The live checks in Python (budgets, a custom policy's admission), then the writes, in the
-    caller's transaction."""
-    # One statement: lock the teams' rows (reading their queues is then race-free), confirm the
-    # configuration version, read the budgets' ledger rows, and wake the workers on commit.
-    budget_columns = budgets.columns()
-    wakeup = notify.notify_column(notify.QUEUED) if wake else Value("", output_field=TextField())
-    locked = list(
-        rows_lock(Team.objects, level=Level.CONFIGURATION, of=("self",))
-        .filter(pk__in=teams)
-        .order_by("pk")
-        .annotate(config_version=version_annotation(), wake=wakeup, **budget_columns)
-        .values("pk", "config_version", "wake", *budget_columns)
-    )
-    version = locked[0]["config_version"] if locked else None
-    if len(locked) != len(teams) or (version or 0) != snapshot.version:
-        raise _StaleConfiguration(version)
-    budgets.fill(locked[0])
-    _within_budgets(budgets, admitted, now, indexed=indexed)
-    _within_depth(record, admitted, now, indexed=indexed, depths=_depths(teams))
+    if budgets.accounts:
+        budgets.read()
+        _within_budgets(budgets, admitted, now, indexed=indexed)
+    policy = policy_for(record)
+    _policy_admits(policy, admitted, now, indexed=indexed)
     _sessions_continue([item.job for item in admitted])
-    jobs = Job.objects.bulk_create([item.job for item in admitted])
-    events_record(
-        job_event(job=item.job, event=event, at=now, **meta)
-        for item in admitted
-        for event, meta in _submit_events(item)
+    _prefixes_continue([item.job for item in admitted], conf=conf, now=now)
+    return _write(admitted, policy=policy, version=snapshot.version, now=now, indexed=indexed, wake=wake)
+
+
+def _policy_admits(policy: BaseQueuePolicy, admitted: list[_Admitted], now: datetime, *, indexed: bool) -> None:
+    """The policy's own admission rules (`admit`: none by default; the depth cap is the
+    statement's, from `queue_room`), each job with its team's jobs of this submission ahead of it."""
+    states: dict[int, AdmissionState] = {}
+    ahead: Counter[int] = Counter()
+    for i, item in enumerate(admitted):
+        team = item.job.team
+        state = states.setdefault(team.pk, AdmissionState(team=team, now=now))
+        state.pending = ahead[team.pk]
+        admission = policy.admit(item.job, state)
+        if admission.decision == Admission.REJECT:
+            raise _at(TryLater(admission.reason, retry_after=admission.retry_after or 60), i if indexed else None)
+        ahead[team.pk] += 1
+
+
+def _write(
+    admitted: list[_Admitted], *, policy: BaseQueuePolicy, version: int, now: datetime, indexed: bool, wake: bool
+) -> list[Job]:
+    """The jobs and their events written by the submit's statement (scheduler/core/statements.py),
+    only if the configuration is still `version` and each team's queue has room for its jobs;
+    otherwise nothing is written, and the refusal says why."""
+    jobs = [item.job for item in admitted]
+    batch = Counter(job.team_id for job in jobs)
+    teams = {job.team_id: job.team for job in jobs}
+    limits = {team_id: policy.queue_room(team) for team_id, team in teams.items()}
+    rooms = [(team_id, limits[team_id] - batch[team_id]) for team_id in sorted(teams)]
+    events = [
+        (position, event) for position, item in enumerate(admitted, start=1) for event in _submit_events(item, now)
+    ]
+    guard = submit_guard(rooms=rooms, version=version, pending=not connection.get_autocommit())
+    if riding_supported():
+        statement = submit_statement(guard=guard, jobs=jobs, events=submitted_events(events), wake=wake)
+        found = submit_admitted(statement.rows(prepared=True)[0])
+        if found.ok:
+            rows_stored(jobs, found.ids)
+    else:
+        with transaction.atomic():
+            found = guard_checked(guard)
+            if found.ok:
+                rows_insert(Job, jobs)
+                for at, event in events:
+                    event.job = jobs[at - 1]  # now that it has its id
+                events_record(event for _, event in events)
+    if found.ok:
+        return jobs
+    if found.version != version:
+        raise StaleConfiguration(found.version)
+    missing = sorted(set(teams) - set(found.depths))
+    if missing:
+        raise RuntimeError(f"the queue tally has no rows for team(s) {missing}: are the migrations applied?")
+    team_id = next(t for t, room in rooms if found.depths[t] > room)
+    refusal = policy.queue_full(
+        AdmissionState(team=teams[team_id], now=now), depth=found.depths[team_id], limit=limits[team_id]
     )
-    return jobs
+    first = max(limits[team_id] - found.depths[team_id], 0)  # this team's first job past the cap
+    index = [i for i, job in enumerate(jobs) if job.team_id == team_id][first]
+    raise _at(TryLater(refusal.reason, retry_after=refusal.retry_after or 60), index if indexed else None)
 
 
 def _check(
@@ -277,8 +330,8 @@ def _check(
 ) -> _Admitted:
     """The configuration checks of one job, in job_submit's order; the job, unsaved."""
     try:
-        team = who.team_for_submit(conf.team(spec.team), spec.team)
-        for feature in (*spec.features, spec.type):
+        team = who.team_for_submit(conf.team(spec.team), spec.team) if spec.team else who.only_team(conf.teams)
+        for feature in (*spec.features, job_feature(spec.type)):
             feature_require(feature=feature, team=team, switches=conf.features)
         who.require(JOB_TYPE_PERMISSION[spec.type], team=team)
         job_input_check(
@@ -286,14 +339,43 @@ def _check(
         )
         # A tool job runs in a worker's tool threads, on no executor: it names no model.
         model = "" if spec.type == Job.Type.TOOL else spec.requirements["model"]
+        # A key's model list may name models and routes: what it checks is the name called.
         if key is not None and model and key.allowed_models and model not in key.allowed_models:
             raise UnknownModel(
                 f"This API key may not call model {model!r}; it may call {', '.join(map(repr, key.allowed_models))}.",
                 model=model,
             )
-        usable = (
-            _placeable(conf, team=team, type=spec.type, model=model, requirements=spec.requirements) if model else []
+        route = model if model in conf.routes else ""
+        # The submitter's est_tokens, else a real estimate (scheduler/core/estimates.py), never 0;
+        # a route's, with its first model.
+        estimate = job_estimate(
+            type=spec.type,
+            model=conf.routes[route][0] if route else model,
+            requirements=spec.requirements,
+            input=spec.input,
         )
+        prompt, completion = token_split_estimate(
+            type=spec.type, requirements=spec.requirements, input=spec.input, estimate=estimate
+        )
+        skipped: list[tuple[str, str]] = []
+        if route:
+            choice = route_choose(
+                conf,
+                team_id=team.pk,
+                team_slug=team.slug,
+                type=spec.type,
+                route=route,
+                requirements=spec.requirements,
+                prompt_tokens=prompt,
+                now=now,
+            )
+            model, usable, skipped = choice.model, choice.usable, choice.skipped
+        else:
+            usable = (
+                _placeable(conf, team=team, type=spec.type, model=model, requirements=spec.requirements)
+                if model
+                else []
+            )
         allowed, source = priority_ceiling(record, who=who, team=team)
         if spec.priority > allowed and record.priority_over_limit == QueuePolicy.OverLimit.REJECT:
             raise ValidationFailed({"priority": [f"At most {allowed} for you in team {team.slug!r} ({source})."]})
@@ -301,11 +383,7 @@ def _check(
         raise _at(exc, index) from None
     # A job deferred to `run_after` enters the line, and starts ageing, when it may run.
     ready = max(now, spec.run_after) if spec.run_after else now
-    # The submitter's est_tokens, else a real estimate (scheduler/core/estimates.py), never 0.
-    estimate = job_estimate(type=spec.type, model=model, requirements=spec.requirements, input=spec.input)
-    prompt, completion = token_split_estimate(
-        type=spec.type, requirements=spec.requirements, input=spec.input, estimate=estimate
-    )
+    wait = spec.requirements.get("max_queue_seconds")
     job = Job(
         type=spec.type,
         user=rbac.signed_in(user),
@@ -324,8 +402,21 @@ def _check(
         ready_at=ready,
         queued_at=ready,
         affinity_key=spec.affinity_key,
+        body_hold_until=now + timedelta(seconds=spec.body_hold_seconds)
+        if spec.body_hold_seconds and holds_for(team)
+        else None,
+        batch_id=spec.batch_id,
+        batch_line=spec.batch_line,
+        budget_wait=spec.requirements.get("on_budget_exhausted", BUDGET_WAIT) == BUDGET_WAIT,
+        route=route,
+        route_models=list(conf.routes[route]) if route else None,
+        queue_deadline=ready + timedelta(seconds=wait) if wait is not None else None,
     )
-    return _Admitted(job=job, requested=spec.priority, allowed=allowed, source=source, executors=usable)
+    if record.placement == QueuePolicy.Placement.PREFIX and (prefix := prompt_prefix(spec.input)):
+        job.prefix, job.prefix_key = prefix, prefix[0]
+    return _Admitted(
+        job=job, requested=spec.priority, allowed=allowed, source=source, executors=usable, skipped=skipped
+    )
 
 
 def _sessions_continue(jobs: list[Job]) -> None:
@@ -343,6 +434,31 @@ def _sessions_continue(jobs: list[Job]) -> None:
     for job in jobs:
         if job.affinity_key:
             job.affinity_executor_id = preferred[(job.team_id, job.affinity_key)]
+
+
+def _prefixes_continue(jobs: list[Job], *, conf: Configuration, now: datetime) -> None:
+    """Under prefix placement (scheduler/core/prefix.py), each job whose prompt starts with a
+    block seen before learns the prefix's home from the last placed job with that first block
+    (job_prefix_idx): the home that job was given, while that executor still takes work, else
+    where it ran (a job that spilled past the load bound does not move the home; one whose home
+    stopped does). The record of where a prefix lives that every process shares. One query per
+    first block submitted."""
+    keys = {job.prefix_key for job in jobs if job.prefix_key}
+    if not keys:  # every submit passes here; only prefix placement sets keys
+        return
+    working = {e.pk for e in conf.executors if executor_takes_work(e, now)}
+    homes: dict[str, int | None] = {}
+    for key in keys:
+        last = (
+            Job.objects.filter(prefix_key=key, executor__isnull=False)
+            .order_by("-id")
+            .values_list("prefix_home", "executor_id")
+            .first()
+        )
+        homes[key] = None if last is None else last[0] if last[0] in working else last[1]
+    for job in jobs:
+        if job.prefix_key:
+            job.prefix_home = homes[job.prefix_key]
 
 
 def _placeable(
@@ -395,163 +511,24 @@ def _within_budgets(budgets: Budgets, admitted: list[_Admitted], now: datetime, 
             raise _at(exc, i if indexed else None) from None
 
 
-def _within_depth(
-    record: QueuePolicy, admitted: list[_Admitted], now: datetime, *, indexed: bool, depths: dict[int, int]
-) -> None:
-    """The policy's admission, with each team's queue read (`depths`, the tally) or counted once,
-    and the batch's own jobs ahead of each one counted as queued."""
-    policy = policy_for(record)
-    states: dict[int, AdmissionState] = {}
-    ahead: Counter[int] = Counter()
-    for i, item in enumerate(admitted):
-        team = item.job.team
-        state = states.setdefault(team.pk, AdmissionState(team=team, now=now, queued=depths.get(team.pk)))
-        state.pending = ahead[team.pk]
-        admission = policy.admit(item.job, state)
-        if admission.decision == Admission.REJECT:
-            raise _at(TryLater(admission.reason, retry_after=admission.retry_after or 60), i if indexed else None)
-        ahead[team.pk] += 1
-
-
-def _default_admission(record: QueuePolicy) -> bool:
-    """Whether the policy in force admits as BaseQueuePolicy does (the depth cap alone), which the
-    one-statement submit checks in SQL; a policy with an admission of its own is asked in Python."""
-    return type(policy_for(record)).admit is BaseQueuePolicy.admit
-
-
-# The depth of a team's queue from its tally rows (scheduler/migrations/0015_queue_tally.py), with
-# what this transaction changed and has not applied yet (the tally is written at commit).
-_TALLY_DEPTH = "i.n - o.n + scheduler_queue_noted(i.team_id, 'in') - scheduler_queue_noted(i.team_id, 'out')"
-
-
-def _depths(teams: list[int]) -> dict[int, int]:
-    """Each team's queue depth from the tally, read after the team locks (PostgreSQL): a statement
-    of its own, so it sees every submit that held the locks before; a tally that is missing (or
-    SQLite) leaves the team out, and admission counts its queue instead."""
-    if connection.vendor != "postgresql":
-        return {}
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"SELECT i.team_id, {_TALLY_DEPTH} FROM scheduler_queue_tally i "
-            "JOIN scheduler_queue_tally o ON o.team_id = i.team_id AND o.side = 'out' "
-            f"WHERE i.side = 'in' AND i.team_id IN ({', '.join(['%s'] * len(teams))})",
-            teams,
-        )
-        return dict(cursor.fetchall())
-
-
-class _PreparedCursor(psycopg.Cursor):
-    """Binds parameters on the server and prepares the statement on its first use on a connection,
-    so the one statement of a submit is planned once per connection, not at every submit (a
-    quarter of a millisecond: it is long). Not behind PgBouncer in transaction pooling, which
-    would run it on a server connection that never saw it prepared (settings.py)."""
-
-    def execute(
-        self, query: Any, params: Any = None, *, prepare: bool | None = None, binary: bool | None = None
-    ) -> Any:
-        prepare = not settings.TELEMACHUS_PGBOUNCER if prepare is None else prepare
-        return super().execute(query, params, prepare=prepare, binary=binary)
-
-
-_JOB_FIELDS = [f for f in Job._meta.concrete_fields if not f.primary_key]
-# Each column's conversion, bound once. About 14 of a submitted job's 36 columns are empty (None),
-# which every field here stores as NULL without converting (tests/scheduler/services/test_submit.py).
-_JOB_PREPS = [(f.attname, f.get_db_prep_save) for f in _JOB_FIELDS]
-_EVENT_META = JobEvent._meta.get_field("meta")
-
-
-@lru_cache(maxsize=64)
-def _at_once_sql(jobs: int, teams: int, events: int, wake: bool, pending: bool) -> str:
-    """The one statement of `_write_at_once`, for this many jobs, teams and events; `pending`:
-    inside a transaction, which may have changed the queue (autocommit has nothing pending)."""
-    qn = connection.ops.quote_name
-    job_table, event_table = qn(Job._meta.db_table), qn(JobEvent._meta.db_table)
-    row = "(" + ", ".join(f"%s::{f.cast_db_type(connection)}" for f in _JOB_FIELDS) + ")"
-    columns = ", ".join(qn(str(f.column)) for f in _JOB_FIELDS)
-    depth = _TALLY_DEPTH if pending else "i.n - o.n"
-    wakeup = (
-        f"CASE WHEN (SELECT ok FROM go) THEN pg_notify('{notify.WORKERS_CHANNEL}', '{notify.QUEUED}') END"
-        if wake
-        else "NULL"
-    )
-    return (
-        # Each team's row (level 0), then its `in` tally row (level 6, nothing is locked after
-        # it), in ascending team order (the VALUES list is sorted); a row another transaction
-        # changed is read again at its latest.
-        f"WITH depth AS (SELECT t.id, {depth} AS queued, w.room FROM (VALUES "
-        + ", ".join(["(%s::bigint, %s::bigint)"] * teams)
-        + f") AS w (team_id, room) JOIN {qn(Team._meta.db_table)} t ON t.id = w.team_id "
-        "JOIN scheduler_queue_tally i ON i.team_id = t.id AND i.side = 'in' "
-        "JOIN scheduler_queue_tally o ON o.team_id = t.id AND o.side = 'out' "
-        "ORDER BY t.id" + for_update_sql(level=Level.CONFIGURATION, of="t, i") + "), "
-        "go AS (SELECT coalesce((SELECT version FROM "
-        f"{qn(ConfigVersion._meta.db_table)} WHERE id = {ConfigVersion.SINGLETON_ID}), 0) = %s "
-        "AND count(*) = %s AND coalesce(bool_and(queued <= room), false) AS ok FROM depth), "
-        f"inserted AS (INSERT INTO {job_table} ({columns}) SELECT * FROM (VALUES "
-        + ", ".join([row] * jobs)
-        + ") AS v WHERE (SELECT ok FROM go) RETURNING id), "
-        f"recorded AS (INSERT INTO {event_table} ({qn('job_id')}, {qn('executor_id')}, {qn('event')}, {qn('at')}, "
-        f"{qn('meta')}) SELECT j.id, NULL, e.event, %s, e.meta "
-        "FROM (SELECT id, row_number() OVER (ORDER BY id) AS ord FROM inserted) AS j JOIN (VALUES "
-        + ", ".join(["(%s::bigint, %s::varchar, %s::jsonb)"] * events)
-        + ") AS e (ord, event, meta) ON e.ord = j.ord) "
-        f"SELECT (SELECT ok FROM go), {wakeup}, ARRAY(SELECT id FROM inserted ORDER BY id)"
-    )
-
-
-def _write_at_once(
-    admitted: list[_Admitted], *, record: QueuePolicy, teams: list[int], version: int, now: datetime, wake: bool
-) -> list[Job] | None:
-    """Write the jobs and their events in one statement, which commits by itself outside a
-    transaction (PostgreSQL, no budget, the default admission). It locks the teams' rows, then
-    their `in` tally rows (reading them at their latest, whatever this statement's snapshot: two
-    submits of a team are serialized by the lock, and the second sees the first's job), confirms
-    the configuration version, and inserts only if each team's queue has room for its jobs (what
-    BaseQueuePolicy.admit decides); the NOTIFY that wakes the workers goes with them. None when it
-    wrote nothing (a full queue, a stale configuration, a tally missing): the checked path decides
-    then, and says why."""
-    db = connections[DEFAULT_DB_ALIAS]  # not the proxy: the fields' conversions read it often
-    jobs = [item.job for item in admitted]
-    batch = Counter(job.team_id for job in jobs)
-    slugs = {job.team_id: job.team.slug for job in jobs}
-    params: list[Any] = []
-    for team_id in teams:
-        params += [team_id, record.queue_depth_limit(slugs[team_id]) - batch[team_id]]
-    params += [version, len(teams)]
-    for job in jobs:
-        values = job.__dict__  # built by _check: every field is set
-        params += [None if (value := values[attname]) is None else prep(value, db) for attname, prep in _JOB_PREPS]
-    params.append(now)
-    events = 0
-    for ord, item in enumerate(admitted, start=1):
-        for event, meta in _submit_events(item):
-            params += [ord, event, _EVENT_META.get_db_prep_save(meta, db)]
-            events += 1
-    db.ensure_connection()
-    # Through Django's wrapper, so it is logged and wrapped like any query.
-    wrapper = CursorDebugWrapper if db.queries_logged else CursorWrapper
-    with wrapper(_PreparedCursor(db.connection), db) as cursor:
-        cursor.execute(_at_once_sql(len(jobs), len(teams), events, wake, not db.get_autocommit()), params)
-        ok, _, ids = cursor.fetchone()
-    if not ok:
-        return None
-    for job, pk in zip(jobs, ids, strict=True):
-        job.pk = pk
-        job._state.adding, job._state.db = False, db.alias
-    return jobs
-
-
-def _submit_events(item: _Admitted) -> list[tuple[str, dict[str, Any]]]:
-    """A submitted job's events: `queued` (with its not-before time, if deferred), and
+def _submit_events(item: _Admitted, now: datetime) -> list[JobEvent]:
+    """A submitted job's events (unsaved): `queued` (with its not-before time, if deferred), and
     `priority_clamped` when the priority map lowered what it asked for."""
     job = item.job
     queued: dict[str, Any] = {"priority": job.priority}
     if job.run_after is not None:
         queued["run_after"] = job.run_after.isoformat()
-    events = [(JobEvent.Type.QUEUED.value, queued)]
+    if job.route:
+        queued["route"] = job.route
+    events = [
+        # No `job`: the statement sets it from the new id (`_write`); an unsaved job through the
+        # foreign key's descriptor was a twentieth of a one-by-one submit's Python time.
+        job_event(job=None, event=JobEvent.Type.QUEUED, at=now, **queued),
+        *fell_back_events(job, item.skipped, at=now),
+    ]
     if item.requested > item.allowed:
-        clamped = {"requested": item.requested, "allowed": item.allowed, "reason": item.source}
-        events.append((JobEvent.Type.PRIORITY_CLAMPED.value, clamped))
+        clamped: dict[str, Any] = {"requested": item.requested, "allowed": item.allowed, "reason": item.source}
+        events.append(job_event(job=job, event=JobEvent.Type.PRIORITY_CLAMPED, at=now, **clamped))
     return events
 
 
@@ -564,11 +541,11 @@ def _at(exc: DomainError, index: int | None) -> DomainError:
 
 def priority_ceiling(record: QueuePolicy, *, who: rbac.Grants, team: Team) -> tuple[int, str]:
     """The highest priority this principal may use in this team, and which entry of the priority
-    map says so: the most specific of user:<name>, team:<slug> and the role wins; operators and
-    principals the map does not mention are not limited."""
+    map says so: the most specific of user:<name>, team:<slug> and the role wins; operators are not
+    limited; principals the map does not mention get TELEMACHUS_PRIORITY_CEILING."""
     if who.operator:
         return Job.PRIORITY_MAX, "operator"
     for key in (f"user:{who.username}", f"team:{team.slug}", who.role(team)):
         if key in record.priority_map:
             return int(record.priority_map[key]), f"priority_map[{key!r}]"
-    return Job.PRIORITY_MAX, "no limit"
+    return settings.TELEMACHUS_PRIORITY_CEILING, "TELEMACHUS_PRIORITY_CEILING"

@@ -10,12 +10,10 @@ the finish are a job's like any other."""
 import uuid
 from datetime import datetime
 
-from django.db.models import F, Value
-from django.db.models.functions import Coalesce
-
 from scheduler.core.locks import lock_tool_jobs_queued
 from scheduler.models import Job, JobEvent
 from scheduler.services.events import events_record, job_event
+from telemachus.db.changes import rows_save
 
 
 def tool_jobs_start(*, worker: str, limit: int, now: datetime, expires: datetime) -> list[Job]:
@@ -29,18 +27,9 @@ def tool_jobs_start(*, worker: str, limit: int, now: datetime, expires: datetime
     if not jobs:
         return []
     lease = uuid.uuid4()
-    Job.objects.filter(pk__in=[job.pk for job in jobs]).update(
-        status=Job.Status.RUNNING,
-        started_at=Coalesce("started_at", Value(now)),
-        attempts=F("attempts") + 1,
-        worker=worker,
-        lease=lease,
-        lease_expires_at=expires,
-    )
     for job in jobs:
-        job.status, job.started_at, job.worker = Job.Status.RUNNING, job.started_at or now, worker
-        job.attempts += 1
-        job.lease, job.lease_expires_at = lease, expires
+        job.start(executor=None, worker=worker, lease=lease, expires=expires, now=now)
+    rows_save(jobs)
     events_record(
         job_event(job=job, event=JobEvent.Type.STARTED, at=now, worker=worker, tool=job.input.get("tool"))
         for job in jobs

@@ -1,20 +1,70 @@
-"""One model call's dispatch, from a claim to the `Outcome` its finish writes: shared by the worker
-and by an API process that runs the call it holds (scheduler/gateway/onehop.py), so the two cannot
-differ in what they send the executor or in what they store."""
+"""A claimed job's dispatch, from its claim to the `Outcome` its finish writes.
 
-import asyncio
+One model call (`model_call_outcome`) is shared by the worker and by an API process that runs the
+call it holds (scheduler/gateway/onehop.py), so the two cannot differ in what they send the
+executor or in what they store. A worker's flight (`flight_dispatch`) may also be a flow's round
+(scheduler/flows/runner.py: it writes its own end) or a tool job, run in the worker's tool threads;
+a governed slot is its app's to run (scheduler/flows/governed.py) and never gets here."""
+
 import logging
 import time
+from functools import partial
+from typing import Any, Protocol
 
 from executors.contract import DeltaSink, DispatchError, ExecutorDriver, StepSink
-from executors.models import Executor
-from executors.registry import DriverPool
 from scheduler.core.jobtypes import job_output, job_request
+from scheduler.flows.runner import RoundHost, flow_round_run, tool_job_outcome
 from scheduler.metrics import dispatch_observe
+from scheduler.models import Job
+from scheduler.notify.broadcast import DeltaStream
 from scheduler.services.claim import Claim
 from scheduler.services.finish import Outcome
+from scheduler.worker.flight import Flight
+from scheduler.worker.traces import model_call_traced
+from telemachus import tracing
 
 log = logging.getLogger("telemachus.worker")
+
+
+class DispatchHost(RoundHost, Protocol):
+    """What a worker's flight needs from the worker: a round's needs, and where steps go."""
+
+    async def step_record(self, flight: Flight, meta: dict[str, Any]) -> None: ...
+
+
+async def flight_dispatch(host: DispatchHost, flight: Flight) -> Outcome | None:
+    """Run a worker's flight to its outcome (None: a flow's round, which writes its own end). A
+    failure fails the job, never the worker; cancellation (an abort) propagates. A streamed job's
+    output has gone out before the outcome is returned (the finish announces its end)."""
+    job = flight.claim.job
+    started = time.perf_counter()
+    on_delta: DeltaStream | None = None
+    try:
+        if job.type == Job.Type.FLOW:
+            await flow_round_run(host, flight)  # writes its own end
+            return None
+        if job.type == Job.Type.TOOL:
+            outcome = await tool_job_outcome(host, flight.claim)
+        else:
+            on_delta = DeltaStream(job.pk, attempt=job.attempts) if job.input.get("stream") else None
+            assert flight.driver is not None  # only tool jobs run without an executor
+            outcome, flight.executor_fault = await model_call_outcome(
+                driver=flight.driver,
+                claim=flight.claim,
+                on_delta=on_delta,
+                on_step=partial(host.step_record, flight),
+                started=flight.started,
+            )
+    except DispatchError as exc:
+        dispatch_observe(executor=flight.claim.executor, outcome="error", seconds=time.perf_counter() - started)
+        flight.executor_fault = exc.executor_fault
+        outcome = failure_outcome(flight.claim, exc)
+    except Exception as exc:  # a bug must fail the job, not kill the worker
+        log.exception("job %d: %s raised", job.pk, f"driver {flight.driver.kind}" if flight.driver else "its run")
+        outcome = Outcome(job_id=job.pk, lease=flight.claim.lease, ok=False, error=f"driver error: {exc!r}")
+    if on_delta is not None:
+        await on_delta.flush()  # the output goes out before the end that the finish announces
+    return outcome
 
 
 async def model_call_outcome(
@@ -33,7 +83,8 @@ async def model_call_outcome(
     job = claim.job
     began = time.perf_counter()
     try:
-        result = await driver.execute(job_request(job), on_delta, on_step)
+        call = driver.execute(job_request(job), on_delta, on_step)
+        result = await (model_call_traced(job, claim.executor, call) if tracing.active else call)
     except DispatchError as exc:
         dispatch_observe(executor=claim.executor, outcome="error", seconds=time.perf_counter() - began)
         return failure_outcome(claim, exc), exc.executor_fault
@@ -70,18 +121,3 @@ def failure_outcome(claim: Claim, exc: DispatchError) -> Outcome:
         retry_after=exc.retry_after,
         meta={"status": exc.status, **({"timed_out": True} if exc.timed_out else {})},
     )
-
-
-def pooled_driver(pool: DriverPool, executor: Executor) -> ExecutorDriver:
-    """The pool's driver for this version of the executor's row; a driver it replaced (the row was
-    edited) is closed once its calls in flight are done. Must run in the event loop."""
-    driver, retired = pool.get(executor)
-    if retired is not None:
-        asyncio.create_task(_close_when_idle(retired))
-    return driver
-
-
-async def _close_when_idle(driver: ExecutorDriver) -> None:
-    while driver.busy:
-        await asyncio.sleep(1)
-    await driver.aclose()

@@ -4,8 +4,14 @@ switches, users, job cancel and requeue), in the transaction of the change.
 
 Which surface a change came through (API, admin, dashboard) is known to the interface, not the
 service: each interface sets it around its calls with `audit_source`, and the services stay
-unaware of it."""
+unaware of it.
 
+No secret is written: services record secrets masked (executors' credentials: executors/credentials.py),
+and as a second line every string under a name that reads as a secret's (`is_secret_name`: an
+API key, a password, a token, an Authorization header...) is masked here, at any depth."""
+
+import itertools
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -32,6 +38,62 @@ def audit_source(source: str) -> Iterator[None]:
 # Who acted, as a request carries it (None: the system). Anonymous callers are recorded as the system.
 Actor = User | AnonymousUser | None
 
+MASK = "********"
+_SECRET_WORDS = {
+    "apikey",
+    "auth",
+    "authorization",
+    "bearer",
+    "cookie",
+    "credential",
+    "credentials",
+    "passphrase",
+    "passwd",
+    "password",
+    "privatekey",
+    "pwd",
+    "secret",
+    "secrets",
+    "token",
+}
+_SECRET_PAIRS = {
+    ("api", "key"),
+    ("access", "key"),
+    ("private", "key"),
+    ("secret", "key"),
+    ("client", "secret"),
+    ("subscription", "key"),
+}
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a field or header name reads as a secret's: `api_key`, `X-Api-Key`, `apiKey`,
+    `password`, `Authorization`, `access_token`... and not `max_tokens` or `api_key_env` (the
+    name of an environment variable, not its value). Words are split at punctuation and case."""
+    words = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()
+    parts = [w for w in re.split(r"[^a-z0-9]+", words) if w]
+    if not parts or parts[-1] == "env":
+        return False
+    return bool(_SECRET_WORDS.intersection(parts)) or any(pair in _SECRET_PAIRS for pair in itertools.pairwise(parts))
+
+
+def audit_masked(value: Any) -> Any:
+    """The value with every non-empty string under a secret's name masked, at any depth."""
+    if isinstance(value, dict):
+        return {
+            key: MASK
+            if isinstance(key, str)
+            and is_secret_name(key)
+            and isinstance(item, str)
+            and item
+            and not item.startswith(MASK)
+            else audit_masked(item)
+            for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [audit_masked(item) for item in value]
+    return value
+
 
 def audit_record(
     *,
@@ -45,8 +107,8 @@ def audit_record(
 ) -> AuditEvent:
     """Write one audit event: `by` (None for the system) did `action` (`<object_type>.<verb>`) to
     the object, whose audited fields were `before` and are `after` (None for a create's before and a
-    delete's after). Call inside the transaction of the change, so the event exists exactly when
-    the change does. Tells live dashboards on commit."""
+    delete's after; secrets masked: `audit_masked`). Call inside the transaction of the change, so
+    the event exists exactly when the change does. Tells live dashboards on commit."""
     actor = by if by is not None and by.is_authenticated else None
     event = AuditEvent.objects.create(
         actor=actor,
@@ -56,8 +118,8 @@ def audit_record(
         object_type=object_type,
         object_id=str(object_id),
         object_repr=str(object_repr)[:200],
-        before=before,
-        after=after,
+        before=audit_masked(before),
+        after=audit_masked(after),
     )
     changes_notify("audit")
     return event

@@ -26,7 +26,9 @@ from typing import Any, TypeVar
 from django.db.migrations import RunPython
 from django.db.models import Subquery
 
-from telemachus.control.notify import config_notify_plpgsql
+from telemachus.control.notify import CONFIG_CHANGED, WORKERS_CHANNEL
+from telemachus.db.triggers import bump_function, bump_triggers
+from telemachus.errors import DomainError
 from telemachus.models import ConfigVersion
 
 T = TypeVar("T")
@@ -101,48 +103,53 @@ def config_reload(version: int | None) -> ConfigSnapshot:
     return _current
 
 
+class StaleConfiguration(Exception):
+    """A statement found the configuration at another version than the snapshot the caller
+    checked against (`version`: the one it found)."""
+
+    def __init__(self, version: int | None) -> None:
+        super().__init__(f"the configuration is at version {version}")
+        self.version = version
+
+
+def config_believed(
+    check: Callable[[ConfigSnapshot], T],
+    *,
+    confirmed: bool = False,
+    refusals: tuple[type[Exception], ...] = (DomainError,),
+) -> T:
+    """`check(snapshot)` against the snapshot this process last used (no query; `confirmed`: the
+    version now, one query), believing what it says only from configuration known to be current.
+    A refusal (`refusals`) from an unconfirmed snapshot is checked again on a fresh read; a
+    StaleConfiguration (the check's own statement found another version) runs it again on that
+    version's snapshot. The one loop every caller of unconfirmed configuration goes through."""
+    snapshot, fresh = (config_snapshot(), True) if confirmed else config_current()
+    while True:
+        try:
+            return check(snapshot)
+        except StaleConfiguration as stale:
+            # The same version with different rows can only be a rolled-back or flushed database.
+            same = (stale.version or 0) == snapshot.version
+            snapshot, fresh = (config_reload if same else config_at)(stale.version), True
+        except refusals:
+            if fresh:
+                raise
+            snapshot, fresh = config_snapshot(), True
+
+
 def config_cache_clear() -> None:
     """Forget every snapshot (tests: a flushed or rolled-back database can repeat a version)."""
     global _current
     _current = ConfigSnapshot(-1)
 
 
-# --- the triggers (installed by migrations) -----------------------------------------------------
-
-BUMP_FUNCTION = "telemachus_config_bump"
-# A version row created anew (a flushed test database, a deleted row, a restored backup) starts at
-# the database clock in milliseconds rather than at 1, so it does not repeat versions that some
-# process still has cached with other rows behind them.
-FRESH_VERSION_SQL = {
-    "postgresql": "(extract(epoch from clock_timestamp()) * 1000)::bigint",
-    "sqlite": "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)",
-}
-
-
-def _version_table() -> str:
-    return ConfigVersion._meta.db_table
+# --- the triggers (installed by migrations: telemachus/db/triggers.py) ---------------------------
 
 
 def install_bump_function() -> RunPython:
-    """PostgreSQL: the trigger function every watched table calls (SQLite triggers inline it)."""
-    table = _version_table()
-
-    def forwards(apps, schema_editor) -> None:
-        if schema_editor.connection.vendor != "postgresql":
-            return
-        schema_editor.execute(
-            f"CREATE OR REPLACE FUNCTION {BUMP_FUNCTION}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-            f"INSERT INTO {table} (id, version) VALUES (1, {FRESH_VERSION_SQL['postgresql']}) "
-            f"ON CONFLICT (id) DO UPDATE SET version = {table}.version + 1; "
-            f"{config_notify_plpgsql()} "
-            "RETURN NULL; END $$"
-        )
-
-    def backwards(apps, schema_editor) -> None:
-        if schema_editor.connection.vendor == "postgresql":
-            schema_editor.execute(f"DROP FUNCTION IF EXISTS {BUMP_FUNCTION}()")
-
-    return RunPython(forwards, backwards)
+    """PostgreSQL: the trigger function every watched table calls (SQLite triggers inline it); it
+    also wakes the workers (`config` on their channel)."""
+    return bump_function(ConfigVersion._meta.db_table, notify_channel=WORKERS_CHANNEL, notify_payload=CONFIG_CHANGED)
 
 
 def watch_config(
@@ -159,65 +166,6 @@ def watch_config(
     this migration. A later migration that adds a column to a table watched with `only` or
     `ignore` must watch it again, and so must one that alters a column of a watched table (SQLite
     rebuilds the table, losing its triggers): `replace` drops the table's triggers first."""
-    only, ignore = (tuple(only) if only is not None else None), tuple(ignore)
-
-    def target(apps) -> tuple[str, list[str] | None]:
-        cls = apps.get_model(model)
-        if m2m is not None:
-            cls = cls._meta.get_field(m2m).remote_field.through
-        if only is None and not ignore:
-            return cls._meta.db_table, None
-        fields = [f for f in cls._meta.concrete_fields if (only is None or f.name in only) and f.name not in ignore]
-        return cls._meta.db_table, [f.column for f in fields]
-
-    def forwards(apps, schema_editor) -> None:
-        table, columns = target(apps)
-        if replace:
-            for sql in _drop_sql(schema_editor.connection, table):
-                schema_editor.execute(sql)
-        for sql in _trigger_sql(schema_editor.connection, table, columns):
-            schema_editor.execute(sql)
-
-    def backwards(apps, schema_editor) -> None:
-        table, _ = target(apps)
-        for sql in _drop_sql(schema_editor.connection, table):
-            schema_editor.execute(sql)
-
-    return RunPython(forwards, backwards)
-
-
-def _trigger_sql(db: Any, table: str, columns: list[str] | None) -> list[str]:
-    qn = db.ops.quote_name
-    name = f"telemachus_config_{table}"
-    if db.vendor == "postgresql":
-        changed = (
-            f" WHEN (({', '.join(f'OLD.{qn(c)}' for c in columns)}) IS DISTINCT FROM "
-            f"({', '.join(f'NEW.{qn(c)}' for c in columns)}))"
-            if columns
-            else ""
-        )
-        return [
-            f"CREATE TRIGGER {name}_write AFTER INSERT OR DELETE ON {qn(table)} "
-            f"FOR EACH ROW EXECUTE FUNCTION {BUMP_FUNCTION}()",
-            f"CREATE TRIGGER {name}_edit AFTER UPDATE ON {qn(table)} "
-            f"FOR EACH ROW{changed} EXECUTE FUNCTION {BUMP_FUNCTION}()",
-        ]
-    version = _version_table()
-    bump = (
-        f"BEGIN INSERT INTO {version} (id, version) VALUES (1, {FRESH_VERSION_SQL['sqlite']}) "
-        f"ON CONFLICT (id) DO UPDATE SET version = version + 1; END"
+    return bump_triggers(
+        model, version_table=ConfigVersion._meta.db_table, m2m=m2m, only=only, ignore=ignore, replace=replace
     )
-    changed = f" WHEN NOT ({' AND '.join(f'OLD.{qn(c)} IS NEW.{qn(c)}' for c in columns)})" if columns else ""
-    return [
-        f"CREATE TRIGGER {name}_insert AFTER INSERT ON {qn(table)} {bump}",
-        f"CREATE TRIGGER {name}_delete AFTER DELETE ON {qn(table)} {bump}",
-        f"CREATE TRIGGER {name}_edit AFTER UPDATE ON {qn(table)}{changed} {bump}",
-    ]
-
-
-def _drop_sql(db: Any, table: str) -> list[str]:
-    qn = db.ops.quote_name
-    name = f"telemachus_config_{table}"
-    if db.vendor == "postgresql":
-        return [f"DROP TRIGGER IF EXISTS {name}_{op} ON {qn(table)}" for op in ("write", "edit")]
-    return [f"DROP TRIGGER IF EXISTS {name}_{op}" for op in ("insert", "delete", "edit")]

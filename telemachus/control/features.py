@@ -11,8 +11,8 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 
 from telemachus.control.audit import Actor, audit_record
+from telemachus.db.locks import Level, rows_lock
 from telemachus.errors import FeatureDisabled, ValidationFailed, unique_violation
-from telemachus.locks import Level, rows_lock
 from telemachus.models import FeatureSwitch, Team
 
 FEATURES: tuple[str, ...] = tuple(FeatureSwitch.Feature.values)
@@ -25,11 +25,10 @@ def feature_enabled(
     """Whether `feature` is on for `team` (None: the global switch). One query, or none from
     `switches` (all of them, (feature, team id or None) -> enabled: `feature_switches()`)."""
     if switches is not None:
-        states = {team_id: enabled for (name, team_id), enabled in switches.items() if name == feature}
-    else:
-        rows = FeatureSwitch.objects.filter(feature=feature)
-        rows = rows.filter(Q(team__isnull=True) | Q(team=team)) if team is not None else rows.filter(team=None)
-        states = dict(rows.values_list("team_id", "enabled"))
+        return feature_on(feature=feature, team_id=team.pk if team is not None else None, switches=switches)
+    rows = FeatureSwitch.objects.filter(feature=feature)
+    rows = rows.filter(Q(team__isnull=True) | Q(team=team)) if team is not None else rows.filter(team=None)
+    states: dict[int | None, bool] = dict(rows.values_list("team_id", "enabled"))
     if team is not None and team.pk in states:
         return states[team.pk]
     return states.get(None, True)
@@ -41,6 +40,14 @@ def feature_switches() -> dict[tuple[str, int | None], bool]:
         (feature, team_id): enabled
         for feature, team_id, enabled in FeatureSwitch.objects.values_list("feature", "team_id", "enabled")
     }
+
+
+def feature_on(*, feature: str, team_id: int | None, switches: Mapping[tuple[str, int | None], bool]) -> bool:
+    """Whether `feature` is on for the team with this id (None: everyone), from the switches as
+    read (`feature_switches()`, the configuration cache: no query): the team's own switch, else the
+    global one, else on."""
+    own = switches.get((feature, team_id)) if team_id is not None else None
+    return own if own is not None else switches.get((feature, None), True)
 
 
 def feature_require(

@@ -22,7 +22,7 @@ Channels, their payloads, and who sends them:
   telemachus_changes (CHANGES_CHANNEL): live views (the dashboard) re-read; never wakes a worker
     what changed, as a word (claimed, breaker, health, audit); listeners re-read everything
   telemachus_jobs (JOBS_CHANNEL): API processes watching jobs (waits, streams, the
-  OpenAI-compatible endpoint: scheduler/gateway/feed.py)
+  OpenAI-compatible endpoint: scheduler/notify/feed.py)
     c:<job>:<event>,...  jobs changed, with the latest event of each (every job event but
                          `queued`: scheduler/services/events.py)
     d:<json>             an output delta of a streamed job, when there is no Redis
@@ -35,15 +35,17 @@ tells the worker when the next of those is due, so nobody needs to send anything
 This module is in the lowest layer because every layer sends: configuration triggers and the
 audit log here, breaker and health changes in executors, the job services in scheduler."""
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import dj_database_url
 import psycopg
 from django.conf import settings
 from django.db import connection
-from django.db.models import Func, TextField, Value
+from django.db.models import Func, Value
+
+from telemachus.db.notify import chunked_payloads, notice, notice_column, notices_supported, notify_now
+from telemachus.db.statements import Riders
 
 WORKERS_CHANNEL = "telemachus"
 QUEUED = "queued"
@@ -56,8 +58,6 @@ CHANGES_CHANNEL = "telemachus_changes"
 JOBS_CHANNEL = "telemachus_jobs"
 CHANGED, DELTA = "c:", "d:"
 
-# PostgreSQL refuses payloads of 8000 bytes or more.
-MAX_PAYLOAD_BYTES = 7900
 # NOTIFYs per statement for the senders that send many at once.
 NOTIFY_BATCH = 50
 
@@ -68,84 +68,32 @@ NOTIFY_BATCH = 50
 def notify_workers(message: str) -> None:
     """Queue a wake-up for workers (`QUEUED`, `FREED`, `f"{CANCELED}:{job_id}"`). Call inside the
     transaction that makes the change; nothing is sent on SQLite."""
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_notify(%s, %s)", [WORKERS_CHANNEL, message])
+    notify_now(WORKERS_CHANNEL, message)
 
 
 def notify_column(message: str) -> Func | Value:
     """`notify_workers` as a column of a statement the caller runs anyway inside the transaction
     that makes the change, which saves a round trip (a NOTIFY in a transaction that rolls back is
     never delivered). A constant on SQLite."""
-    if connection.vendor == "postgresql":
-        return Func(Value(WORKERS_CHANNEL), Value(message), function="pg_notify", output_field=TextField())
-    return Value("", output_field=TextField())
+    return notice_column(WORKERS_CHANNEL, message)
 
 
 def changes_notify(what: str) -> None:
     """Tell live views that `what` changed. Call inside the transaction that makes the change;
     nothing is sent on SQLite."""
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_notify(%s, %s)", [CHANGES_CHANNEL, what])
+    notify_now(CHANGES_CHANNEL, what)
 
 
-@contextmanager
-def job_watchers_told(
-    changes: Iterable[tuple[int, str]], *, riders: Sequence[tuple[str, Sequence[Any]]] = ()
-) -> Iterator[None]:
-    """Queue a "changed" notice for API processes watching these jobs, (job id, event) pairs with
-    the last event of each job kept, from the first statement run inside the block (the caller's
-    INSERT of the events that record the changes), so the notice costs no round trip of its own:
-    that statement runs as `WITH notified AS (SELECT pg_notify(...)), changed AS (<statement>)
-    SELECT changed.* FROM changed, notified`, which returns what the statement returned. A
-    statement that returns no row would send nothing, so the caller's must return one per row it
-    writes (an INSERT or UPDATE with RETURNING, as scheduler/core/bulk.py's `rows_insert` and
-    `update_rows(returning=True)` send them).
-    `riders`, PostgreSQL statements that write and return nothing (an INSERT without RETURNING),
-    ride along as CTEs of the same statement: PostgreSQL runs each once, to completion, whatever
-    the statement reads. Use inside the transaction that makes the change; on SQLite nothing is
-    sent, and riders are refused (the caller writes its rows itself there)."""
+def job_watchers_riders(changes: Iterable[tuple[int, str]]) -> Riders:
+    """A "changed" notice for API processes watching these jobs, (job id, event) pairs with the
+    last event of each job kept, as a rider of the statement that writes the events recording the
+    changes (telemachus/db/statements.py), so the notice costs no round trip of its own. Nothing
+    on SQLite."""
     latest = dict(changes)
-    if riders and connection.vendor != "postgresql":
-        raise ValueError("statements ride along only on PostgreSQL")
-    if connection.vendor != "postgresql" or not (latest or riders):
-        yield
-        return
-    ctes, ctes_params = [], []
-    if latest:
-        payloads = chunked_payloads(CHANGED, [f"{job_id}:{event}" for job_id, event in latest.items()])
-        notifying, notify_params = notify_statement(JOBS_CHANNEL, payloads)
-        ctes.append(f"notified AS ({notifying})")
-        ctes_params += notify_params
-    for i, (rider, rider_params) in enumerate(riders):
-        ctes.append(f"rider{i} AS ({rider})")
-        ctes_params += rider_params
-    pending = True
-
-    def riding(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]) -> Any:
-        nonlocal pending
-        if not pending or many:
-            return execute(sql, params, many, context)
-        pending = False
-        told = ", notified" if latest else ""
-        wrapped = f"WITH {', '.join(ctes)}, changed AS ({sql}) SELECT changed.* FROM changed{told}"
-        return execute(wrapped, [*ctes_params, *(params or ())], many, context)
-
-    with connection.execute_wrapper(riding):
-        yield
-    if pending:  # the block ran no statement: send the notice and the riders on their own
-        with connection.cursor() as cursor:
-            if latest:
-                cursor.execute(notifying, notify_params)
-            for rider, rider_params in riders:
-                cursor.execute(rider, rider_params)
-
-
-def config_notify_plpgsql() -> str:
-    """The statement the configuration triggers' PL/pgSQL function runs to wake the workers
-    (telemachus/control/config.py installs it; changing it takes a migration)."""
-    return f"PERFORM pg_notify('{WORKERS_CHANNEL}', '{CONFIG_CHANGED}');"
+    if not latest or not notices_supported():
+        return Riders()
+    payloads = chunked_payloads(CHANGED, [f"{job_id}:{event}" for job_id, event in latest.items()])
+    return Riders(notices=[notice(JOBS_CHANNEL, payloads)])
 
 
 # --- senders outside a transaction ------------------------------------------------------------
@@ -155,32 +103,8 @@ async def job_deltas_notify(conn: psycopg.AsyncConnection[Any], payloads: Sequen
     """Send output deltas (`DELTA` payloads) on an autocommit connection of the caller's, at once:
     deltas are best effort and change no row, so they wait for no commit."""
     for start in range(0, len(payloads), NOTIFY_BATCH):
-        await conn.execute(*notify_statement(JOBS_CHANNEL, payloads[start : start + NOTIFY_BATCH]))
-
-
-# --- payloads and statements ------------------------------------------------------------------
-
-
-def chunked_payloads(prefix: str, items: list[str]) -> list[str]:
-    """Comma-joined items behind `prefix`, split so no payload reaches PostgreSQL's limit."""
-    payloads: list[str] = []
-    current = prefix
-    for item in items:
-        if len(current) + len(item) + 1 > MAX_PAYLOAD_BYTES and current != prefix:
-            payloads.append(current[:-1])
-            current = prefix
-        current += item + ","
-    if current != prefix:
-        payloads.append(current[:-1])
-    return payloads
-
-
-def notify_statement(channel: str, payloads: Sequence[str]) -> tuple[str, list[str]]:
-    """One SELECT that sends every payload on `channel`, with its parameters."""
-    return (
-        "SELECT " + ", ".join(["pg_notify(%s, %s)"] * len(payloads)),
-        [value for payload in payloads for value in (channel, payload)],
-    )
+        sending = notice(JOBS_CHANNEL, payloads[start : start + NOTIFY_BATCH])
+        await conn.execute(sending.sql, sending.params)
 
 
 # --- connections of their own -----------------------------------------------------------------

@@ -3,6 +3,10 @@ one JSON error shape (telemachus/errors.py), so clients and schema-driven tests 
 
 from typing import Any
 
+from django.conf import settings
+from rest_framework.permissions import BasePermission
+from rest_framework.request import Request
+
 ERROR_SCHEMA = {
     "type": "object",
     "description": "The API's error shape: a machine-readable code, a human detail, sometimes more.",
@@ -48,3 +52,15 @@ def declare_errors(result: dict[str, Any], generator: Any, request: Any, public:
             for status, description in errors.items():
                 declared.setdefault(status, {"description": description, "content": reference})
     return result
+
+
+class SchemaVisible(BasePermission):
+    """Who may read /api/schema/ and /api/docs/: anyone with TELEMACHUS_PUBLIC_SCHEMA (the default
+    with DEBUG on), else only a signed-in person or a caller with a token or key (401 otherwise).
+    The schema lists every endpoint, parameter and error of the API: useful to its callers, and to
+    someone looking for a way in, who has no other use for it."""
+
+    message = "The API schema is for signed-in users here (TELEMACHUS_PUBLIC_SCHEMA is off)."
+
+    def has_permission(self, request: Request, view: object) -> bool:
+        return bool(settings.TELEMACHUS_PUBLIC_SCHEMA or request.user.is_authenticated)

@@ -1,8 +1,8 @@
 """Per-user request rates at every entry that creates work or holds a connection:
 
   TELEMACHUS_SUBMIT_RATE   job submissions (POST /api/jobs/, and each job of POST /api/jobs/bulk/)
-  TELEMACHUS_OPENAI_RATE   calls to /v1/ (scheduler/gateway/openai.py)
-  TELEMACHUS_STREAM_RATE   opens of GET /api/jobs/{id}/wait/ and /stream/ (scheduler/gateway/jobs.py)
+  TELEMACHUS_OPENAI_RATE   calls to /v1/ (scheduler/gateway/caller.py)
+  TELEMACHUS_STREAM_RATE   opens of GET /api/jobs/{id}/wait/ and /stream/ (scheduler/gateway/jobwatch.py)
 
 A rate is "N/s", "N/min", "N/hour" or "N/day"; empty turns it off. Over it: 429 with Retry-After,
 in the surface's error shape (`throttled` under /api/, OpenAI's `rate_limit_exceeded` under /v1/).

@@ -2,7 +2,7 @@
 the gateway's paths (/v1/, job waits and streams: scheduler/gateway/auth.py).
 
 Every request looks its credential up (one indexed query on the digest, its SQL compiled once:
-telemachus/compiled.py); no credential is cached, so a revoked key or token is refused by every
+telemachus/db/compiled.py); no credential is cached, so a revoked key or token is refused by every
 API process from the moment the revoke commits. The `last_used_at` stamp is written at most once
 a minute per credential."""
 
@@ -17,9 +17,9 @@ from rest_framework.exceptions import AuthenticationFailed, Throttled
 from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 
-from telemachus.compiled import CompiledQuery
+from telemachus.db.compiled import CompiledQuery
 from telemachus.keys.digests import is_api_key, secret_digests
-from telemachus.keys.failures import auth_failure_record, auth_retry_after
+from telemachus.keys.failures import auth_failure_record
 from telemachus.keys.models import ApiKey, PersonalToken
 from telemachus.teams.signin import client_address
 
@@ -38,10 +38,14 @@ class Credential:
 
 
 class TooManyFailures(Exception):
-    """This address presented too many bad credentials; it may try again after `retry_after` s."""
+    """A bad credential, after too many from its address or with its prefix: answered 429 rather
+    than 401, with the seconds until the count's window ends."""
 
     def __init__(self, retry_after: int) -> None:
-        super().__init__(f"Too many failed authentications from this address; try again in {retry_after} s.")
+        super().__init__(
+            f"Invalid, expired or revoked key or token, and too many failed authentications; "
+            f"try again in {retry_after} s."
+        )
         self.retry_after = retry_after
 
 
@@ -56,45 +60,61 @@ def secret_from_header(authorization: str | None) -> str | None:
     return secret
 
 
-def credential_authenticate(*, secret: str, address: str) -> Credential | None:
-    """The live key or token the secret belongs to, or None (unknown, revoked, expired, its user
-    inactive), which counts as a failure of `address`. Raises TooManyFailures, before looking,
-    while the address is over its limit (telemachus/keys/failures.py)."""
-    wait = auth_retry_after(address=address)
-    if wait is not None:
-        raise TooManyFailures(wait)
-    found = _lookup(secret)
-    if found is None:
-        auth_failure_record(address=address)
-    return found
+class CredentialRefused(Exception):
+    """A secret that authenticates no one, with why in words its holder can act on: `reason` is
+    `invalid` (it matches nothing), `revoked`, `expired` or `inactive` (its user is deactivated).
+    Only the holder of a real key's secret learns that it was revoked or expired."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
-# A digest is unique: at most one row matches, so no ordering is asked for.
-_KEY_BY_DIGEST = CompiledQuery(
-    lambda digests: ApiKey.objects.select_related("principal", "team").filter(
-        digest__in=digests, revoked_at__isnull=True
-    )[:1]
+def credential_authenticate(*, secret: str, address: str) -> Credential:
+    """The live key or token the secret belongs to; CredentialRefused when there is none (unknown,
+    revoked, expired, its user inactive). The secret is always looked up, so a right one
+    authenticates whatever failed before it; a refused one counts against `address` and its prefix,
+    and raises TooManyFailures past either limit (telemachus/keys/failures.py)."""
+    try:
+        return _lookup(secret)
+    except CredentialRefused:
+        if (wait := auth_failure_record(address=address, secret=secret)) is not None:
+            raise TooManyFailures(wait) from None
+        raise
+
+
+# A digest is unique: at most one row matches, so no ordering is asked for. Revoked keys are found
+# too, so that their holder is told.
+_KEY_BY_DIGEST: CompiledQuery[ApiKey] = CompiledQuery(
+    lambda digests: ApiKey.objects.select_related("principal", "team").filter(digest__in=digests)[:1]
 )
-_TOKEN_BY_DIGEST = CompiledQuery(
+_TOKEN_BY_DIGEST: CompiledQuery[PersonalToken] = CompiledQuery(
     lambda digests: PersonalToken.objects.select_related("user").filter(digest__in=digests)[:1]
 )
+_INVALID = "Invalid key or token."
 
 
-def _lookup(secret: str) -> Credential | None:
+def _lookup(secret: str) -> Credential:
     now = timezone.now()
     digests = secret_digests(secret)
     if is_api_key(secret):
         key = _KEY_BY_DIGEST.first(digests=digests)
-        if key is None or key.principal is None or not key.principal.is_active:
-            return None
+        if key is None:
+            raise CredentialRefused("invalid", _INVALID)
+        if key.revoked_at is not None:
+            raise CredentialRefused("revoked", f"This API key was revoked at {key.revoked_at:%Y-%m-%d %H:%M:%S} UTC.")
         if key.expires_at is not None and key.expires_at <= now:
-            return None
+            raise CredentialRefused("expired", f"This API key expired at {key.expires_at:%Y-%m-%d %H:%M:%S} UTC.")
+        if key.principal is None or not key.principal.is_active:
+            raise CredentialRefused("inactive", "This API key's user is deactivated.")
         if key.last_used_at is None or now - key.last_used_at >= LAST_USED_EVERY:
             ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
         return Credential(user=key.principal, key=key)
     token = _TOKEN_BY_DIGEST.first(digests=digests)
-    if token is None or not token.user.is_active:
-        return None
+    if token is None:
+        raise CredentialRefused("invalid", _INVALID)
+    if not token.user.is_active:
+        raise CredentialRefused("inactive", "This token's user is deactivated.")
     if token.last_used_at is None or now - token.last_used_at >= LAST_USED_EVERY:
         PersonalToken.objects.filter(pk=token.pk).update(last_used_at=now)
     return Credential(user=token.user, token=token)
@@ -103,7 +123,8 @@ def _lookup(secret: str) -> Credential | None:
 class CredentialAuthentication(BaseAuthentication):
     """DRF authentication by API key or personal token: `Authorization: Bearer SECRET` (as OpenAI
     SDKs send it) or `Token SECRET` (as DRF clients do). `request.auth` is the ApiKey or the
-    PersonalToken. Bad credentials: 401; too many from one address: 429 with Retry-After."""
+    PersonalToken. Bad credentials: 401; past the failure limits: 429 with Retry-After. A right
+    credential is never refused for others' failures."""
 
     def authenticate(self, request: Request) -> tuple[User, ApiKey | PersonalToken] | None:
         try:
@@ -120,8 +141,8 @@ class CredentialAuthentication(BaseAuthentication):
             credential = credential_authenticate(secret=secret, address=client_address(request._request))
         except TooManyFailures as exc:
             raise Throttled(wait=exc.retry_after, detail=str(exc)) from None
-        if credential is None:
-            raise AuthenticationFailed("Invalid, expired or revoked key or token.")
+        except CredentialRefused as exc:
+            raise AuthenticationFailed(str(exc)) from None
         return credential.user, credential.key or credential.token  # type: ignore[return-value]
 
     def authenticate_header(self, request: Request) -> str:

@@ -14,10 +14,10 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from telemachus.control.audit import Actor, audit_record
+from telemachus.db.locks import Level, rows_lock
 from telemachus.errors import ValidationFailed
 from telemachus.keys.digests import KEY_MARKER, TOKEN_MARKER, secret_digest, secret_new, secret_prefix
 from telemachus.keys.models import ApiKey, PersonalToken
-from telemachus.locks import Level, rows_lock
 from telemachus.models import Team
 from telemachus.teams.rbac import KEY_PRINCIPAL_PREFIX
 from telemachus.teams.services import team_key_principal_join

@@ -48,8 +48,27 @@ class GrantsInput(StrictSerializer):
     )
 
 
+# A year and more, in hours: a longer retention is a mistake, not a policy.
+RETENTION_MAX_HOURS = 100_000
+
+
 class TeamUpdateInput(StrictSerializer):
-    name = serializers.CharField(max_length=200)
+    name = serializers.CharField(max_length=200, required=False)
+    retention_hours = serializers.FloatField(
+        required=False,
+        allow_null=True,
+        min_value=0,
+        max_value=RETENTION_MAX_HOURS,
+        help_text="Hours the team's finished jobs are kept; null: the deployment's (TELEMACHUS_RETENTION_HOURS).",
+    )
+    body_retention_hours = serializers.FloatField(
+        required=False,
+        allow_null=True,
+        min_value=0,
+        max_value=RETENTION_MAX_HOURS,
+        help_text="Hours a finished job keeps its prompt and answer (0: removed as soon as it ends); "
+        "null: as long as the job.",
+    )
 
 
 class MemberOutput(serializers.Serializer):
@@ -63,7 +82,7 @@ class TeamOutput(serializers.ModelSerializer):
 
     class Meta:
         model = Team
-        fields = ["slug", "name", "members", "grants", "created_at"]
+        fields = ["slug", "name", "members", "grants", "retention_hours", "body_retention_hours", "created_at"]
         read_only_fields = fields
 
     def get_grants(self, team: Team) -> dict:

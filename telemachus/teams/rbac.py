@@ -17,6 +17,7 @@ the dashboard agree by construction.
 Objects a principal may not see are reported as not found, never as forbidden, so existence does
 not leak; a denial on a visible object is a 403 naming the missing permission."""
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from django.contrib.auth import get_user_model
@@ -24,7 +25,7 @@ from django.contrib.auth.models import AnonymousUser, User
 from django.db.models import QuerySet
 from guardian.core import ObjectPermissionChecker
 
-from telemachus.errors import Forbidden, ValidationFailed
+from telemachus.errors import Forbidden, TeamNotFound, TeamRequired, ValidationFailed
 from telemachus.models import Membership, Team
 
 MANAGE_PERMISSION = "scheduler.manage"
@@ -98,7 +99,7 @@ def team_for_submit(user: Principal, slug: str) -> Team:
     same as one that does not exist."""
     team = visible_teams(user).filter(slug=slug).first()
     if team is None:
-        raise ValidationFailed({"team": [f"No team {slug!r} that you belong to."]})
+        raise TeamNotFound(slug)
     return team
 
 
@@ -141,8 +142,16 @@ class Grants:
 
     def team_for_submit(self, team: Team | None, slug: str) -> Team:
         if team is None or not (self.operator or team.pk in self.roles):
-            raise ValidationFailed({"team": [f"No team {slug!r} that you belong to."]})
+            raise TeamNotFound(slug)
         return team
+
+    def only_team(self, teams: Mapping[int, Team]) -> Team:
+        """The caller's team when none is named: its only one (of `teams`, the configuration's);
+        in none or in several, the caller must name it (TeamRequired)."""
+        mine = [teams[pk] for pk in sorted(self.roles) if pk in teams][:2]
+        if len(mine) != 1:
+            raise TeamRequired(several=bool(mine))
+        return mine[0]
 
     def require(self, permission: str, *, team: Team) -> None:
         if self.operator or permission in self.permissions.get(team.pk, ()):

@@ -2,6 +2,8 @@
 `auth.Group` holds the user so guardian group permissions reach every member. These functions are
 the only writers of both, so they never disagree."""
 
+from typing import Any
+
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group, User
 from django.db import transaction
@@ -9,8 +11,8 @@ from django.db.models import ProtectedError
 from guardian.shortcuts import assign_perm, get_perms, get_users_with_perms, remove_perm
 
 from telemachus.control.audit import Actor, audit_record
+from telemachus.db.locks import Level, rows_lock
 from telemachus.errors import Conflict, NotFound, ValidationFailed, unique_or
-from telemachus.locks import Level, rows_lock
 from telemachus.models import Membership, Team
 from telemachus.teams import rbac
 
@@ -125,21 +127,33 @@ def team_group(*, slug: str) -> Group:
     return group
 
 
-def team_update(*, team: Team, name: str, by: Actor = None) -> Team:
-    if team.name == name:
+# What an operator edits on a team itself (members and grants have their own services).
+TEAM_EDITABLE = ("name", "retention_hours", "body_retention_hours")
+
+
+def team_update(*, team: Team, by: Actor = None, **changes: Any) -> Team:
+    """Change the team's name or retention (`TEAM_EDITABLE`: retention_hours and
+    body_retention_hours, None for the deployment's; docs/retention.md). Audited as one
+    `team.update` with the fields that changed, before and after; nothing written when none did.
+    The workers' retention reads the new values at their next pass."""
+    unknown = set(changes) - set(TEAM_EDITABLE)
+    assert not unknown, f"not editable: {sorted(unknown)}"
+    changed = {name: value for name, value in changes.items() if getattr(team, name) != value}
+    if not changed:
         return team
     with transaction.atomic():
-        was = team.name
-        team.name = name
-        team.save(update_fields=["name"])
+        before = {name: getattr(team, name) for name in changed}
+        for name, value in changed.items():
+            setattr(team, name, value)
+        team.save(update_fields=list(changed))
         audit_record(
             by=by,
             action="team.update",
             object_type="team",
             object_id=team.slug,
-            object_repr=name,
-            before={"name": was},
-            after={"name": name},
+            object_repr=team.name,
+            before=before,
+            after=changed,
         )
     return team
 

@@ -1,5 +1,7 @@
 """Creating users without the admin, so an operator can set up a team over the API alone."""
 
+import secrets
+
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Permission, User
 from django.contrib.auth.password_validation import validate_password
@@ -53,3 +55,28 @@ def user_create(
             },
         )
     return user, key
+
+
+def administrator_create(*, username: str, email: str = "", by: Actor) -> tuple[User, str]:
+    """A superuser (the admin site, every operator permission) with a generated password, returned
+    to the caller to be shown once: a production instance's first administrator, without the demo
+    (`manage.py telemachus_admin`). The password is 24 characters from `secrets` (144 bits), so no
+    weak one can be chosen, and it never passes through a command line or an environment variable.
+    Audited (`user.create`, administrator: true); the password never is. ValidationFailed when the
+    username is taken."""
+    User = get_user_model()
+    exists = ValidationFailed({"username": [f"A user {username!r} already exists."]})
+    if User.objects.filter(username=username).exists():
+        raise exists
+    password = secrets.token_urlsafe(18)
+    with unique_or(exists), transaction.atomic():
+        user = User.objects.create_superuser(username=username, email=email, password=password)
+        audit_record(
+            by=by,
+            action="user.create",
+            object_type="user",
+            object_id=username,
+            object_repr=username,
+            after={"username": username, "email": email, "administrator": True},
+        )
+    return user, password

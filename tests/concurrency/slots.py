@@ -16,7 +16,7 @@ class SlotSampler(threading.Thread):
         self.interval = interval
         self.stop = threading.Event()
         self.peak_total = 0
-        self.peak = {"executor": Counter(), "team": Counter(), "user": Counter()}
+        self.peak = {"executor": Counter(), "team": Counter(), "user": Counter(), "batch": Counter()}
         self.samples = 0
 
     def run(self) -> None:

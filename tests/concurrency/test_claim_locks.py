@@ -6,11 +6,11 @@ import time
 import pytest
 from django.db import DatabaseError, connection, transaction
 
+from scheduler.connections import worker_database_settings
 from scheduler.core.locks import lock_claim
 from scheduler.models import Job
 from scheduler.services.claim import job_claim
 from scheduler.services.submit import job_submit
-from scheduler.worker.runner import worker_database_settings
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -97,7 +97,7 @@ def test_a_worker_frozen_holding_the_claim_lock_is_cut_off_and_claims_go_on(memb
 
 def test_the_claims_clock_is_read_once_it_holds_the_claim_lock(member_setup):
     # Given another claim holding the claim lock for a while (the lock and the clock are sent to
-    # the server together: telemachus/pipeline.py)...
+    # the server together: telemachus/db/pipeline.py)...
     with transaction.atomic():
         lock_claim()  # the policy row exists before the race
     locked, released = threading.Event(), []

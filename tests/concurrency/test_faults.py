@@ -7,13 +7,16 @@ everything recovers by itself.
 Restarting PostgreSQL disturbs everyone using the server, so that test runs only with
 TELEMACHUS_FAULT_RESTART_PG=1 (CI sets it)."""
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from django.db import OperationalError, connection
@@ -25,7 +28,9 @@ from scheduler.models import Job, JobEvent, QueuePolicy, Slot
 from scheduler.services.submit import job_submit
 from tests.concurrency.sessions import postgres_session
 from tests.concurrency.test_caps import SlotSampler
+from tests.credentials import token_for
 from tests.processes import answers, free_port, http_json, wait_until
+from tests.scheduler.gateway.conftest import may_chat
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -218,6 +223,59 @@ def test_fifty_cut_connections_cost_nothing(processes, make_user, make_team, nev
     wait_until(lambda: statuses() == {"done": 400}, timeout=120, interval=0.5, what="all jobs done")
     assert_each_finished_once(job_ids)
     assert all(w.poll() is None for w in workers)
+
+
+def test_in_flight_calls_get_their_answers_when_the_api_processs_connections_are_cut(
+    processes, make_user, make_team, never_give_up
+):
+    # Given an API process (as bin/run serves it), a worker, and sixteen /v1/ calls in flight on a
+    # model server that takes five seconds to answer...
+    alice = may_chat(make_user("alice"))
+    make_team("a", {alice: "member"})
+    base = processes.simllm(latency_ms=5000)
+    Executor.objects.create(
+        name="e", kind="local-model", endpoint=f"{base}/v1", capabilities={"models": ["m"]}, max_concurrency=16
+    )
+    api = processes.api_server("api", PGAPPNAME="telemachus-fault-api", TELEMACHUS_PROBE_INTERVAL_SECONDS="3600")
+    processes.worker("w1", concurrency=16, lease=LEASE)
+    token = token_for(alice)
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+
+    def call(_: int) -> tuple[int, str | None]:
+        request = urllib.request.Request(
+            f"{api}/v1/chat/completions",
+            data=body,
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, response.headers.get("x-telemachus-job")
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.headers.get("x-telemachus-job")
+
+    with ThreadPoolExecutor(16) as pool:
+        calls = [pool.submit(call, i) for i in range(16)]
+        wait_until(lambda: Job.objects.count() == 16, timeout=30, what="all calls submitted")
+        in_flight = Job.objects.exclude(status="done").count()
+
+        # When every database connection of the API process (its shared threads, its claims and
+        # its LISTEN) is terminated three times while the model works...
+        cut = 0
+        with postgres_session() as session:
+            for _ in range(3):
+                cut += session.execute(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE application_name = 'telemachus-fault-api'"
+                ).fetchone()[0]
+                time.sleep(0.3)
+        answers = [future.result() for future in calls]
+
+    # Then every call gets its answer, with its job's id, and each job finished once.
+    assert cut >= 3 and in_flight >= 8, (cut, in_flight)
+    assert [status for status, _ in answers] == [200] * 16, answers
+    job_ids = [int(job_id) for _, job_id in answers]
+    assert_each_finished_once(job_ids)
 
 
 def pg_version() -> str:

@@ -177,7 +177,7 @@ def test_tokens_per_round_add_up_in_the_ledger_and_budgets_gate_each_round(proce
     alice = member_setup[0]
     budget = QuotaPolicy.objects.create(scope="team", subject="a", dimension="ai.tokens", limit=60, window="day")
     base, _ = model_server(latency_ms=50)
-    flow = submit_flow(alice, 10)
+    flow = submit_flow(alice, 10, max_tokens=8)
     processes.worker("w", concurrency=4)
 
     # When it runs, it stops at the round that found the budget spent: deferred, holding nothing...
@@ -192,7 +192,8 @@ def test_tokens_per_round_add_up_in_the_ledger_and_budgets_gate_each_round(proce
     assert flow.status == "queued" and 1 <= stopped_at < 10
     assert flow_requests(base, flow) == stopped_at and not Slot.objects.exists()
     usage = Usage.objects.get(scope="team", subject="a")
-    assert usage.tokens == flow.tokens_used >= 60 - 10  # spent, up to one round's estimate short
+    # Spent, up to the deferred round's estimate short (its prompt: the conversation so far).
+    assert usage.tokens == flow.tokens_used >= 60 - flow.cost_estimate
 
     # ...and once the budget grows, the remaining rounds run; every round was billed once.
     QuotaPolicy.objects.filter(pk=budget.pk).update(limit=1_000_000)

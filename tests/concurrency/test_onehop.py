@@ -23,6 +23,7 @@ from quotas.models import QuotaPolicy
 from scheduler.models import Job, JobEvent, QueuePolicy, Slot, TeamShare
 from scheduler.services.claim import job_claim
 from scheduler.services.submit import job_submit
+from tests.concurrency.sessions import postgres_session
 from tests.concurrency.slots import SlotSampler
 from tests.credentials import token_for
 from tests.processes import http_json, wait_until
@@ -209,6 +210,17 @@ def test_an_api_process_killed_mid_call_leaves_its_job_to_recovery(processes, ma
     assert isinstance(outcome.get("error"), OSError), "the killed process's client lost its connection"
 
 
+def worker_listens() -> bool:
+    """Whether a session of the test database has LISTENed and is idle: the worker's listener,
+    which hears a NOTIFY sent from then on (the only session here that LISTENs)."""
+    with postgres_session() as session:
+        row = session.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND query LIKE 'LISTEN%' AND state = 'idle'"
+        ).fetchone()
+    return bool(row and row[0])
+
+
 def test_calls_an_api_process_leaves_queued_wake_the_workers_at_once(processes, make_user, make_team):
     # Given an idle worker and two queued calls whose submits woke nobody (their API process was
     # about to claim them)...
@@ -219,7 +231,7 @@ def test_calls_an_api_process_leaves_queued_wake_the_workers_at_once(processes, 
     alice = member(make_user, "alice")
     make_team("a", {alice: "member"})
     processes.worker("w1", concurrency=4, **ENV)
-    time.sleep(2)
+    wait_until(worker_listens, timeout=30, interval=0.05, what="the worker to LISTEN for wake-ups")
     jobs = [
         job_submit(
             user=alice,

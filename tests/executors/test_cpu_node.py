@@ -34,8 +34,13 @@ def multiply(a: float, b: float) -> float:
 
 
 def mark_and_sleep(marker: str, seconds: float) -> int:
-    """Leave a file naming this process (so a test knows the task is running), then sleep."""
-    Path(marker).write_text(str(os.getpid()))
+    """Leave a file naming this process (so a test knows the task is running), then sleep.
+
+    The file appears whole, by rename: a test that sees it exist must never read it half written.
+    """
+    partial = Path(f"{marker}.{os.getpid()}.partial")
+    partial.write_text(str(os.getpid()))
+    partial.replace(marker)
     time.sleep(seconds)
     return os.getpid()
 

@@ -6,6 +6,9 @@ processes) no more batch jobs are on the partition at once than the executor's m
 Skipped without `sbatch`; when sbatch is there, the cluster must answer (CI starts it)."""
 
 import asyncio
+import json
+import logging
+import os
 import secrets
 import shutil
 import subprocess
@@ -18,7 +21,7 @@ from django.db import connection
 from django.db.models import Count
 
 from executors.contract import DispatchError, DispatchRequest
-from executors.drivers.slurm import SlurmPartitionDriver, partition_health
+from executors.drivers.slurm import Command, CommandTimeout, SlurmPartitionDriver, partition_health
 from executors.models import Executor
 from executors.slurmtransport import transport_problems
 from scheduler.models import Job, JobEvent
@@ -28,6 +31,11 @@ from tests.executors.test_cpu_node import MODULE, max_overlap
 from tests.processes import wait_until
 
 PARTITION = "debug"
+# bin/slurm-test-cluster keeps its configuration in a directory of its own (never /etc/slurm): Slurm's
+# commands, here and in the worker processes the tests start, reach its cluster through SLURM_CONF.
+TEST_CLUSTER_CONF = Path(os.environ.get("SLURM_TEST_DIR", "/var/lib/telemachus-slurm-test")) / "slurm.conf"
+if "SLURM_CONF" not in os.environ and TEST_CLUSTER_CONF.exists():
+    os.environ["SLURM_CONF"] = str(TEST_CLUSTER_CONF)
 requires_slurm = pytest.mark.skipif(
     shutil.which("sbatch") is None,
     reason="needs Slurm's sbatch and a running cluster: run bin/slurm-test-cluster (installs slurm-wlm and munge)",
@@ -90,6 +98,78 @@ def make_driver(slurm_executor_name, tmp_path):
     yield make
     for driver in drivers:
         asyncio.run(driver.aclose())
+
+
+# --- what the driver logs (no cluster needed: Slurm's commands answered by a fake) ----------------
+
+
+def scripted_driver(*answers):
+    """A driver whose Slurm commands answer `answers` in turn (a Command, or an exception to raise)."""
+    driver = SlurmPartitionDriver(
+        Executor(name="logs", kind="hpc-partition", max_concurrency=1, transport={"partition": PARTITION})
+    )
+    replies = list(answers)
+
+    async def command(*argv: str) -> Command:
+        reply = replies.pop(0)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    driver._command = command  # type: ignore[method-assign]
+    return driver
+
+
+def one_line_records(caplog) -> list[tuple[int, str]]:
+    """The driver's log records as (level, message), each checked to hold no traceback."""
+    records = [r for r in caplog.records if r.name == "telemachus.executors"]
+    assert all(r.exc_info is None and "\n" not in r.getMessage() for r in records), records
+    return [(r.levelno, r.getMessage()) for r in records]
+
+
+class TestLogs:
+    """Expected conditions (a job Slurm forgot, a controller that does not answer, a task that
+    raises) are one line at INFO or WARNING; tracebacks are for what nobody expected."""
+
+    def test_a_job_the_controller_no_longer_knows_is_gone_without_a_word(self, caplog):
+        driver = scripted_driver(Command(1, "", "slurm_load_jobs error: Invalid job id specified"))
+        with caplog.at_level(logging.DEBUG, "telemachus.executors"):
+            state = asyncio.run(driver._job_state("42"))
+        assert state == ("GONE", "")
+        assert one_line_records(caplog) == []
+
+    def test_a_controller_that_does_not_answer_is_one_warning_per_query(self, caplog):
+        driver = scripted_driver(
+            Command(1, "", "slurm_load_jobs error: Unable to contact slurm controller (connect failure)\n"),
+            CommandTimeout("scontrol did not answer within 60s"),
+        )
+        with caplog.at_level(logging.DEBUG, "telemachus.executors"):
+            states = [asyncio.run(driver._job_state("42")), asyncio.run(driver._job_state("42"))]
+        assert states == [("", ""), ("", "")]
+        ((level, message),) = one_line_records(caplog)
+        assert level == logging.WARNING and "scontrol show job 42 failed: slurm_load_jobs error" in message
+
+    def test_a_task_that_raised_is_one_info_line_and_its_traceback_stays_in_the_result(self, tmp_path, caplog):
+        driver = scripted_driver()
+        trace = 'Traceback (most recent call last):\n  File "tasks.py", line 3, in sha256\nValueError: secret-7\n'
+        (tmp_path / "result.json").write_text(
+            json.dumps(
+                {
+                    "ok": False,
+                    "error": "raised ValueError",
+                    "exception_class": "builtins.ValueError",
+                    "traceback": trace,
+                }
+            )
+        )
+        with caplog.at_level(logging.DEBUG, "telemachus.executors"), pytest.raises(DispatchError) as caught:
+            driver._outcome("telemachus.sha256", "42", "COMPLETED", "0:0", tmp_path)
+        assert caught.value.detail == {"exception_class": "builtins.ValueError", "traceback": trace}
+        ((level, message),) = one_line_records(caplog)
+        assert (
+            level == logging.INFO and message == "task 'telemachus.sha256' raised builtins.ValueError in batch job 42"
+        )
+        assert "secret-7" not in caplog.text
 
 
 # --- the transport (no cluster needed) ------------------------------------------------------------

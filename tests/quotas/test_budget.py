@@ -23,12 +23,14 @@ def budget(scope: str, subject: str, dimension: str, limit: int, window: str = "
 
 
 def submit(user, team="a", est=100):
+    """A job whose estimate is `est`: its request can cost no more (a prompt of 5 tokens and a
+    completion of at most 1), so the estimate given stands."""
     return job_submit(
         user=user,
         team=team,
         type="chat",
         requirements={"model": "m", "est_tokens": est},
-        input={"messages": [{"role": "user", "content": "hi"}]},
+        input={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
     )
 
 
@@ -107,6 +109,51 @@ class TestAdmission:
         assert job.status == Job.Status.QUEUED and job.team.slug == "b"
 
 
+class TestSpentWhileWaiting:
+    """A budget that cannot cover a queued job any more: jobs that wait for it (the default of
+    /api/jobs/) stay queued, deferred; jobs that do not (every /v1/ call; `on_budget_exhausted:
+    fail`) end at once with the quota error, kept in their `failed` event."""
+
+    def test_a_job_that_does_not_wait_fails_and_one_that_waits_is_deferred(self, member_setup):
+        alice = member_setup[0]
+        budget("team", "a", "ai.tokens", 100)
+        running = submit(alice, est=60)
+        waits = submit(alice, est=60)
+        fails = job_submit(
+            user=alice,
+            team="a",
+            type="chat",
+            requirements={"model": "m", "est_tokens": 60, "on_budget_exhausted": "fail"},
+            input={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+        )
+        assert [c.job.pk for c in job_claim(worker="w", limit=1).claims] == [running.pk]
+        # 40 left of 100, each needs 60.
+        assert job_claim(worker="w", limit=2).claims == []
+        waits.refresh_from_db(), fails.refresh_from_db()
+        assert waits.status == "queued" and JobEvent.objects.filter(job=waits, event="deferred").exists()
+        assert fails.status == "failed" and "spent while this job waited" in fails.error
+        refusal = JobEvent.objects.get(job=fails, event="failed").meta["refusal"]
+        assert refusal["error"] == "quota_exceeded" and refusal["reset_at"] and refusal["scope"] == "team"
+
+    def test_a_spent_teams_jobs_that_do_not_wait_fail_though_its_heads_are_never_read(self, member_setup):
+        # Given team a's budget spent outright by what it used, and a job of it that does not wait...
+        alice = member_setup[0]
+        rule = budget("team", "a", "ai.tokens", 1000)
+        fails = job_submit(
+            user=alice,
+            team="a",
+            type="chat",
+            requirements={"model": "m", "est_tokens": 10, "on_budget_exhausted": "fail"},
+            input={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+        )
+        QuotaPolicy.objects.filter(pk=rule.pk).update(limit=0)
+        # When a claim runs (the team is blocked: its queue is not even looked at)...
+        assert job_claim(worker="w", limit=4).claims == []
+        # Then the job has ended, refused.
+        fails.refresh_from_db()
+        assert fails.status == "failed" and JobEvent.objects.filter(job=fails, event="failed").exists()
+
+
 class TestClaimGate:
     def test_reserves_defers_and_never_blocks_other_teams(self, member_setup):
         alice, bob, *_ = member_setup
@@ -168,12 +215,12 @@ class TestClaimGate:
         assert (job.status, job.tokens_used) == ("canceled", 100)
         assert JobEvent.objects.get(job=job, event="canceled").meta["tokens"] == 100
 
-    def test_a_canceled_attempt_without_an_estimate_bills_its_prompt(self, member_setup):
+    def test_a_canceled_attempt_with_an_estimate_of_0_bills_what_its_request_could_cost(self, member_setup):
         budget("team", "a", "ai.tokens", 300)
         submit(member_setup[0], est=0)
         (claim,) = job_claim(worker="w", limit=1).claims
         job_cancel(job_id=claim.job.pk)
-        assert ledger().tokens == 5 == Job.objects.get(pk=claim.job.pk).tokens_used, "4 for the role, 1 word"
+        assert ledger().tokens == 6 == Job.objects.get(pk=claim.job.pk).tokens_used, "5 of prompt, 1 of completion"
 
     def test_window_reset_lets_deferred_jobs_run(self, member_setup):
         alice = member_setup[0]

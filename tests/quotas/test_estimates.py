@@ -43,11 +43,26 @@ class TestEstimates:
         assert client.post("/api/jobs/", other, format="json").status_code == 201
         assert list(Job.objects.order_by("pk").values_list("cost_estimate", flat=True)) == [PROMPT + 300, PROMPT + 4000]
 
-    def test_a_given_estimate_is_kept(self, api, member_setup):
+    @pytest.mark.parametrize("given, expected", [(0, PROMPT + 16), (3, PROMPT + 16), (500, 500)])
+    def test_a_given_estimate_may_raise_the_requests_cost_never_lower_it(self, api, member_setup, given, expected):
         body = no_estimate(max_tokens=16)
-        body["requirements"]["est_tokens"] = 3
+        body["requirements"]["est_tokens"] = given
         assert api(member_setup[0]).post("/api/jobs/", body, format="json").status_code == 201
-        assert Job.objects.get().cost_estimate == 3
+        job = Job.objects.get()
+        assert job.cost_estimate == expected
+        # The money reserved follows: the completion priced is max_tokens, the prompt its tokens.
+        assert (job.est_prompt_tokens, job.est_completion_tokens) == (PROMPT, 16)
+
+    def test_an_estimate_of_zero_cannot_lower_a_flows_rounds(self, member_setup, settings):
+        settings.TELEMACHUS_COMPLETION_ESTIMATE = 50
+        flow = job_submit(
+            user=member_setup[0],
+            team="a",
+            type="flow",
+            requirements={"model": "m", "est_tokens": 0},
+            input={"messages": [{"role": "user", "content": "go [rounds:3]"}], "tools": ["echo"]},
+        )
+        assert Job.objects.get(pk=flow.pk).cost_estimate == 4 + 2 + 50
 
     def test_translate_counts_its_template_and_tools_tasks_use_nothing(self, api, member_setup, settings):
         settings.TELEMACHUS_COMPLETION_ESTIMATE = 100
@@ -90,13 +105,18 @@ class TestEstimates:
 
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
-def test_a_daily_budget_of_100_holds_for_30_bulk_jobs_without_estimates(api, member_setup, processes):
-    # Given a 100-token daily budget for team a, and 30 jobs (max_tokens 16, no est_tokens) in one bulk...
+@pytest.mark.parametrize("given", [None, 0], ids=["no estimate", "an estimate of 0"])
+def test_a_daily_budget_of_100_holds_for_30_bulk_jobs_without_estimates(api, member_setup, processes, given):
+    # Given a 100-token daily budget for team a, and 30 jobs (max_tokens 16, no est_tokens, or 0,
+    # which once reserved nothing: 80x the budget was billed) in one bulk...
     alice, *_, executor = member_setup
     Executor.objects.filter(pk=executor.pk).update(max_concurrency=8, meta={"latency_ms": 50, "output_tokens": 16})
     QuotaPolicy.objects.create(scope="team", subject="a", dimension="ai.tokens", limit=100, window="day")
     client = api(alice)
-    response = client.post("/api/jobs/bulk/", {"jobs": [no_estimate(max_tokens=16)] * 30}, format="json")
+    body = no_estimate(max_tokens=16)
+    if given is not None:
+        body["requirements"]["est_tokens"] = given
+    response = client.post("/api/jobs/bulk/", {"jobs": [body] * 30}, format="json")
     assert response.status_code == 201, response.content
 
     # When a worker runs what the budget allows...

@@ -4,18 +4,21 @@ through the real ASGI application (session cookie, origin check, consumer)."""
 import json
 import re
 import time
+from datetime import timedelta
 
 import pytest
 from asgiref.sync import async_to_sync
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.test import Client
+from django.utils import timezone
 
 from executors.models import Executor
 from executors.tools import ToolOutcome
 from scheduler.live.snapshot import dashboard_state
-from scheduler.models import Job, QueuePolicy
+from scheduler.models import Job, JobEvent, QueuePolicy, QueueSample
 from scheduler.services.claim import job_claim
+from scheduler.services.history import bucket_start
 from scheduler.services.rounds import round_finish, round_requeue
 from scheduler.services.submit import job_submit
 from telemachus.asgi import application
@@ -303,6 +306,49 @@ class TestPushes:
         assert state["jobs"][0]["link"] == f"/admin/scheduler/job/{state['jobs'][0]['id']}/change/"
         mine = dashboard_state(user=alice)
         assert mine["jobs_total"] == RECENT_JOBS + 3 and mine["jobs"][0]["link"].startswith("/api/jobs/")
+
+
+def test_the_queue_wait_is_the_open_buckets_so_far_and_the_longest_still_queued(member_setup, operator, settings):
+    """Given a closed bucket whose jobs waited 0.01 s, three jobs that started in the open bucket
+    after waiting 4.9 s, and a job queued for 5 s already: the dashboard's state holds the open
+    bucket's waits so far (the measure its row will hold when it closes, which the wait tile and the
+    wait chart's live edge show) and when the job waiting longest entered the queue."""
+    settings.TELEMACHUS_HISTORY_BUCKET_SECONDS = 86_400  # the open bucket: today (UTC), whatever the minute
+    alice, _, team_a, _, _ = member_setup
+    now = timezone.now()
+    QueueSample.objects.create(at=bucket_start(now) - timedelta(days=1), values={"wait_p95": 0.01, "wait_p50": 0.01})
+    for _ in range(3):
+        started = now - timedelta(seconds=1)
+        job = Job.objects.create(
+            type="chat",
+            user=alice,
+            team=team_a,
+            model="m",
+            status=Job.Status.DONE,
+            submitted_at=started - timedelta(seconds=4.9),
+            started_at=started,
+            finished_at=now,
+        )
+        JobEvent.objects.create(job=job, event=JobEvent.Type.STARTED, at=started)
+    waiting = job_submit(
+        user=alice,
+        team="a",
+        type="chat",
+        requirements={"model": "m"},
+        input={"messages": [{"role": "user", "content": "x"}]},
+    )
+    entered = now - timedelta(seconds=5)
+    Job.objects.filter(pk=waiting.pk).update(queued_at=entered)
+
+    waits = dashboard_state(user=operator)["waits"]
+    assert waits == {
+        "since": bucket_start(now),
+        "started": 3,
+        "wait_p50": 4.9,
+        "wait_p95": 4.9,
+        "oldest_queued_at": entered,
+    }
+    assert dashboard_state(user=alice)["waits"]["wait_p95"] == 4.9, "the whole queue's, like the history's"
 
 
 def test_a_running_flow_shows_its_round(member_setup):

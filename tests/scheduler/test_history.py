@@ -1,6 +1,7 @@
 """The dashboard's history: what a worker records as each bucket closes (scheduler/services/
 history.py), what the charts read back (scheduler/live/history.py, GET /api/queue/history/), and
-a real worker process recording it on its own."""
+a real worker process recording it on its own, a burst that comes and goes within a bucket
+included."""
 
 from datetime import timedelta
 from decimal import Decimal
@@ -8,10 +9,12 @@ from decimal import Decimal
 import pytest
 from django.utils import timezone
 
+from executors.models import Executor
 from scheduler.live.history import history_series
 from scheduler.models import Job, JobEvent, QueueSample
+from scheduler.services.cancel import job_cancel
 from scheduler.services.claim import job_claim
-from scheduler.services.history import bucket_start, history_record
+from scheduler.services.history import HistoryRecorder, bucket_start
 from tests.processes import wait_until
 
 pytestmark = pytest.mark.django_db
@@ -21,10 +24,18 @@ SIZE = timedelta(seconds=60)
 
 @pytest.fixture
 def closed_bucket(settings):
-    """A bucket that closed two minutes ago: [start, start + 60 s)."""
+    """A bucket that closed two minutes ago: [start, start + 60 s); the workers read the gauges
+    every 2 s."""
     settings.TELEMACHUS_HISTORY_BUCKET_SECONDS = 60
     settings.TELEMACHUS_HISTORY_RETENTION_HOURS = 24
+    settings.TELEMACHUS_HISTORY_SAMPLE_SECONDS = 2
     return bucket_start(timezone.now()) - 2 * SIZE
+
+
+def watched(recorder: HistoryRecorder, bucket) -> HistoryRecorder:
+    """As a worker that was running when the bucket began: it read the gauges at its start."""
+    assert recorder.record(now=bucket + timedelta(seconds=0.2)) is None
+    return recorder
 
 
 def ended_job(user, team, *, start, tokens, status=Job.Status.DONE, waited=5.0, ran=10.0, cost="0"):
@@ -70,7 +81,8 @@ class TestRecord:
         # Outside the bucket: a job that ended a minute later counts in the next bucket, not this one.
         ended_job(bob, team_b, start=closed_bucket + SIZE, tokens=999)
 
-        assert history_record(now=closed_bucket + SIZE + timedelta(seconds=0.5)) == closed_bucket
+        recorder = watched(HistoryRecorder(), closed_bucket)
+        assert recorder.record(now=closed_bucket + SIZE + timedelta(seconds=0.5)) == closed_bucket
 
         whole = values(at=closed_bucket, team=None, executor=None)
         assert whole == {
@@ -106,17 +118,61 @@ class TestRecord:
             "health": "ok",
         }
 
+    def test_a_burst_that_drains_within_the_bucket_keeps_its_peak(self, member_setup, submit, closed_bucket):
+        """Given nothing queued as the bucket begins and as it closes, and in between five jobs
+        queued, two of them running on the executor's slots, then all canceled: the bucket holds
+        the most that was queued, running and in use at once, for the team, the executor and the
+        whole queue, where a reading at the close alone said nothing happened."""
+        alice, _, team_a, _, executor = member_setup
+        recorder = watched(HistoryRecorder(), closed_bucket)
+        jobs = [submit(alice, team_a) for _ in range(5)]
+        recorder.record(now=closed_bucket + timedelta(seconds=10))
+        job_claim(worker="w", limit=2)
+        recorder.record(now=closed_bucket + timedelta(seconds=12))
+        for job in jobs:
+            job_cancel(job_id=job.pk, bill=False)
+        recorder.record(now=closed_bucket + timedelta(seconds=14))
+
+        assert recorder.record(now=closed_bucket + SIZE + timedelta(seconds=0.2)) == closed_bucket
+        whole = values(at=closed_bucket, team=None, executor=None)
+        assert (whole["queued"], whole["running"], whole["in_use"]) == (5, 2, 2)
+        assert values(at=closed_bucket, team=team_a) == {"queued": 5, "running": 2, "in_use": 2}
+        assert values(at=closed_bucket, executor=executor)["in_use"] == 2
+        # The next bucket began with the queue empty: its peaks so far are nothing.
+        assert recorder.record(now=closed_bucket + 2 * SIZE + timedelta(seconds=0.2)) == closed_bucket + SIZE
+        assert values(at=closed_bucket + SIZE, team=None, executor=None)["queued"] == 0
+
+    def test_a_worker_that_came_late_leaves_the_bucket_to_one_that_watched_it(
+        self, member_setup, submit, closed_bucket
+    ):
+        """A worker started halfway through the bucket has not seen its first half: as the bucket
+        closes it leaves the writing to a worker that read the gauges all through, and writes the
+        bucket itself only if it is still missing a sample interval later."""
+        alice, _, team_a, _, _ = member_setup
+        late, close = HistoryRecorder(), closed_bucket + SIZE
+        assert late.record(now=closed_bucket + timedelta(seconds=30)) is None
+        assert late.record(now=close + timedelta(seconds=0.2)) is None
+        assert not QueueSample.objects.filter(at=closed_bucket).exists()
+        submit(alice, team_a)
+        assert late.record(now=close + timedelta(seconds=2.2)) == closed_bucket
+        assert values(at=closed_bucket, team=None, executor=None)["queued"] == 1
+
+        # The next bucket it watched whole: it writes it as soon as it closes.
+        assert late.record(now=close + SIZE + timedelta(seconds=0.2)) == close
+
     def test_written_once_per_bucket_whoever_gets_there(self, member_setup, submit, closed_bucket):
         """A second worker finds the bucket written and leaves it; and should its insert race the
         first (it read before the first committed), the unique constraints drop the duplicates."""
         alice, _, team_a, _, executor = member_setup
         submit(alice, team_a)
         at = closed_bucket + SIZE + timedelta(seconds=0.5)
-        assert history_record(now=at) == closed_bucket
-        assert history_record(now=at) is None
+        first = watched(HistoryRecorder(), closed_bucket)
+        assert first.record(now=at) == closed_bucket
+        assert first.record(now=at) is None
+        assert watched(HistoryRecorder(), closed_bucket).record(now=at) is None
         before = QueueSample.objects.count()
         QueueSample.objects.filter(team=None, executor=None).delete()  # as if the first had not been seen
-        assert history_record(now=at) == closed_bucket
+        assert watched(HistoryRecorder(), closed_bucket).record(now=at) == closed_bucket
         assert QueueSample.objects.count() == before
         assert QueueSample.objects.filter(executor=executor).count() == 1
 
@@ -124,9 +180,15 @@ class TestRecord:
         old = closed_bucket - timedelta(hours=25)
         QueueSample.objects.create(at=old, values={"queued": 1})
         QueueSample.objects.create(at=old, team=member_setup[2], values={"queued": 1})
-        history_record(now=closed_bucket + SIZE)
+        watched(HistoryRecorder(), closed_bucket).record(now=closed_bucket + SIZE)
         assert not QueueSample.objects.filter(at=old).exists()
         assert QueueSample.objects.filter(at=closed_bucket).exists()
+
+    def test_reads_the_gauges_every_sample_interval_and_as_each_bucket_closes(self, closed_bucket):
+        recorder = HistoryRecorder()
+        assert recorder.next_in(now=closed_bucket + timedelta(seconds=10)) == 2
+        assert recorder.next_in(now=closed_bucket + timedelta(seconds=57.5)) == pytest.approx(2.7)
+        assert recorder.next_in(now=closed_bucket + timedelta(seconds=59.5)) == pytest.approx(0.7)
 
 
 class TestSeries:
@@ -150,6 +212,8 @@ class TestSeries:
         series = history_series(user=operator, minutes=10, now=closed_bucket + SIZE + timedelta(seconds=5))
         ends = [int((at + SIZE).timestamp()) for at in (first, first + SIZE, last)]
         assert series["times"] == ends, "the series start at the first recorded bucket"
+        assert series["since"] == int(first.timestamp()), "where the first step begins"
+        assert series["currency"] == "USD"
         assert series["global"]["queued"] == [8, None, 10], "a bucket no worker recorded is a gap"
         assert series["global"]["failed"] == [0, None, 0]
         # Team alpha had no row in the first bucket: nothing queued then, not unknown.
@@ -187,6 +251,37 @@ class TestApi:
             response = api(alice).get(f"/api/queue/history/?{query}")
             assert response.status_code == 400 and field in response.json()["fields"], query
         assert api().get("/api/queue/history/").status_code == 401
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_burst_a_worker_sees_come_and_go_within_a_bucket_is_recorded(processes, member_setup, submit, settings):
+    """Given a worker with six-second buckets that reads the gauges every 0.2 s, and 40 jobs
+    submitted just after a bucket begins to an executor with 4 slots that answers in 0.1 s: the
+    burst is over within the bucket, and the bucket's row holds it (the queue's peak, all 4
+    slots busy), where the reading at its close alone found nothing queued or running."""
+    alice, _, team_a, _, executor = member_setup
+    Executor.objects.filter(pk=executor.pk).update(meta={"latency_ms": 100})
+    settings.TELEMACHUS_HISTORY_BUCKET_SECONDS = 6
+    processes.worker("w1", TELEMACHUS_HISTORY_BUCKET_SECONDS="6", TELEMACHUS_HISTORY_SAMPLE_SECONDS="0.2")
+    wait_until(lambda: QueueSample.objects.exists(), timeout=30, what="the worker to record a bucket")
+
+    def early_in_a_bucket() -> bool:
+        now = timezone.now()
+        return timedelta(seconds=0.3) <= now - bucket_start(now) <= timedelta(seconds=1)
+
+    wait_until(early_in_a_bucket, timeout=10, what="a bucket's first second")
+    start = bucket_start(timezone.now())
+    for _ in range(40):
+        submit(alice, team_a)
+    wait_until(
+        lambda: QueueSample.objects.filter(at=start, team=None, executor=None).exists(), timeout=20, what="its row"
+    )
+    whole = values(at=start, team=None, executor=None)
+    assert whole["finished"] == 40, f"the burst was to end within the bucket: {whole}"
+    assert whole["queued"] >= 10 and whole["running"] == 4 and whole["in_use"] == 4, whole
+    assert values(at=start, executor=executor)["in_use"] == 4
+    assert values(at=start, team=team_a)["queued"] == whole["queued"]
 
 
 @pytest.mark.slow

@@ -347,3 +347,24 @@ def test_system_changes_have_no_actor(member_setup):
     event = AuditEvent.objects.get(action="executor.update")
     assert (event.actor, event.actor_name, event.source) == (None, "", "system")
     assert Job.objects.count() == 0
+
+
+def test_no_secret_is_written_to_the_audit_log_whoever_records_it(operator):
+    """The audit's second line: a service that passes a secret under a secret's name (an API key,
+    a password, an Authorization header, at any depth) has it masked; other values stay."""
+    from telemachus.control.audit import audit_record
+
+    event = audit_record(
+        by=operator,
+        action="thing.update",
+        object_type="thing",
+        object_id=1,
+        before={"password": "hunter2", "max_tokens": 64, "api_key_env": "OPENAI_API_KEY"},
+        after={"provider": {"apiKey": "sk-123", "headers": [{"Authorization": "Bearer sk-123"}]}, "token": True},
+    )
+    event.refresh_from_db()
+    assert event.before == {"password": "********", "max_tokens": 64, "api_key_env": "OPENAI_API_KEY"}
+    assert event.after == {
+        "provider": {"apiKey": "********", "headers": [{"Authorization": "********"}]},
+        "token": True,
+    }

@@ -20,6 +20,7 @@ from telemachus.keys.models import ApiKey, PersonalToken
 from telemachus.keys.services import api_key_create, api_key_revoke
 from telemachus.models import AuditEvent, Membership
 from tests.conftest import chat_body
+from tests.credentials import token_for
 
 pytestmark = pytest.mark.django_db
 
@@ -172,19 +173,38 @@ class TestUse:
 
 class TestFailures:
     @override_settings(TELEMACHUS_AUTH_FAILURES_PER_ADDRESS=3, TELEMACHUS_AUTH_FAILURE_WINDOW_SECONDS=60)
-    def test_bad_credentials_are_limited_per_address(self, api, manager):
+    def test_bad_credentials_never_lock_out_good_ones(self, api, manager, member_setup):
         good = created_key(api, manager)["key"]
+        alice_token = token_for(member_setup[0])
         for guess in range(3):
             assert bearer(f"tm-guess{guess}").get("/api/jobs/").status_code == 401
         throttled = bearer("tm-guess4").get("/api/jobs/")
         assert throttled.status_code == 429 and throttled.json()["error"] == "throttled"
         assert 0 < int(throttled.headers["Retry-After"]) <= 60
-        # While the address is over its limit, even a good key is not looked at (so guessing on
-        # teaches nothing); another address is not affected.
-        assert bearer(good).get("/api/jobs/").status_code == 429
-        elsewhere = APIClient(REMOTE_ADDR="10.0.0.9")
-        elsewhere.credentials(HTTP_AUTHORIZATION=f"Bearer {good}")
-        assert elsewhere.get("/api/jobs/").status_code == 200
+        # From the same address, over its limit: every right key and token is served, in both
+        # header forms, while the wrong ones stay refused.
+        for _ in range(30):
+            assert bearer(good).get("/api/jobs/").status_code == 200
+            assert bearer(alice_token, "Token").get("/api/jobs/").status_code == 200
+            assert bearer(f"tm-{_:05d}").get("/api/jobs/").status_code == 429
+        assert bearer(alice_token).get("/api/jobs/").status_code == 200
+
+    @override_settings(TELEMACHUS_AUTH_FAILURES_PER_ADDRESS=1000, TELEMACHUS_AUTH_FAILURES_PER_CREDENTIAL=3)
+    def test_guessing_one_key_from_many_addresses_is_answered_as_from_one(self, api, manager):
+        good = created_key(api, manager)["key"]
+        known_prefix = good[:8]  # what a key list shows
+        codes = []
+        for attempt in range(5):
+            guesser = APIClient(REMOTE_ADDR=f"10.0.1.{attempt}")
+            guesser.credentials(HTTP_AUTHORIZATION=f"Bearer {known_prefix}{attempt:027d}")
+            codes.append(guesser.get("/api/jobs/").status_code)
+        assert codes == [401, 401, 401, 429, 429]
+        # The key whose prefix was guessed at still works, from anywhere.
+        owner = APIClient(REMOTE_ADDR="10.0.1.0")
+        owner.credentials(HTTP_AUTHORIZATION=f"Bearer {good}")
+        assert owner.get("/api/jobs/").status_code == 200
+        # Another prefix's failures are counted on their own.
+        assert bearer("tm-other0000").get("/api/jobs/").status_code == 401
 
 
 class TestPersonalTokens:

@@ -1,3 +1,5 @@
+import os
+
 import uvicorn
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
@@ -18,6 +20,16 @@ class Command(BaseCommand):
         parser.add_argument("--fail-rate", type=float, default=0, help="share of requests answered 500 (0..1)")
         parser.add_argument("--output-tokens", type=int, default=16, help="completion tokens per reply (default 16)")
         parser.add_argument("--models", default="sim", help="comma-separated model names served (default: sim)")
+        parser.add_argument(
+            "--api-key",
+            default=os.environ.get("SIMLLM_API_KEY"),
+            help="answer 401 to requests without it (default: $SIMLLM_API_KEY; none: no key needed)",
+        )
+        parser.add_argument(
+            "--api-key-header",
+            default="Authorization",
+            help="where the key is looked for: Authorization (as 'Bearer <key>', the default) or another header",
+        )
 
     def handle(self, *args, **o) -> None:
         if not 0 <= o["fail_rate"] <= 1:
@@ -33,6 +45,8 @@ class Command(BaseCommand):
             tokens_per_s=o["tokens_per_s"],
             fail_rate=o["fail_rate"],
             output_tokens=o["output_tokens"],
+            api_key=o["api_key"],
+            api_key_header=o["api_key_header"],
         )
         self.stdout.write(f"simllm serving {', '.join(models)} on http://{o['host']}:{o['port']}/v1 (simulated)")
         uvicorn.run(app, host=o["host"], port=o["port"], log_level="warning", backlog=4096, timeout_keep_alive=30)

@@ -38,23 +38,15 @@ stand-in count the budget estimate uses (executors/tokens.py), without a job."""
 from typing import Any
 
 from executors.selectors import models_usable_by
-from scheduler.gateway import shapes
+from scheduler.connections import db, idempotent
 from scheduler.gateway.anthropic.answer import MessagesWriter, anthropic_error, error_body, message_object
 from scheduler.gateway.anthropic.request import translate
 from scheduler.gateway.asgi import Reply, Request
 from scheduler.gateway.auth import client_address
-from scheduler.gateway.calls import (
-    TEAM_HEADER,
-    Dialect,
-    GatewayError,
-    StreamWriter,
-    answering_errors,
-    caller_for,
-    model_call,
-    respond_error,
-    sse,
-)
-from scheduler.gateway.database import db
+from scheduler.gateway.caller import TEAM_HEADER, caller_for
+from scheduler.gateway.calls import model_call
+from scheduler.gateway.dialect import Dialect, ModelCall, StreamWriter, answering_errors, parse_body, respond_error, sse
+from scheduler.gateway.errors import GatewayError, method_not_allowed, unknown_url
 
 __all__ = ["MESSAGES", "error_body", "serve", "translate"]
 
@@ -63,13 +55,13 @@ class MessagesDialect(Dialect):
     via = "anthropic"
     api_key_header = "x-api-key"
 
-    def translate(self, body: Any) -> shapes.ModelCall:
+    def translate(self, body: Any) -> ModelCall:
         return translate(body)
 
-    def answer(self, *, job_id: int, created: int, call: shapes.ModelCall, result: dict[str, Any]) -> dict[str, Any]:
+    def answer(self, *, job_id: int, created: int, call: ModelCall, result: dict[str, Any]) -> dict[str, Any]:
         return message_object(job_id=job_id, call=call, result=result)
 
-    def writer(self, *, job_id: int, created: int, call: shapes.ModelCall) -> StreamWriter:
+    def writer(self, *, job_id: int, created: int, call: ModelCall) -> StreamWriter:
         return MessagesWriter(job_id=job_id, created=created, call=call)
 
     def error_body(self, error: GatewayError) -> dict[str, Any]:
@@ -87,13 +79,9 @@ async def serve(request: Request, reply: Reply, rest: str | None = None) -> None
     routes = {"": create, "/count_tokens": count_tokens}
     handler = routes.get((rest or "").rstrip("/"))
     if handler is None:
-        error = shapes.OpenAIError(404, f"Unknown path: {request.method} {request.path}", code="unknown_url")
-        return await respond_error(reply, MESSAGES, error)
+        return await respond_error(reply, MESSAGES, unknown_url(request, retry=None))
     if request.method != "POST":
-        error = shapes.OpenAIError(
-            405, f"{request.method} is not allowed on {request.path}; use POST.", code="method_not_allowed"
-        )
-        return await respond_error(reply, MESSAGES, error)
+        return await respond_error(reply, MESSAGES, method_not_allowed(request, "POST", retry=None))
     await answering_errors(reply, MESSAGES, handler(request, reply))
 
 
@@ -114,13 +102,16 @@ async def count_tokens(request: Request, reply: Reply) -> None:
     await reply.json(200, {"input_tokens": counted})
 
 
+@idempotent
 def _count(*, authorization: str | None, team: str | None, body: bytes, address: str) -> int:
-    caller = caller_for(authorization=authorization, team=team, confirm=True, address=address)
-    call = translate(shapes.parse_body(body), counting=True)
-    if call.model not in models_usable_by([caller.team.pk], chat=True)[caller.team.pk] or not caller.may_call(
-        call.model
-    ):
-        raise shapes.OpenAIError(
+    caller = caller_for(
+        authorization=authorization, team=team, confirm=True, address=address, api_key_header=MESSAGES.api_key_header
+    )
+    call = translate(parse_body(body), counting=True)
+    if call.model not in models_usable_by([caller.team.pk], chat=True, routes=True)[
+        caller.team.pk
+    ] or not caller.may_call(call.model):
+        raise GatewayError(
             404, f"The model {call.model!r} does not exist or your team may not use it.", code="model_not_found"
         )
     return int(call.context["prompt"])

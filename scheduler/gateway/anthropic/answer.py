@@ -4,9 +4,10 @@ chat job's result, and Anthropic's error shape."""
 import json
 from typing import Any
 
-from scheduler.gateway import shapes
-from scheduler.gateway.calls import INTERRUPTED, GatewayError, StreamWriter, sse
-from scheduler.gateway.feed import ToolPiece
+from scheduler.gateway.dialect import ModelCall, StreamWriter, sse
+from scheduler.gateway.errors import INTERRUPTED, GatewayError
+from scheduler.gateway.openai.answer import usage
+from scheduler.gateway.relay import ToolPiece
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
 ERROR_TYPES = {
@@ -35,7 +36,7 @@ def anthropic_error(error: GatewayError) -> dict[str, Any]:
 
 
 def error_body(status: int, code: str, message: str) -> dict[str, Any]:
-    return anthropic_error(shapes.OpenAIError(status, message, code=code))
+    return anthropic_error(GatewayError(status, message, code=code))
 
 
 def message_id(job_id: int) -> str:
@@ -68,7 +69,7 @@ def _input(function: dict[str, Any]) -> dict[str, Any]:
     except ValueError:
         value = None
     if not isinstance(value, dict):
-        raise shapes.OpenAIError(
+        raise GatewayError(
             502,
             f"The model called {function.get('name')!r} with arguments that are not a JSON object.",
             type="api_error",
@@ -79,7 +80,7 @@ def _input(function: dict[str, Any]) -> dict[str, Any]:
 
 
 def _usage(result: dict[str, Any]) -> dict[str, int]:
-    used = shapes.usage(result)
+    used = usage(result)
     return {
         "input_tokens": used["prompt_tokens"],
         "output_tokens": used["completion_tokens"],
@@ -88,7 +89,7 @@ def _usage(result: dict[str, Any]) -> dict[str, int]:
     }
 
 
-def message_object(*, job_id: int, call: shapes.ModelCall, result: dict[str, Any]) -> dict[str, Any]:
+def message_object(*, job_id: int, call: ModelCall, result: dict[str, Any]) -> dict[str, Any]:
     return {
         "id": message_id(job_id),
         "type": "message",
@@ -108,7 +109,7 @@ class MessagesWriter(StreamWriter):
 
     keepalive = sse({"type": "ping"}, event="ping")
 
-    def __init__(self, *, job_id: int, created: int, call: shapes.ModelCall) -> None:
+    def __init__(self, *, job_id: int, created: int, call: ModelCall) -> None:
         super().__init__()
         self.job_id, self.call = job_id, call
         self.blocks: list[int | None] = []  # by block index: None a text block, else a tool call's index

@@ -37,25 +37,26 @@ shape, as on chat completions."""  # noqa: E501 (the mapping table's rows)
 
 from typing import Any
 
-from scheduler.gateway import shapes
 from scheduler.gateway.asgi import Reply, Request
-from scheduler.gateway.calls import Dialect, GatewayError, StreamWriter, model_call, sse
+from scheduler.gateway.calls import model_call
+from scheduler.gateway.dialect import Dialect, ModelCall, StreamWriter, answering_errors, respond_error, sse
+from scheduler.gateway.errors import GatewayError, method_not_allowed
 from scheduler.gateway.responses.answer import ResponsesWriter, response_object
 from scheduler.gateway.responses.request import translate
 
-__all__ = ["RESPONSES", "create", "translate"]
+__all__ = ["RESPONSES", "serve", "translate"]
 
 
 class ResponsesDialect(Dialect):
     via = "responses"
 
-    def translate(self, body: Any) -> shapes.ModelCall:
+    def translate(self, body: Any) -> ModelCall:
         return translate(body)
 
-    def answer(self, *, job_id: int, created: int, call: shapes.ModelCall, result: dict[str, Any]) -> dict[str, Any]:
+    def answer(self, *, job_id: int, created: int, call: ModelCall, result: dict[str, Any]) -> dict[str, Any]:
         return response_object(job_id=job_id, created=created, call=call, status="completed", result=result)
 
-    def writer(self, *, job_id: int, created: int, call: shapes.ModelCall) -> StreamWriter:
+    def writer(self, *, job_id: int, created: int, call: ModelCall) -> StreamWriter:
         return ResponsesWriter(job_id=job_id, created=created, call=call)
 
     def late_error(self, error: GatewayError) -> bytes:
@@ -66,6 +67,8 @@ class ResponsesDialect(Dialect):
 RESPONSES = ResponsesDialect()
 
 
-async def create(request: Request, reply: Reply) -> None:
-    """POST /v1/responses."""
-    await model_call(request, reply, dialect=RESPONSES)
+async def serve(request: Request, reply: Reply) -> None:
+    """POST /v1/responses; every error leaves in OpenAI's shape."""
+    if request.method != "POST":
+        return await respond_error(reply, RESPONSES, method_not_allowed(request, "POST"))
+    await answering_errors(reply, RESPONSES, model_call(request, reply, dialect=RESPONSES))

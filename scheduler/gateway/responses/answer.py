@@ -3,9 +3,10 @@ from the chat job's result."""
 
 from typing import Any
 
-from scheduler.gateway import shapes
-from scheduler.gateway.calls import GatewayError, StreamWriter, sse
-from scheduler.gateway.feed import ToolPiece
+from scheduler.gateway.dialect import ModelCall, StreamWriter, sse
+from scheduler.gateway.errors import GatewayError
+from scheduler.gateway.openai.answer import usage
+from scheduler.gateway.relay import ToolPiece
 
 
 def response_id(job_id: int) -> str:
@@ -64,7 +65,7 @@ def response_object(
     *,
     job_id: int,
     created: int,
-    call: shapes.ModelCall,
+    call: ModelCall,
     status: str,
     result: dict[str, Any] | None = None,
     error: GatewayError | None = None,
@@ -73,7 +74,7 @@ def response_object(
     """The `response` object, as the answer and as the stream's lifecycle events carry it."""
     context = call.context
     reason = _incomplete(result) if result is not None else None
-    used = shapes.usage(result) if result is not None else None
+    used = usage(result) if result is not None else None
     return {
         "id": response_id(job_id),
         "object": "response",
@@ -124,7 +125,7 @@ class ResponsesWriter(StreamWriter):
     take their output index in the order they start: the message at its first text, a function
     call at its first piece."""
 
-    def __init__(self, *, job_id: int, created: int, call: shapes.ModelCall) -> None:
+    def __init__(self, *, job_id: int, created: int, call: ModelCall) -> None:
         super().__init__()
         self.job_id, self.created, self.call = job_id, created, call
         self.sequence = 0

@@ -3,8 +3,9 @@ carry (the table in scheduler/gateway/responses/__init__.py)."""
 
 from typing import Any
 
-from scheduler.gateway import shapes
-from scheduler.gateway.calls import GatewayError, renamed
+from scheduler.gateway.dialect import ModelCall, body_object, model_name, renamed
+from scheduler.gateway.errors import GatewayError, bad_request
+from scheduler.gateway.openai.request import chat_call
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -39,22 +40,22 @@ KNOWN = (
 
 
 def refused(field: str, why: str) -> GatewayError:
-    return shapes.OpenAIError(400, f"'{field}' is not supported: {why}", code="unsupported_parameter", param=field)
+    return GatewayError(400, f"'{field}' is not supported: {why}", code="unsupported_parameter", param=field)
 
 
-def translate(body: Any) -> shapes.ModelCall:
+def translate(body: Any) -> ModelCall:
     """A Responses request as a chat completions job (the table in the module docstring)."""
-    body = shapes._object(body)
+    body = body_object(body)
     for name in body:
         if name not in KNOWN and body[name] is not None:
             raise refused(
                 name, "this gateway serves the Responses API over chat completions, which has no such option."
             )
     _refuse_state(body)
-    chat: dict[str, Any] = {"model": shapes._model(body)}
+    chat: dict[str, Any] = {"model": model_name(body)}
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
-        raise shapes.bad_request("'instructions' must be a string.", "instructions")
+        raise bad_request("'instructions' must be a string.", "instructions")
     chat["messages"] = ([{"role": "system", "content": instructions}] if instructions else []) + input_messages(
         body.get("input")
     )
@@ -76,14 +77,14 @@ def translate(body: Any) -> shapes.ModelCall:
     if metadata is not None and not (
         isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values()) and len(metadata) <= 16
     ):
-        raise shapes.bad_request("'metadata' must be an object of at most 16 string values.", "metadata")
+        raise bad_request("'metadata' must be an object of at most 16 string values.", "metadata")
     try:
-        call = shapes.chat_call(chat)
-    except shapes.OpenAIError as exc:
+        call = chat_call(chat)
+    except GatewayError as exc:
         raise renamed(exc, {"max_tokens": "max_output_tokens", "messages": "input"}) from None
     context = {name: body.get(name) for name in ECHOED}
     context.update(tools=body.get("tools") or [], metadata=metadata or {}, text=text or {"format": {"type": "text"}})
-    return shapes.ModelCall(
+    return ModelCall(
         model=call.model, input=call.input, est_tokens=call.est_tokens, stream=call.stream, context=context
     )
 
@@ -97,7 +98,7 @@ def _refuse_state(body: dict[str, Any]) -> None:
     if body.get("store") is True:
         raise refused("store", "responses are not kept here; send 'store': false or leave it out.")
     if body.get("store") not in (None, False):
-        raise shapes.bad_request("'store' must be a boolean.", "store")
+        raise bad_request("'store' must be a boolean.", "store")
     if body.get("include"):
         raise refused("include", "none of its extra outputs (logprobs, reasoning, tool results) exists here.")
     if body.get("truncation") not in (None, "disabled"):
@@ -115,15 +116,15 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
     """`input` as chat messages."""
     if isinstance(value, str):
         if not value:
-            raise shapes.bad_request("'input' must not be empty.", "input")
+            raise bad_request("'input' must not be empty.", "input")
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
-        raise shapes.bad_request("'input' must be a string or a non-empty list of items.", "input")
+        raise bad_request("'input' must be a string or a non-empty list of items.", "input")
     messages: list[dict[str, Any]] = []
     for index, item in enumerate(value):
         where = f"input[{index}]"
         if not isinstance(item, dict):
-            raise shapes.bad_request(f"{where} must be an object.", where)
+            raise bad_request(f"{where} must be an object.", where)
         kind = item.get("type") or ("message" if "role" in item else None)
         if kind == "message":
             messages.append(_message(item, where))
@@ -166,12 +167,12 @@ def _joins(previous: Any) -> bool:
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     role = item.get("role")
     if not isinstance(role, str) or role not in ROLES:
-        raise shapes.bad_request(f"{where}.role must be one of {', '.join(ROLES)}.", f"{where}.role")
+        raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}.", f"{where}.role")
     content = item.get("content")
     if isinstance(content, str):
         return {"role": ROLES[role], "content": content}
     if not isinstance(content, list):
-        raise shapes.bad_request(f"{where}.content must be a string or a list of parts.", f"{where}.content")
+        raise bad_request(f"{where}.content must be a string or a list of parts.", f"{where}.content")
     parts: list[dict[str, Any]] = []
     for index, part in enumerate(content):
         at = f"{where}.content[{index}]"
@@ -203,24 +204,24 @@ def _output_text(output: Any, where: str) -> str:
                 raise refused(f"{where}[{index}]", "a tool's output reaches the model as text only.")
             texts.append(_string(part, "text", f"{where}[{index}]"))
         return "".join(texts)
-    raise shapes.bad_request(f"{where} must be a string or a list of text parts.", where)
+    raise bad_request(f"{where} must be a string or a list of text parts.", where)
 
 
 def _string(item: dict[str, Any], name: str, where: str, default: str | None = None) -> str:
     value = item.get(name, default)
     if not isinstance(value, str):
-        raise shapes.bad_request(f"{where}.{name} must be a string.", f"{where}.{name}")
+        raise bad_request(f"{where}.{name} must be a string.", f"{where}.{name}")
     return value
 
 
 def tools(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list):
-        raise shapes.bad_request("'tools' must be a list.", "tools")
+        raise bad_request("'tools' must be a list.", "tools")
     chat = []
     for index, tool in enumerate(value):
         where = f"tools[{index}]"
         if not isinstance(tool, dict):
-            raise shapes.bad_request(f"{where} must be an object.", where)
+            raise bad_request(f"{where} must be an object.", where)
         if tool.get("type") != "function":
             raise refused(
                 f"{where}.type",
@@ -244,7 +245,7 @@ def tool_choice(value: Any) -> Any:
 
 def _text_format(text: Any) -> dict[str, Any] | None:
     if not isinstance(text, dict):
-        raise shapes.bad_request("'text' must be an object.", "text")
+        raise bad_request("'text' must be an object.", "text")
     if text.get("verbosity") is not None:
         raise refused("text.verbosity", "chat completions have no verbosity control.")
     fmt = text.get("format")
@@ -256,4 +257,4 @@ def _text_format(text: Any) -> dict[str, Any] | None:
     if kind == "json_schema":
         schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if fmt.get(k) is not None}
         return {"type": "json_schema", "json_schema": schema}
-    raise shapes.bad_request("'text.format.type' must be text, json_object or json_schema.", "text.format.type")
+    raise bad_request("'text.format.type' must be text, json_object or json_schema.", "text.format.type")

@@ -4,8 +4,12 @@ import os
 import socket
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import connection
 
+from scheduler.connections import worker_database_settings
 from scheduler.worker.runner import DEFAULT_CONCURRENCY, DEFAULT_IDLE_POLL, Worker
+from telemachus.startup import startup_banner
+from telemachus.tracing import tracing_setup
 
 
 class Command(BaseCommand):
@@ -46,8 +50,15 @@ class Command(BaseCommand):
             raise CommandError("--concurrency must be at least 1")
         if idle_poll <= 0:
             raise CommandError("--idle-poll must be positive")
+        name = name or f"{socket.gethostname()}:{os.getpid()}"
+        # The banner names the database and how it is reached; a set-up that cannot serve (a pooler
+        # without TELEMACHUS_PGBOUNCER) is refused here, before the loop would retry it forever.
+        database = worker_database_settings(connection.settings_dict)
+        self.stdout.write("\n".join(startup_banner(role=f"worker {name}", worker_database=database)))
+        # OpenTelemetry traces when OTEL_EXPORTER_OTLP_ENDPOINT is set; nothing at all otherwise.
+        tracing_setup(service_name="telemachus-worker")
         worker = Worker(
-            name=name or f"{socket.gethostname()}:{os.getpid()}",
+            name=name,
             concurrency=concurrency,
             burst=burst,
             idle_poll=idle_poll,

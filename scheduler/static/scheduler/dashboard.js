@@ -1,5 +1,5 @@
 // The live dashboard: renders what /ws/dashboard/ pushes and, for operators, sends their actions
-// over the same socket. The job list (jobs.js) and the charts (charts.js) are their own files;
+// over the same socket. The job list (joblist.js) and the charts (charts.js) are their own files;
 // this one holds the socket, the key figures, teams, executors, policy and features, and the
 // editors: a value typed but not saved is marked as such and survives every push, and a refused
 // save puts the server's reason in words beside its field.
@@ -42,7 +42,7 @@
     refreshEditors();
   }
 
-  // Ask for another page or filter of jobs (jobs.js); `done` hears the reply.
+  // Ask for another page or filter of jobs (joblist.js); `done` hears the reply.
   function sendView(view, done) {
     if (!socket || socket.readyState !== WebSocket.OPEN) return false;
     const id = ++sequence;
@@ -172,9 +172,24 @@
 
   // --- teams and users -------------------------------------------------------------------------
 
+  // A team's retention in force: finished jobs, and their prompts and answers when sooner.
+  const hours = (h) => `${Number(h).toLocaleString("en-US", { maximumFractionDigits: 2 })} h`;
+  function kept(t) {
+    return hours(t.retention_hours) + (t.body_retention_hours === null ? "" : ` · bodies ${hours(t.body_retention_hours)}`);
+  }
+
+  // What retention keeps in bounds (operators): the deployment's settings, rows per table.
+  function renderRetention(r) {
+    const line = $("retention");
+    line.hidden = !r;
+    if (!r) return;
+    const tables = Object.entries(r.tables).map(([name, n]) => `${name} ~${Tm.int(n)}`).join(", ");
+    line.textContent = `Retention: finished jobs ${hours(r.hours)}, audit ${Tm.int(r.audit_days)} days. Rows: ${tables}.`;
+  }
+
   function renderTeams(q, operator) {
     const headers = ["team", ["queued", "num"], ["running", "num"], ["slots", "num"], "weight", ["target share", "num"],
-      ["actual share", "num"], "waits because"];
+      ["actual share", "num"], "waits because", "kept"];
     fill($("teams"), headers, q.teams.map((t) => {
       let weight = [t.weight, "num"];
       if (operator) {
@@ -192,7 +207,7 @@
         : [pct(t.target_share), "num"];
       const full = t.cap !== null && t.in_use >= t.cap;
       return [[t.team], [Tm.int(t.queued), "num"], [Tm.int(t.running), "num"], [cap(t.in_use, t.cap), full ? "num full" : "num"],
-        weight, target, [pct(t.actual_share), "num"], [t.not_served.join("; "), "wrap"]];
+        weight, target, [pct(t.actual_share), "num"], [t.not_served.join("; "), "wrap"], [kept(t), "muted"]];
     }), "no teams");
     fill($("users"), ["user", ["slots", "num"]],
       q.users.map((u) => [[u.user], [cap(u.in_use, u.cap), u.cap !== null && u.in_use >= u.cap ? "num full" : "num"]]),
@@ -202,6 +217,12 @@
       (q.keys || []).map((k) => [[`${k.prefix}…`], [k.name], [k.team], [k.models.join(", ") || "all", "wrap"],
         [cap(k.in_use, k.cap), k.cap !== null && k.in_use >= k.cap ? "num full" : "num"], [k.last_used_at || "never"]]),
       "no API keys");
+    // Batches under way (docs/batches.md): each one's requests answered, failed and in the queue.
+    fill($("batches"), ["batch", "team", "status", ["done", "num"], ["failed", "num"], ["queued or running", "num"],
+      ["total", "num"]],
+      (q.batches || []).map((b) => [[b.id], [b.team], [b.status], [b.completed, "num"], [b.failed, "num"],
+        [b.running, "num"], [b.total, "num"]]),
+      "no batch under way");
   }
 
   // --- executors -------------------------------------------------------------------------------
@@ -229,27 +250,47 @@
     }), "no executors");
   }
 
+  // Model routes, read-only (edited through /api/routes/ or the admin): docs/routing.md.
+  function renderRoutes(q) {
+    fill($("routes"), ["route", "models, in order"],
+      (q.routes || []).map((r) => [[r.name], [r.models.join(" → "), "wrap"]]), "no model routes");
+  }
+
   // --- policy ----------------------------------------------------------------------------------
+
+  // What each setting does (the model's help_text, as the admin shows it), from the page itself
+  // (scheduler/views.py): it never changes while the page is open, so no push carries it.
+  const POLICY_HELP = JSON.parse($("policy").dataset.help);
+  const settingCells = new Map(); // setting -> its name and help, kept across pushes
+
+  function settingCell(name) {
+    if (!settingCells.has(name)) {
+      settingCells.set(name, [node("span", { className: "setting", text: name }),
+        node("span", { className: "help", id: `help-${name}`, text: POLICY_HELP[name] || "" })]);
+    }
+    return settingCells.get(name);
+  }
 
   function renderPolicy(s, operator) {
     const names = Object.keys(s.policy).sort();
     fill($("policy"), ["setting", "value"], names.map((name) => {
       const value = s.policy[name];
-      if (!operator) return [[name], [shownValue(value), "wrap"]];
+      if (!operator) return [[settingCell(name), "wrap"], [shownValue(value), "wrap"]];
       const key = `policy:${name}`;
+      const described = { "aria-label": name, "aria-describedby": `help-${name}` };
       let make;
       let block = false;
       if (s.policy_choices[name]) {
-        make = () => node("select", { "aria-label": name }, s.policy_choices[name].map((c) => node("option", { value: c, text: c })));
+        make = () => node("select", described, s.policy_choices[name].map((c) => node("option", { value: c, text: c })));
       } else if (typeof value === "number") {
-        make = numberInput(name);
+        make = numberInput(name, { "aria-describedby": `help-${name}` });
       } else if (typeof value === "object") {
-        make = () => node("textarea", { "aria-label": name, spellcheck: false });
+        make = () => node("textarea", { ...described, spellcheck: false });
         block = true;
       } else {
-        make = () => node("input", { type: "text", "aria-label": name });
+        make = () => node("input", { type: "text", ...described });
       }
-      return [[name], [editor(key, value, make, [], block), block ? "wrap" : ""]];
+      return [[settingCell(name), "wrap"], [editor(key, value, make, [], block), block ? "wrap" : ""]];
     }));
     renderPolicyActions(s);
   }
@@ -337,7 +378,9 @@
     for (const ed of editors.values()) ed.seen = false;
     renderKpis(s);
     renderTeams(s.queue, s.operator);
+    renderRetention(s.retention);
     renderExecutors(s.queue, s.operator);
+    renderRoutes(s.queue);
     Tm.jobs.render(s);
     renderPolicy(s, s.operator);
     renderFeatures(s, s.operator);
@@ -361,7 +404,10 @@
       }
       Tm.skew = Date.parse(update.at) - Date.now();
       if (update.state) render(update.state);
-      else if (state) Tm.jobs.tick(state);
+      else if (state) {
+        Tm.jobs.tick(state);
+        Tm.charts.tick();
+      }
       $("status").textContent = `live · updated ${Tm.time(update.at)}`;
       $("status").className = "";
       document.body.dataset.updated = update.at;

@@ -1,4 +1,4 @@
-// Shared by the dashboard's scripts (charts.js, jobs.js, dashboard.js): building elements, filling
+// Shared by the dashboard's scripts (charts.js, joblist.js, dashboard.js): building elements, filling
 // tables in place, and putting numbers, times and errors into words. Static files only (no inline
 // script), so the page's Content-Security-Policy can forbid inline code. Everything is built with
 // textContent: slugs, usernames, models and errors come from users.
@@ -58,6 +58,15 @@ Tm.short = function short(n) {
   if (a >= 1e6) return `${(n / 1e6).toFixed(a >= 1e7 ? 0 : 1)}M`;
   if (a >= 1e3) return `${(n / 1e3).toFixed(a >= 1e4 ? 0 : 1)}k`;
   return String(Math.round(n * 100) / 100);
+};
+
+// Money (jobs' cost, spend), the one way the charts and the tiles both show it: two decimals, or as
+// many more as two significant digits of a small amount need (0.0004, 0.000052), up to eight.
+Tm.money = function money(v) {
+  if (v === null || v === undefined || Number.isNaN(v)) return "";
+  const a = Math.abs(v);
+  const places = a > 0 && a < 0.1 ? Math.min(1 - Math.floor(Math.log10(a)), 8) : 2;
+  return v.toLocaleString("en-US", { minimumFractionDigits: 2, maximumFractionDigits: places });
 };
 
 // The server's clock, as the last push stamped it: durations of running work use it, not the

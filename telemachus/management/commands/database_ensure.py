@@ -5,7 +5,11 @@ On PostgreSQL a database that does not exist is created, through the server's `p
 maintenance database, when DATABASE_URL's role may create databases. When it may not, or the
 server cannot be reached, the command stops within seconds (connections time out after
 CONNECT_TIMEOUT) and says what to run: the exact `createdb` command for the missing database. A
-SQLite file is created by its first connection; only its directory is made here."""
+SQLite file is created by its first connection; only its directory is made here.
+
+Then, on PostgreSQL, the start-up check of the route to it (telemachus/startup.py): DATABASE_URL
+through a connection pooler without TELEMACHUS_PGBOUNCER stops `make run` here, with one line
+naming the setting, before `migrate` would run through the pooler."""
 
 from pathlib import Path
 from typing import Any
@@ -14,6 +18,8 @@ import psycopg
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from psycopg import sql
+
+from telemachus.startup import database_route_check
 
 CONNECT_TIMEOUT = 5
 MAINTENANCE_DB = "postgres"
@@ -33,6 +39,7 @@ class Command(BaseCommand):
             Path(config["NAME"]).parent.mkdir(parents=True, exist_ok=True)
         elif config["ENGINE"] == "django.db.backends.postgresql":
             self.postgres_ensure(config)
+            database_route_check()
 
     def postgres_ensure(self, config: dict[str, Any]) -> None:
         name = config["NAME"]

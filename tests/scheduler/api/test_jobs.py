@@ -11,6 +11,7 @@ from executors.models import Executor
 from scheduler.models import Job, JobEvent, TeamShare
 from scheduler.services.claim import job_claim
 from scheduler.services.finish import job_finish
+from scheduler.services.retention import job_missing
 from scheduler.services.submit import job_submit
 from telemachus.control.features import feature_set
 from tests.conftest import chat_body, job_body
@@ -318,7 +319,7 @@ class TestCrossTeamIsolation:
         assert response.status_code == 404
         assert response.json()["error"] == "not_found"
         assert response.json() == api(member_setup[0]).get(path.format(id=999_999)).json() | {
-            "detail": f"Job {bobs_job.pk} not found."
+            "detail": job_missing(bobs_job.pk)
         }
 
     def test_cancel_is_404_and_changes_nothing(self, api, member_setup, bobs_job):

@@ -124,7 +124,9 @@ def servers(django_db_setup, django_db_blocker, tmp_path_factory):
                 trickle=processes.simllm(latency_ms=50, models="m", output_tokens=8, tokens_per_s=8),
                 faults=processes.faultserver(),
                 # Serves a whole module: bad-credential counts of one test must not throttle the next.
-                base=processes.api_server(TELEMACHUS_AUTH_FAILURES_PER_ADDRESS="1000"),
+                base=processes.api_server(
+                    TELEMACHUS_AUTH_FAILURES_PER_ADDRESS="1000", TELEMACHUS_AUTH_FAILURES_PER_CREDENTIAL="1000"
+                ),
             )
     finally:
         processes.stop_all()

@@ -16,7 +16,7 @@ from scheduler.models import Job
 from scheduler.services.submit import job_submit
 from tests.processes import Processes
 from tests.scheduler.gateway.conftest import WORKER_ENV, live_deltas, model_executor
-from tests.scheduler.gateway.test_jobs import auth, submit
+from tests.scheduler.gateway.test_jobwatch import auth, submit
 
 pytestmark = [
     pytest.mark.slow,

@@ -12,7 +12,7 @@ from scheduler.models import Job
 from tests.conftest import chat_body
 from tests.processes import Processes
 from tests.scheduler.gateway.conftest import WORKER_ENV, model_executor, redis_url, token
-from tests.scheduler.gateway.test_jobs import auth, events, submit
+from tests.scheduler.gateway.test_jobwatch import auth, events, submit
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 

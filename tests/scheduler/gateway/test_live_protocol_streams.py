@@ -3,7 +3,7 @@ arguments in pieces, and the text word by word, in each protocol's own events an
 ends. Needs output deltas across processes (PostgreSQL NOTIFY, or Redis).
 
 The stream is read as raw lines (the SDKs' own handling of these streams is tested in
-test_openai.py, test_responses.py and test_anthropic.py): the time a line arrives is then the time
+openai/, responses/ and anthropic/ test_endpoint.py): the time a line arrives is then the time
 the gateway sent it, whatever the SDK's parsing costs on a busy machine."""
 
 # ruff: noqa: E501 (a table of requests, one a line)

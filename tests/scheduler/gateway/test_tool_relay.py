@@ -1,5 +1,5 @@
 """Streamed tool calls between the feed and the protocols' writers: the relay's pieces of each
-call in order (scheduler/gateway/feed.py), and each writer finishing what it relayed from the
+call in order (scheduler/notify/feed.py), and each writer finishing what it relayed from the
 job's result, or refusing to when the result does not continue it."""
 
 # ruff: noqa: E501 (a table of calls, one a line)
@@ -8,9 +8,11 @@ import json
 
 import pytest
 
-from scheduler.gateway import anthropic, openai, responses, shapes
-from scheduler.gateway.calls import INTERRUPTED
-from scheduler.gateway.feed import Delta, Relay, ToolPiece
+from scheduler.gateway import anthropic, openai, responses
+from scheduler.gateway.errors import INTERRUPTED, GatewayError
+from scheduler.gateway.openai.request import chat_call
+from scheduler.gateway.relay import Relay, ToolPiece
+from scheduler.notify.feed import Delta
 
 
 def tool(offset: int, text: str, *, index: int = 0, attempt: int = 1, ident: str = "c1", name: str = "w") -> Delta:
@@ -66,7 +68,7 @@ def events(raw: bytes) -> list[dict]:
 @pytest.mark.parametrize(
     "dialect, call",
     [
-        (openai.CHAT, shapes.chat_call({"model": "m", "messages": [{"role": "user", "content": "x"}]})),
+        (openai.CHAT, chat_call({"model": "m", "messages": [{"role": "user", "content": "x"}]})),
         (responses.RESPONSES, responses.translate({"model": "m", "input": "x"})),
         (anthropic.MESSAGES, anthropic.translate({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]})),
     ],
@@ -84,7 +86,7 @@ class TestWriters:
         writer = dialect.writer(job_id=1, created=0, call=call)
         writer.opening("")
         writer.tool(ToolPiece(0, "c1", "w", '{"b', first=True))
-        with pytest.raises(shapes.OpenAIError) as caught:
+        with pytest.raises(GatewayError) as caught:
             writer.closing(RESULT, "")
         assert caught.value is INTERRUPTED
 
@@ -108,6 +110,6 @@ def test_messages_text_after_a_tool_block_is_a_new_block_and_a_late_piece_ends_t
     starts = [e for e in events(raw) if e["type"] == "content_block_start"]
     assert [(e["index"], e["content_block"]["type"]) for e in starts] == [(0, "tool_use"), (1, "text")]
     assert writer.tool(ToolPiece(0, "c1", "w", '": 1}', first=False)) == b"", "block 0 is closed"
-    with pytest.raises(shapes.OpenAIError) as caught:
+    with pytest.raises(GatewayError) as caught:
         writer.closing({**RESULT, "message": {**RESULT["message"], "content": "hm"}}, "")
     assert caught.value is INTERRUPTED

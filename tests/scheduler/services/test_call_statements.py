@@ -18,14 +18,14 @@ pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 # fair share's entry charge; COMMIT.
 CLAIM = 10
 # ...in 7 round trips: the lock, the clock and the slot counts go together, and so do the charge and
-# the COMMIT (telemachus/pipeline.py).
+# the COMMIT (telemachus/db/pipeline.py).
 CLAIM_ROUND_TRIPS = 6
 # Finish: BEGIN; the job locked (with its executor's failures); its end with its event (and the
 # event's notice); its slot freed (waking the workers); fair share; COMMIT. (A call that costs
 # something adds its spend row; this executor is free.)
 FINISH = 6
 # ...in 4 round trips: the end and the slot's DELETE go together, and so do fair share and the
-# COMMIT (telemachus/pipeline.py).
+# COMMIT (telemachus/db/pipeline.py).
 FINISH_ROUND_TRIPS = 4
 
 

@@ -10,9 +10,10 @@ from django.test.utils import CaptureQueriesContext
 
 from scheduler.models import JobEvent
 from scheduler.services.claim import job_claim
-from scheduler.services.events import events_riding, job_event
+from scheduler.services.events import events_riders, job_event
 from scheduler.services.finish import Outcome, jobs_finish
 from telemachus.control import notify
+from telemachus.db.statements import riders_send
 from tests.processes import database_url_for_tests
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -45,7 +46,7 @@ def test_the_statement_that_frees_the_slots_wakes_the_workers(member_setup, subm
     assert sorted(report.accepted) == sorted(c.job.pk for c in claims)
     assert heard == [notify.FREED]
     waking = [q["sql"] for q in finish.captured_queries if f"'{notify.FREED}'" in q["sql"]]
-    assert len(waking) == 1 and waking[0].startswith("DELETE")
+    assert len(waking) == 1 and 'AS (DELETE FROM "scheduler_slot"' in waking[0]
 
 
 def test_the_statement_that_starts_the_jobs_tells_live_views(member_setup, submit):
@@ -92,32 +93,32 @@ def test_job_watchers_hear_from_the_statement_that_records_the_events(member_set
     assert events == ["queued", "placed", "started", "finished"]
     if not connection.settings_dict["OPTIONS"].get("server_side_binding"):
         inserts = [sql for sql in captured if 'INSERT INTO "scheduler_jobevent"' in sql]
-        assert len(inserts) == 2 and all(sql.startswith("WITH notified AS (SELECT pg_notify(") for sql in inserts)
-        assert 'INSERT INTO "scheduler_slot"' in inserts[0]
+        assert len(inserts) == 2 and all(sql.startswith("WITH rider0 AS (INSERT") for sql in inserts)
+        assert all("notified AS (SELECT pg_notify(" in sql for sql in inserts)
+        assert 'main AS (INSERT INTO "scheduler_slot"' in inserts[0]
+        assert "main AS (WITH v(" in inserts[1] and 'UPDATE "scheduler_job"' in inserts[1]
 
 
-def test_a_block_that_writes_nothing_still_tells_the_watchers(transactional_db):
+def test_a_notice_with_nothing_to_ride_on_is_sent_on_its_own(transactional_db):
     if connection.vendor != "postgresql":
         pytest.skip("API processes watch jobs through PostgreSQL's NOTIFY")
     with listening(notify.JOBS_CHANNEL) as ears:
-        # When the block runs no statement for the notice to ride on...
-        with notify.job_watchers_told([(7, "started"), (7, "finished")]):
-            pass
+        # When there is no statement for the notice to ride on...
+        riders_send(notify.job_watchers_riders([(7, "started"), (7, "finished")]))
         heard = [n.payload for n in ears.notifies(timeout=2, stop_after=1)]
 
     # Then it is sent on its own, the last event of the job kept.
     assert heard == [f"{notify.CHANGED}7:finished"]
 
 
-def test_events_riding_a_block_that_writes_nothing_are_written_and_told(member_setup, submit):
+def test_events_with_nothing_to_ride_on_are_written_and_told(member_setup, submit):
     if connection.vendor != "postgresql":
         pytest.skip("API processes watch jobs through PostgreSQL's NOTIFY")
     alice, _, a, _, _ = member_setup
     job = submit(alice, a)
     with listening(notify.JOBS_CHANNEL) as ears:
-        # When events are to ride on a statement the block never runs...
-        with events_riding([job_event(job=job, event=JobEvent.Type.STEP, detail="x")]):
-            pass
+        # When events are to ride on a statement that is never sent...
+        riders_send(events_riders([job_event(job=job, event=JobEvent.Type.STEP, detail="x")]))
         heard = [n.payload for n in ears.notifies(timeout=2, stop_after=1)]
 
     # Then they are written and told on their own.
@@ -125,8 +126,14 @@ def test_events_riding_a_block_that_writes_nothing_are_written_and_told(member_s
     assert JobEvent.objects.filter(job=job, event=JobEvent.Type.STEP, meta__detail="x").count() == 1
 
 
-def test_riders_are_refused_off_postgresql(db):
+def test_off_postgresql_riding_events_are_written_after_their_statement(member_setup, submit):
     if connection.vendor == "postgresql":
         pytest.skip("statements ride along on PostgreSQL")
-    with pytest.raises(ValueError), notify.job_watchers_told([], riders=[("INSERT ...", [])]):
-        pass
+    # Given a job and an event to ride on the job's write...
+    alice, _, a, _, _ = member_setup
+    job = submit(alice, a)
+    riders = events_riders([job_event(job=job, event=JobEvent.Type.STEP, detail="y")])
+    # Then SQLite, which has no data-modifying CTEs, carries nothing along, and writes the event when asked.
+    assert not riders.writes and not riders.notices
+    riders_send(riders)
+    assert JobEvent.objects.filter(job=job, event=JobEvent.Type.STEP, meta__detail="y").count() == 1

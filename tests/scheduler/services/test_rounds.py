@@ -22,12 +22,14 @@ from scheduler.services.rounds import (
     RoundStart,
     round_begin,
     round_claimed,
+    round_end,
     round_finish,
     round_requeue,
     round_tool_record,
     rounds_end,
 )
 from scheduler.services.submit import job_submit
+from telemachus.control.features import feature_set
 
 pytestmark = pytest.mark.django_db
 
@@ -349,18 +351,43 @@ class TestOrder:
 class TestBudgets:
     def test_each_round_is_billed_and_an_empty_budget_stops_the_next(self, member_setup):
         alice = member_setup[0]
-        QuotaPolicy.objects.create(scope="team", subject="a", dimension="ai.tokens", limit=25, window="day")
-        flow = submit_flow(alice, prompt="go [rounds:9]")
+        QuotaPolicy.objects.create(scope="team", subject="a", dimension="ai.tokens", limit=45, window="day")
+        flow = submit_flow(alice, prompt="go [rounds:9]", max_tokens=1)
         for number in (1, 2):
             claim = claim_one()
             round_finish(job_id=flow.pk, lease=claim.lease, round=number, message=calling(number), completion_tokens=12)
             round_requeue(job_id=flow.pk, lease=claim.lease, round=number, results=[echoed(number)])
         usage = Usage.objects.get(scope="team", subject="a")
         assert (usage.tokens, usage.reserved_tokens) == (24, 0)
-        # 1 token left, a round needs its estimate (10): the flow waits, deferred.
+        # 21 tokens left; the third round's prompt holds the conversation so far (26 tokens, and 1 for
+        # its completion), more than the estimate given (10): the flow waits, deferred.
         assert job_claim(worker="w", limit=1).claims == []
         assert Job.objects.get(pk=flow.pk).status == "queued"
         assert JobEvent.objects.filter(job=flow, event="deferred").exists()
+
+
+@pytest.mark.parametrize("quick", [False, True], ids=["slow tools", "quick tools"])
+def test_a_flow_switched_off_while_it_runs_stops_at_its_next_round_boundary(member_setup, operator, quick):
+    # Given a flow in its first round, and the flow feature switched off for its team meanwhile...
+    alice, _, team_a, _, _ = member_setup
+    flow = submit_flow(alice, prompt="go [rounds:5]")
+    claim = claim_one()
+    feature_set(feature="flow", team=team_a, enabled=False, by=operator)
+    # When its round ends with a tool call and the tool's result (both ways a worker writes it)...
+    if quick:
+        status = round_end(
+            job_id=flow.pk, lease=claim.lease, round=1, message=calling(1), results=[echoed(1)], completion_tokens=4
+        )
+    else:
+        round_finish(job_id=flow.pk, lease=claim.lease, round=1, message=calling(1), completion_tokens=4)
+        status = round_requeue(job_id=flow.pk, lease=claim.lease, round=1, results=[echoed(1)])
+    # Then it does not queue its next round: it ends canceled at the boundary, its round billed,
+    # as a cancel would have left it, and nothing holds a slot.
+    job = Job.objects.get(pk=flow.pk)
+    assert status == job.status == "canceled" and job.rounds == 1 and job.tokens_used == 4
+    assert "switched off" in job.error and not Slot.objects.exists()
+    assert JobEvent.objects.filter(job=flow, event="canceled").exists()
+    assert job_claim(worker="w", limit=1).claims == []
 
 
 def test_an_operator_requeue_starts_a_failed_flow_afresh(member_setup, operator):
