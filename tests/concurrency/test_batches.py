@@ -107,7 +107,7 @@ def test_live_calls_start_at_once_while_a_big_batch_runs(processes, make_user, m
 
 
 def test_a_worker_and_the_api_process_killed_mid_batch_lose_no_line(processes, make_user, make_team):
-    # Given a batch of 300 lines running on two workers with short leases, through an API process...
+    # Given a batch of 300 lines running on a worker with a short lease, through an API process...
     server = processes.simllm(latency_ms=100)
     Executor.objects.create(
         name="x", kind="local-model", endpoint=f"{server}/x/v1", capabilities={"models": ["m"]}, max_concurrency=8
@@ -116,17 +116,17 @@ def test_a_worker_and_the_api_process_killed_mid_batch_lose_no_line(processes, m
     make_team("a", {alice: "member"})
     secret = token_for(alice)
     api = processes.api_server("api1", **ENV)
+    # (One worker until the kill: with a second one from the start, which of them holds the lines
+    # at a given moment is a race, and on a loaded machine the second can run the whole batch.)
     doomed = processes.worker("w1", concurrency=16, lease=3, **ENV)
-    processes.worker("w2", concurrency=16, lease=3, **ENV)
     client = client_for(api, secret)
     uploaded = client.files.create(file=("in.jsonl", batch_input(300)), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
 
-    # ...when, with lines running, a worker and the API process are killed with SIGKILL...
+    # ...when, with lines running, the worker and the API process are killed with SIGKILL...
     wait_until(
         lambda: (
             Job.objects.filter(batch_id=batch.id, status="done").count() >= 40
-            and JobEvent.objects.filter(job__batch_id=batch.id, event="started", meta__worker="w1").exists()
             and Job.objects.filter(batch_id=batch.id, status="running", worker="w1").exists()
         ),
         timeout=60,
@@ -135,10 +135,12 @@ def test_a_worker_and_the_api_process_killed_mid_batch_lose_no_line(processes, m
     )
     doomed.send_signal(signal.SIGKILL)
     held = list(Job.objects.filter(batch_id=batch.id, status="running", worker="w1").values_list("pk", flat=True))
+    assert held, "the kill came mid-batch"
     port = api.rsplit(":", 1)[1]
     next(p for p in processes.procs if "telemachus.serve" in p.args and p.args[-1] == port).send_signal(signal.SIGKILL)
     time.sleep(0.5)
-    # ...and another API process answers from then on...
+    # ...and another worker and another API process carry on from then...
+    processes.worker("w2", concurrency=16, lease=3, **ENV)
     client = client_for(processes.api_server("api2", **ENV), secret)
     done = ended(client, batch.id, timeout=180)
 
