@@ -133,7 +133,7 @@ async def _read_body(receive: Receive) -> bytes | None:
         size += len(chunk)
         if size > settings.TELEMACHUS_MAX_BODY_BYTES:
             if message.get("more_body"):
-                await body_drain(receive)  # so the client reads the 413, not a reset
+                await body_drain(receive, size)  # so the client reads the 413, not a reset
             return b"".join(chunks)
         if not message.get("more_body"):
             return b"".join(chunks)

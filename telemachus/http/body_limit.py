@@ -42,7 +42,7 @@ class BodyLimit:
             more = message.get("more_body", False)
             if len(body) > limit:
                 if more:
-                    await body_drain(receive)
+                    await body_drain(receive, len(body))
                 return await _too_large(send, scope, limit)
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"transfer-encoding"]
         scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
@@ -58,21 +58,25 @@ class BodyLimit:
         return await self.app(scope, replay, send)
 
 
-# What is read and dropped of a refused body before the refusal is sent.
+# What is read and dropped of a refused body past the limit, at the least, before the refusal is sent.
 DRAIN_BYTES = 1 << 20
 
 
-async def body_drain(receive: Any) -> None:
-    """Read and drop what is left of a refused request body, up to DRAIN_BYTES, before answering.
-    A server that closes the connection with the body unread (uvicorn; daphne reads every body
-    before the app runs) makes the client's kernel reset it, and the client sees the reset, not
-    the 413. A bigger body still ends that way, but only after a megabyte was read for it."""
-    drained = 0
-    while drained <= DRAIN_BYTES:
+async def body_drain(receive: Any, read: int = 0) -> None:
+    """Read and drop what is left of a refused request body (`read` bytes of it were read), until
+    twice TELEMACHUS_MAX_BODY_BYTES, and at least DRAIN_BYTES past it, were read in all, before
+    answering. A server that closes the connection with the body unread (uvicorn; daphne reads
+    every body before the app runs) makes the client's kernel reset it, and the client (or the
+    proxy in front, which answers 502) sees the reset, not the 413. So every body a proxy lets
+    through gets the app's answer (deploy/nginx allows twice the limit); a bigger one still ends
+    that way, but only after that much was read for it."""
+    limit = settings.TELEMACHUS_MAX_BODY_BYTES
+    allowance = max(2 * limit, limit + DRAIN_BYTES) - read
+    while allowance >= 0:
         message = await receive()
         if message["type"] == "http.disconnect" or not message.get("more_body", False):
             return
-        drained += len(message.get("body", b""))
+        allowance -= len(message.get("body", b""))
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
