@@ -249,3 +249,26 @@ def test_both_api_processes_serve_and_the_apps_body_limit_answers(site):
     upstreams = set(re.findall(r"upstream=(127\.0\.0\.1:\d+)", site["nginx"].access_log.read_text()))
     assert upstreams == {api.removeprefix("http://") for api in site["apis"]}, upstreams
 
+
+def test_a_batch_file_past_the_body_limit_uploads_through_the_proxy(site):
+    # Given a batch input file of about 3 MiB (past nginx's 2m and the app's 1 MiB for other bodies)
+    client = OpenAI(base_url=f"{site['nginx'].base}/v1", api_key=site["token"], http_client=https(site), max_retries=0)
+    line = {"method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", "max_tokens": 4}}
+    text = "".join(
+        json.dumps(
+            {
+                **line,
+                "custom_id": f"line-{i}",
+                "body": {**line["body"], "messages": [{"role": "user", "content": "x" * 1000}]},
+            }
+        )
+        + "\n"
+        for i in range(3000)
+    )
+    assert len(text) > 3 * 1_048_576 - 100_000
+
+    # When it is uploaded through the proxy with the official SDK
+    uploaded = client.files.create(file=("in.jsonl", text.encode()), purpose="batch")
+
+    # Then the app stored it whole
+    assert uploaded.bytes == len(text) and client.files.content(uploaded.id).text == text
