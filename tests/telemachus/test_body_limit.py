@@ -119,3 +119,27 @@ def test_the_server_reads_a_chunked_job_and_refuses_a_huge_one(processes, member
     # ...and one over the limit is a JSON 413.
     status, body = raw_post([b"x" * 60_000, b"x" * 60_000])
     assert status == 413 and body["error"] == "payload_too_large"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_declared_body_up_to_twice_the_limit_is_read_before_its_413(processes, member_setup, api):
+    # Given the real app under uvicorn, which (unlike daphne) calls the app before a body is read...
+    token = api(member_setup[0])._credentials["HTTP_AUTHORIZATION"]
+    port = free_port()
+    processes.spawn("uvicorn", "-m", "telemachus.serve", "127.0.0.1", str(port), TELEMACHUS_MAX_BODY_BYTES="1048576")
+    wait_until(lambda: answers(f"http://127.0.0.1:{port}/api/schema/"), timeout=30, what="uvicorn to listen")
+
+    # ...when a body of 1.9 times the limit is sent whole, as a proxy in front sends it...
+    body = b"x" * (2 * 1_048_576 - 100_000)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.sendall(
+            b"POST /api/jobs/ HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Authorization: " + token.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
+        reply = b""
+        while data := conn.recv(65536):
+            reply += data
+
+    # Then the 413 is read: the server read the rest before closing, where a reset would lose it.
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert int(head.split()[1]) == 413 and json.loads(payload)["error"] == "payload_too_large"
