@@ -31,7 +31,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
-    from opentelemetry.trace import Span, SpanKind, Tracer
+    from opentelemetry.trace import Link, Span, SpanKind, Tracer
 
 # Where a job keeps the trace context it was submitted in (Job.meta).
 TRACE_META_KEY = "trace"
@@ -67,6 +67,9 @@ class _NoSpan:
 
     def is_recording(self) -> bool:
         return False
+
+    def end(self) -> None:
+        return None
 
 
 NO_SPAN = _NoSpan()
@@ -126,16 +129,52 @@ def span(
     server: bool = False,
     client: bool = False,
     attributes: Mapping[str, Any] | None = None,
+    link: Mapping[str, str] | None = None,
 ) -> "AbstractContextManager[Span | _NoSpan]":
     """A span around a block, as the current span inside it (`with span("job.claim") as s:
     s.set_attribute(...)`), a child of `parent` (a context from `context_from_headers` or
     `context_from_carrier`) or else of the current span; `server`: it serves a request from
     outside (kind SERVER); `client`: it calls a service outside (kind CLIENT: a model server);
-    else INTERNAL. Ends when the block does, recording an exception that leaves it. While tracing
-    is off: NO_SPAN, and nothing else happens."""
+    else INTERNAL; `link`: a stored context (a batch's) the span links to. Ends when the block
+    does, recording an exception that leaves it. While tracing is off: NO_SPAN, and nothing else
+    happens."""
     if _tracer is None:
         return NO_SPAN
-    return _tracer.start_as_current_span(name, context=parent, kind=_kind(server, client), attributes=attributes)
+    return _tracer.start_as_current_span(
+        name, context=parent, kind=_kind(server, client), attributes=attributes, links=_links(link)
+    )
+
+
+def span_started(name: str, *, link: Mapping[str, str], attributes: Mapping[str, Any]) -> "Span | _NoSpan":
+    """A span begun now, the root of a trace of its own, linked to the span whose context `link`
+    carries; the caller ends it (`.end()`) and keeps its context with a job (`span_carrier`).
+    For each of many pieces of work done for one span, too many to hang in its trace (the lines
+    of a batch, up to 50,000): a trace each, linked back, as OpenTelemetry's messaging
+    conventions link a batch and its messages. A span never ended is never exported (lines
+    another feeder fed first). NO_SPAN while off."""
+    if _tracer is None:
+        return NO_SPAN
+    from opentelemetry.context import Context
+
+    return _tracer.start_span(name, context=Context(), links=_links(link), attributes=attributes)
+
+
+def span_carrier(recorded: "Span | _NoSpan") -> dict[str, str]:
+    """`recorded`'s context as `trace_carrier` gives it, for a job to keep; empty while off."""
+    if _tracer is None or not recorded.is_recording():
+        return {}
+    from opentelemetry import trace
+
+    return trace_carrier(trace.set_span_in_context(recorded))  # type: ignore[arg-type]
+
+
+def _links(carrier: Mapping[str, str] | None) -> "list[Link] | None":
+    if not carrier:
+        return None
+    from opentelemetry import trace
+
+    linked = trace.get_current_span(context_from_carrier(carrier)).get_span_context()
+    return [trace.Link(linked)] if linked.is_valid else None
 
 
 def span_between(

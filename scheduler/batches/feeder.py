@@ -17,7 +17,9 @@ line and writes none twice: the lines are rows, their jobs are rows, and the fil
 from both when the batch ends."""
 
 import logging
+from collections.abc import Iterable
 from datetime import datetime
+from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -29,6 +31,7 @@ from scheduler.batches.output import outputs_write
 from scheduler.batches.services import batch_counts, batch_queued_cancel
 from scheduler.models import Job
 from scheduler.services.submit import BUDGET_FAIL, JobSpec, jobs_submit
+from telemachus import tracing
 from telemachus.control.features import OPENAI
 from telemachus.db.compiled import CompiledQuery
 from telemachus.errors import DomainError, TryLater
@@ -108,12 +111,16 @@ def _feed(batch: Batch, *, room: int) -> int:
     if not lines:
         return 0
     todo = [line for line in lines if line.error is None]
-    refused = 0
+    spans = _line_spans(batch, todo)
+    refused: list[BatchLine] = []
+    jobs: list[Job] = []
+    attributes = {"telemachus.batch.id": batch.pk, "telemachus.batch.lines": len(lines)}
     try:
-        with transaction.atomic():
+        with transaction.atomic(), tracing.span("batch.feed", link=batch.trace, attributes=attributes):
             while todo:
                 try:
-                    jobs_submit(user=batch.user, jobs=[_spec(batch, line) for line in todo], key=batch.key)
+                    specs = [_spec(batch, line, trace=spans[line.pk][1] if spans else None) for line in todo]
+                    jobs = jobs_submit(user=batch.user, jobs=specs, key=batch.key)
                     break
                 except TryLater:
                     raise  # the team's queue is full: this pass feeds nothing
@@ -124,22 +131,61 @@ def _feed(batch: Batch, *, room: int) -> int:
                     line = todo.pop(index)
                     line.error = {**exc.body(), "code": exc.code, "message": exc.detail, "line": line.line}
                     BatchLine.objects.filter(pk=line.pk).update(error=line.error)
-                    refused += 1
+                    refused.append(line)
             if not Batch.objects.filter(pk=batch.pk, fed=batch.fed, status=Batch.Status.IN_PROGRESS).update(
-                fed=lines[-1].line, refused=F("refused") + refused
+                fed=lines[-1].line, refused=F("refused") + len(refused)
             ):
                 raise _Lost
     except TryLater:
         return 0
     except IntegrityError as exc:  # another feeder put one of these lines in the queue first
         raise _Lost from exc
+    if spans:
+        _line_spans_end(spans, fed=zip(todo, jobs, strict=True), refused=refused)
     return len(lines)
 
 
-def _spec(batch: Batch, line: BatchLine) -> JobSpec:
+def _line_spans(batch: Batch, lines: list[BatchLine]) -> dict[int, tuple[Any, dict[str, str]]]:
+    """While tracing, for a batch whose creation was traced: each line's `batch.line` span, the
+    root of the line's own trace (its job's spans join it), linked to the batch's creation, with
+    the context its job keeps. Ended once the lines are in the queue; the spans of a feed that
+    another feeder won are never ended, so never exported."""
+    if not (tracing.active and batch.trace):
+        return {}
+    spans = {}
+    for line in lines:
+        span = tracing.span_started(
+            "batch.line",
+            link=batch.trace,
+            attributes={
+                "telemachus.batch.id": batch.pk,
+                "telemachus.batch.line": line.line,
+                "telemachus.batch.custom_id": line.custom_id,
+                "telemachus.team": batch.team.slug,
+                "gen_ai.request.model": str(line.requirements.get("model", "")),
+            },
+        )
+        spans[line.pk] = (span, tracing.span_carrier(span))
+    return spans
+
+
+def _line_spans_end(
+    spans: dict[int, tuple[Any, dict[str, str]]], *, fed: Iterable[tuple[BatchLine, Job]], refused: list[BatchLine]
+) -> None:
+    for line, job in fed:
+        span, _ = spans[line.pk]
+        span.set_attribute("telemachus.job.id", job.pk)
+        span.end()
+    for line in refused:
+        span, _ = spans[line.pk]
+        tracing.span_failed(span, f"refused: {line.error['code'] if line.error else ''}")
+        span.end()
+
+
+def _spec(batch: Batch, line: BatchLine, *, trace: dict[str, str] | None = None) -> JobSpec:
     """A line as the chat job it becomes: of the batch's team, at the lowest priority (a batch
     line waits behind every live call: docs/batches.md), ending with the quota error when its
-    budget is spent rather than waiting for the window to reset."""
+    budget is spent rather than waiting for the window to reset; `trace`: its span's context."""
     return JobSpec(
         team=batch.team.slug,
         type=Job.Type.CHAT,
@@ -150,6 +196,7 @@ def _spec(batch: Batch, line: BatchLine) -> JobSpec:
         features=(OPENAI,),
         batch_id=batch.pk,
         batch_line=line.line,
+        trace=trace,
     )
 
 

@@ -103,6 +103,9 @@ class Batch(models.Model):
     refused = models.PositiveIntegerField(default=0)
     # The counts when it ended (while it runs they are read from its jobs).
     counts = models.JSONField(null=True, blank=True)
+    # The trace context of the request that created it (telemachus/tracing.py), which each
+    # line's span links to; empty when that process did not trace (then no line is traced).
+    trace = models.JSONField(default=dict, db_default={}, blank=True)
     created_at = models.DateTimeField()
     expires_at = models.DateTimeField()
     in_progress_at = models.DateTimeField(null=True, blank=True)

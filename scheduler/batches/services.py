@@ -58,12 +58,14 @@ def batch_create(
     metadata: dict[str, Any] | None,
     lines: Iterable[CheckedLine],
     now: datetime,
+    trace: dict[str, str] | None = None,
 ) -> Batch:
     """Store a batch and its checked lines as they come (the caller reads its input a chunk at a
     time; the lines go COPY_BATCH at a time, by COPY on PostgreSQL), then mark it `in_progress`
     for the feeder. Lines the gateway refused keep their error, and count as refused. If `lines`
     raises InvalidInput, the lines are dropped and the batch is kept `failed` with the errors, as
-    OpenAI keeps it."""
+    OpenAI keeps it. `trace`: the creating request's trace context, which its lines' spans link
+    to (scheduler/batches/feeder.py)."""
     batch = Batch(
         id=new_id(id_prefix),
         api=api,
@@ -74,6 +76,7 @@ def batch_create(
         input_file_id=input_file_id,
         completion_window=completion_window,
         metadata=metadata,
+        trace=trace or {},
         created_at=now,
         expires_at=now + window,
     )

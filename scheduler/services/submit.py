@@ -84,9 +84,11 @@ class JobSpec:
     # Seconds its submitter waits for the answer (a /v1/ call): if the team removes bodies early
     # (body_retention_hours), its body is kept that long (Job.body_hold_until).
     body_hold_seconds: float = 0.0
-    # A batch's line (scheduler/batches/feeder.py): its batch and line number.
+    # A batch's line (scheduler/batches/feeder.py): its batch and line number, and the trace
+    # context of the line's own span, which the job keeps instead of the submit's (while tracing).
     batch_id: str | None = None
     batch_line: int | None = None
+    trace: dict[str, str] | None = None
 
 
 def job_submit(
@@ -203,14 +205,14 @@ def _submit_traced(
     wake: bool = True,
 ) -> list[Job]:
     """The submit inside its `job.submit` span, a child of the current span (the request's, or the
-    calling code's), each job keeping the span's context in `meta.trace`: the spans of its work,
-    in whatever process claims it, join the same trace (scheduler/worker/traces.py). A refusal
-    fails the span with the error it raises."""
+    calling code's), each job keeping the span's context in `meta.trace` (or its spec's own, a
+    batch line's): the spans of its work, in whatever process claims it, join the same trace
+    (scheduler/worker/traces.py). A refusal fails the span with the error it raises."""
     with tracing.span("job.submit", attributes={"telemachus.jobs": len(specs)}) as span:
-        carrier = {tracing.TRACE_META_KEY: tracing.trace_carrier()}
+        carrier = tracing.trace_carrier()
         jobs = _submit(
             user=user,
-            specs=[replace(spec, meta={**spec.meta, **carrier}) for spec in specs],
+            specs=[replace(spec, meta={**spec.meta, tracing.TRACE_META_KEY: spec.trace or carrier}) for spec in specs],
             indexed=indexed,
             key=key,
             wake=wake,

@@ -10,11 +10,13 @@ import secrets
 import httpx
 import pytest
 from django.db import connection
+from openai import OpenAI
 
 from executors.models import Executor
 from quotas.models import QuotaPolicy
 from scheduler.models import Job
 from tests.credentials import token_for
+from tests.otlp import OtlpReceiver
 from tests.phoenix import phoenix  # noqa: F401  (fixture)
 from tests.processes import wait_until
 from tests.scheduler.gateway.conftest import may_chat, model_executor
@@ -288,3 +290,86 @@ def test_a_task_enqueued_inside_a_span_continues_its_trace(processes, phoenix, m
     assert tree.one("job.claim")["attributes"]["telemachus.executor"] == "cpu-1"
     wait_until(lambda: Job.objects.get(pk=job_id).status == "done", timeout=30, what="the task to end")
     assert Job.objects.get(pk=job_id).result["value"] == 5
+
+
+def test_each_line_of_a_batch_is_a_trace_of_its_own_linked_to_the_batch(processes, stack):
+    # Given an API process and a worker sending spans to a receiver that keeps their links...
+    token, executor = stack
+    receiver = OtlpReceiver()
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "50"}
+    try:
+        api = processes.api_server("api", OTEL_SERVICE_NAME="api", **env)
+        processes.worker("w", OTEL_SERVICE_NAME="worker", TELEMACHUS_BATCH_FEED_SECONDS="0.05", **env)
+
+        # ...when a caller inside its trace creates a batch of three lines and one that admission
+        # refuses when it is fed (no executor offers its model), and the worker runs it...
+        trace_id, caller_span, header = traceparent()
+        client = OpenAI(api_key=token, base_url=f"{api}/v1", default_headers={"traceparent": header}, max_retries=0)
+        lines = [
+            {
+                "custom_id": custom_id,
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": model, "messages": [{"role": "user", "content": SECRET}], "max_tokens": 4},
+            }
+            for custom_id, model in (("one", "m"), ("two", "m"), ("three", "m"), ("refused", "not-offered"))
+        ]
+        text = "".join(json.dumps(line) + "\n" for line in lines)
+        uploaded = client.files.create(file=("in.jsonl", text.encode()), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        done = wait_until(
+            lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b, timeout=60, what="the batch"
+        )
+        assert (done.request_counts.completed, done.request_counts.failed) == (3, 1)
+
+        # Then its creation is a span of the caller's trace...
+        (created,) = receiver.wait_for(
+            lambda r: [s for s in r.trace(trace_id) if s["name"] == "POST /v1/batches"], what="the create's span"
+        )
+        assert created["parent_id"] == caller_span
+        assert created["attributes"]["telemachus.batch.id"] == batch.id
+        assert created["attributes"]["telemachus.batch.lines"] == 4
+        link = {"trace_id": trace_id, "span_id": created["span_id"]}
+        # ...each line a trace of its own, rooted at its `batch.line` span, linked to the creation...
+        spans = receiver.wait_for(
+            lambda r: (
+                len(found := [s for s in r.named("batch.line") if s["attributes"]["telemachus.batch.id"] == batch.id])
+                == 4
+                and found
+            ),
+            what="four batch.line spans",
+        )
+        by_line = {span["attributes"]["telemachus.batch.custom_id"]: span for span in spans}
+        for span in spans:
+            assert span["parent_id"] is None and span["trace_id"] != trace_id and span["links"] == [link]
+            assert span["service"] == "worker" and span["attributes"]["telemachus.team"] == "a"
+        # ...holding the spans of the line's job, as a live call's trace holds them under its submit...
+        for custom_id in ("one", "two", "three"):
+            root = by_line[custom_id]
+            job_id = root["attributes"]["telemachus.job.id"]
+            assert Job.objects.get(pk=job_id).batch_id == batch.id
+            trace = receiver.wait_for(
+                lambda r, t=root["trace_id"]: len(found := r.trace(t)) >= 5 and found, what=f"line {custom_id}'s trace"
+            )
+            names = {s["span_id"]: s["name"] for s in trace}
+            assert {(names.get(s["parent_id"], "none"), s["name"]) for s in trace} == {
+                ("none", "batch.line"),
+                ("batch.line", "job.queue_wait"),
+                ("batch.line", "job.claim"),
+                ("batch.line", "job.run"),
+                ("job.run", "chat m"),
+            }
+            assert all(s["attributes"]["telemachus.job.id"] == job_id for s in trace if s["name"] != "chat m")
+        # ...the refused line's span failed, with no job; the feed's admission is linked to the batch
+        # too; and no span carries a prompt.
+        refused = by_line["refused"]
+        assert refused["status"] == 2 and "telemachus.job.id" not in refused["attributes"]
+        feeds = [s for s in receiver.named("batch.feed") if s["attributes"]["telemachus.batch.id"] == batch.id]
+        assert feeds and all(s["links"] == [link] for s in feeds)
+        submits = {s["parent_id"] for s in receiver.named("job.submit") if s["service"] == "worker"}
+        assert {s["span_id"] for s in feeds} <= submits
+        assert SECRET not in repr(receiver.spans)
+    finally:
+        receiver.close()

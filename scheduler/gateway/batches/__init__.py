@@ -8,6 +8,7 @@ becomes a chat job of the team through the one submit path, fed by the workers
 (scheduler/batches/feeder.py); here a batch is created (its input checked: lines.py), read,
 listed and cancelled, and its files are uploaded (upload.py) and read."""
 
+from collections.abc import Callable
 from typing import Any
 
 from django.utils import timezone
@@ -41,6 +42,7 @@ from scheduler.gateway.caller import TEAM_HEADER, Caller, caller_for
 from scheduler.gateway.dialect import Dialect, answering_errors, parse_body, respond_error
 from scheduler.gateway.errors import GatewayError, bad_request, method_not_allowed, unknown_url
 from scheduler.gateway.openai import CHAT
+from telemachus import tracing
 
 __all__ = ["serve_anthropic", "serve_openai"]
 
@@ -142,7 +144,8 @@ async def batch_new(request: Request, reply: Reply) -> None:
         raise bad_request("'input_file_id' must be the id of an uploaded file of purpose 'batch'.", "input_file_id")
     metadata = _metadata(body.get("metadata"))
     caller = await _caller(request, CHAT)
-    batch = await db(
+    batch = await _created(
+        request,
         _openai_create,
         caller=caller,
         input_file_id=input_file_id,
@@ -151,6 +154,27 @@ async def batch_new(request: Request, reply: Reply) -> None:
         metadata=metadata,
     )
     await reply.json(200, batch_object(batch, await db(batch_counts, batch=batch)))
+
+
+async def _created(request: Request, create: Callable[..., Batch], *, caller: Caller, **arguments: Any) -> Batch:
+    """The batch `create` stores, on a database thread; while tracing, inside a span (kind SERVER)
+    that continues the caller's `traceparent` and that each of its lines' spans links to
+    (scheduler/batches/feeder.py, docs/tracing.md)."""
+    if not tracing.active:
+        return await db(create, caller=caller, trace=None, **arguments)
+    with tracing.span(
+        f"{request.method} {request.path}",
+        parent=tracing.context_from_headers(request.headers),
+        server=True,
+        attributes={
+            "http.request.method": request.method,
+            "url.path": request.path,
+            "telemachus.team": caller.team.slug,
+        },
+    ) as span:
+        batch = await db(create, caller=caller, trace=tracing.trace_carrier(), **arguments)
+        span.set_attributes({"telemachus.batch.id": batch.pk, "telemachus.batch.lines": batch.lines})
+        return batch
 
 
 def _metadata(value: Any) -> dict[str, str] | None:
@@ -171,7 +195,13 @@ def _metadata(value: Any) -> dict[str, str] | None:
 
 
 def _openai_create(
-    *, caller: Caller, input_file_id: str, endpoint: str, window: str, metadata: dict[str, str] | None
+    *,
+    caller: Caller,
+    input_file_id: str,
+    endpoint: str,
+    window: str,
+    metadata: dict[str, str] | None,
+    trace: dict[str, str] | None,
 ) -> Batch:
     """Check the input file a chunk at a time and store the batch with its lines."""
     source = file_for(team=caller.team, file_id=input_file_id)
@@ -190,6 +220,7 @@ def _openai_create(
         metadata=metadata,
         lines=openai_lines(file_lines(file_id=source.pk), endpoint=endpoint, dialect=OPENAI_ENDPOINTS[endpoint]),
         now=timezone.now(),
+        trace=trace,
     )
 
 
@@ -262,11 +293,11 @@ async def message_batch_new(request: Request, reply: Reply) -> None:
             raise bad_request(f"{where}.params must be an object.", f"{where}.params")
     caller = await _caller(request, MESSAGES)
     lines = [checked_line(n, r["custom_id"], r["params"], MESSAGES) for n, r in enumerate(requests, start=1)]
-    batch = await db(_anthropic_create, caller=caller, lines=lines)
+    batch = await _created(request, _anthropic_create, caller=caller, lines=lines)
     await reply.json(200, message_batch_object(batch, await db(batch_counts, batch=batch), base=_base(request)))
 
 
-def _anthropic_create(*, caller: Caller, lines: list[CheckedLine]) -> Batch:
+def _anthropic_create(*, caller: Caller, lines: list[CheckedLine], trace: dict[str, str] | None) -> Batch:
     batch = batch_create(
         id_prefix="msgbatch_",
         api=Batch.Api.ANTHROPIC,
@@ -280,6 +311,7 @@ def _anthropic_create(*, caller: Caller, lines: list[CheckedLine]) -> Batch:
         metadata=None,
         lines=lines,
         now=timezone.now(),
+        trace=trace,
     )
     if batch.status == Batch.Status.FAILED:  # never: its requests were checked above
         raise InvalidInput(batch.errors["data"] if batch.errors else [])
