@@ -4,6 +4,7 @@ nor a batch's output is ever held whole in memory. Every function runs on a data
 from collections.abc import Iterator
 from datetime import datetime
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 
@@ -44,7 +45,11 @@ def file_for(*, team: Team, file_id: str) -> StoredFile:
     """The team's processed file (404 for anyone else's: existence never leaks)."""
     found = StoredFile.objects.filter(pk=file_id, team=team, status=StoredFile.Status.PROCESSED).first()
     if found is None:
-        raise NotFound(f"No such File object: {file_id}")
+        raise NotFound(
+            f"No such File object: {file_id}. Files are removed by retention {settings.TELEMACHUS_RETENTION_HOURS:g} "
+            "hours after they were uploaded or their batch ended (or their team's own retention_hours), and a "
+            "batch's input and output files sooner when its team removes prompts and answers (body_retention_hours)."
+        )
     return found
 
 

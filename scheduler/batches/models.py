@@ -106,6 +106,9 @@ class Batch(models.Model):
     # The trace context of the request that created it (telemachus/tracing.py), which each
     # line's span links to; empty when that process did not trace (then no line is traced).
     trace = models.JSONField(default=dict, db_default={}, blank=True)
+    # When retention removed its prompts and answers: its lines, its input and output files
+    # (scheduler/services/retention.py).
+    body_removed_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField()
     expires_at = models.DateTimeField()
     in_progress_at = models.DateTimeField(null=True, blank=True)
@@ -117,6 +120,7 @@ class Batch(models.Model):
     cancelled_at = models.DateTimeField(null=True, blank=True)
 
     ACTIVE = (Status.IN_PROGRESS, Status.FINALIZING, Status.CANCELLING)
+    ENDED = (Status.COMPLETED, Status.FAILED, Status.EXPIRED, Status.CANCELLED)
 
     class Meta:
         indexes = [

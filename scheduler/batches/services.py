@@ -8,6 +8,7 @@ from datetime import datetime, timedelta
 from itertools import islice
 from typing import Any
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import Count, Q
 
@@ -125,7 +126,10 @@ def batch_for(*, team: Team, batch_id: str, api: str) -> Batch:
     """The team's batch of this API (404 for anyone else's)."""
     found = Batch.objects.filter(pk=batch_id, team=team, api=api).first()
     if found is None:
-        raise NotFound(f"No such batch: {batch_id}")
+        raise NotFound(
+            f"No such batch: {batch_id}. Batches are removed by retention {settings.TELEMACHUS_RETENTION_HOURS:g} "
+            "hours after they end, or after their team's own retention_hours."
+        )
     return found
 
 

@@ -12,6 +12,11 @@ says so (docs/retention.md).
              still waiting for the answer holds it (`Job.body_hold_until`) until its deadline.
   ledger     usage ledger windows that ended more than the deployment's retention ago and hold
              nothing reserved. Spend rows are the daily aggregate that /api/spend/ reads: kept.
+  batches    a batch that ended more than its team's `retention_hours` ago, once its lines'
+             jobs are gone (they ended before it), is deleted with its lines and its output and
+             error files; an uploaded file as old, once no batch under way reads it. After the
+             team's `body_retention_hours` an ended batch loses its lines (their prompts), its
+             input file and its output file (the answers); its counts and error file stay.
   audit      audit events older than TELEMACHUS_AUDIT_RETENTION_DAYS.
   webhooks   deliveries that were sent or gave up, with their attempts, and executor events
              (breaker, health), after the deployment's retention.
@@ -36,6 +41,7 @@ from django.db.models import Exists, Model, OuterRef, Q, QuerySet
 from django.utils import timezone
 
 from quotas.models import QuotaPolicy, Spend, Usage
+from scheduler.batches.models import Batch, BatchLine, FileChunk, StoredFile
 from scheduler.models import Job, JobEvent, JobTally, Slot
 from telemachus.db.bulk import update_rows, upsert_add
 from telemachus.db.locks import Level, rows_lock
@@ -100,6 +106,9 @@ RETAINED_TABLES: dict[str, type[Model]] = {
     "spend days": Spend,
     "audit events": AuditEvent,
     "webhook deliveries": WebhookDelivery,
+    "batches": Batch,
+    "batch lines": BatchLine,
+    "file chunks": FileChunk,
 }
 
 
@@ -212,7 +221,7 @@ def bodies_remove_batch(*, team_id: int, cutoff: datetime, now: datetime, limit:
             team_id=team_id, status__in=Job.TERMINAL, body_removed_at__isnull=True, finished_at__lt=cutoff
         ).filter(Q(body_hold_until__isnull=True) | Q(body_hold_until__lt=now))
         locked = rows_lock(due, level=Level.JOB, skip_locked=True, of=("self",))
-        rows = list(locked.order_by("finished_at").values_list("pk", "input")[:limit])
+        rows = list(locked.order_by("finished_at").values_list("pk", "input", "meta")[:limit])
         update_rows(
             Job,
             [
@@ -221,12 +230,104 @@ def bodies_remove_batch(*, team_id: int, cutoff: datetime, now: datetime, limit:
                     "input": body_stripped(input or {}),
                     "result": None,
                     "conversation": [],
+                    "meta": _meta_stripped(meta or {}),
                     "body_removed_at": now,
                 }
-                for pk, input in rows
+                for pk, input, meta in rows
             ],
         )
     return len(rows)
+
+
+def _meta_stripped(meta: dict[str, Any]) -> dict[str, Any]:
+    """A job's meta without what was said: a batch line of /v1/responses keeps the request's
+    `instructions` in `meta.context` to shape its answer (scheduler/gateway/batches/lines.py)."""
+    if not isinstance(meta.get("context"), dict):
+        return meta
+    return {**meta, "context": body_stripped(meta["context"])}
+
+
+def _batches_ended(team_id: int, cutoff: datetime) -> "QuerySet[Batch]":
+    """A team's batches that ended before `cutoff`, by the stamp of how they ended. (Batches are
+    few beside jobs: no index is kept for this.)"""
+    return Batch.objects.filter(team_id=team_id, status__in=Batch.ENDED).filter(
+        Q(completed_at__lt=cutoff) | Q(failed_at__lt=cutoff) | Q(expired_at__lt=cutoff) | Q(cancelled_at__lt=cutoff)
+    )
+
+
+def _files_delete(file_ids: list[str]) -> None:
+    """Delete stored files and their bytes (one DELETE each: no chunk is read)."""
+    ids = [file_id for file_id in file_ids if file_id]
+    if ids:
+        FileChunk.objects.filter(file_id__in=ids).delete()
+        StoredFile.objects.filter(pk__in=ids).delete()
+
+
+def _input_file_free(batch: Batch) -> bool:
+    """Whether no other batch that has not ended reads `batch`'s input file."""
+    others = Batch.objects.filter(input_file_id=batch.input_file_id).exclude(pk=batch.pk)
+    return not others.exclude(status__in=Batch.ENDED).exists()
+
+
+def batches_prune_batch(*, team_id: int, cutoff: datetime, limit: int) -> int:
+    """Delete up to `limit` of a team's batches that ended before `cutoff` and have no job left
+    (their lines' jobs ended before them, so retention deletes those first; one it skipped, a
+    locked row, keeps its batch until the next pass), with their lines and their output and
+    error files. Durable; locks the batch rows (level 8, SKIP LOCKED). Returns the batches."""
+    rows = _batches_ended(team_id, cutoff).exclude(Exists(Job.objects.filter(batch=OuterRef("pk"))))
+    with transaction.atomic(durable=True):
+        deleted = rows_prune(
+            rows,
+            order=("created_at",),
+            limit=limit,
+            level=Level.RETAINED,
+            children=((BatchLine, "batch"),),
+            returning=("output_file_id", "error_file_id"),
+        )
+        _files_delete([file_id for row in deleted for file_id in row])
+    return len(deleted)
+
+
+def files_prune_batch(*, team_id: int, cutoff: datetime, limit: int) -> int:
+    """Delete up to `limit` of a team's uploaded files (purpose `batch`) created before `cutoff`
+    that no batch under way reads, with their bytes. Durable; locks the file rows (level 8,
+    SKIP LOCKED). Returns the files."""
+    reading = Batch.objects.filter(input_file_id=OuterRef("pk")).exclude(status__in=Batch.ENDED)
+    rows = StoredFile.objects.filter(team_id=team_id, purpose=StoredFile.Purpose.BATCH, created_at__lt=cutoff)
+    with transaction.atomic(durable=True):
+        return len(
+            rows_prune(
+                rows.exclude(Exists(reading)),
+                order=("created_at",),
+                limit=limit,
+                level=Level.RETAINED,
+                children=((FileChunk, "file"),),
+            )
+        )
+
+
+def batch_bodies_remove_batch(*, team_id: int, cutoff: datetime, now: datetime, limit: int) -> int:
+    """Remove the prompts and answers of a team's batches that ended before `cutoff`: delete up
+    to `limit` of their lines (which hold the prompts; an ended batch never reads them again),
+    and, for a batch whose last lines went, its output file (the answers) and its input file,
+    unless another batch under way reads that one. Its counts, error file and jobs' remains
+    stay. Durable; locks the batch rows (level 8, SKIP LOCKED). Returns the lines deleted and
+    the batches done."""
+    due = _batches_ended(team_id, cutoff).filter(body_removed_at__isnull=True)
+    removed = 0
+    with transaction.atomic(durable=True):
+        for batch in rows_lock(due, level=Level.RETAINED, skip_locked=True).order_by("created_at")[:limit]:
+            left = limit - removed
+            if left <= 0:
+                break
+            lines = rows_prune(BatchLine.objects.filter(batch=batch), order=("line",), limit=left, level=Level.RETAINED)
+            removed += len(lines)
+            if len(lines) == left:
+                break  # it may have more: the next batch of the drain goes on with them
+            _files_delete([batch.output_file_id, batch.input_file_id if _input_file_free(batch) else ""])
+            Batch.objects.filter(pk=batch.pk).update(body_removed_at=now, output_file_id="")
+            removed += 1
+    return removed
 
 
 # A team whose jobs go sooner than this after they end has its waiting callers hold them: a wait
@@ -350,6 +451,10 @@ def prune_once(*, limit: int | None = None, pace: float = 0.0, more: Callable[[]
             body_cutoff = _hours_ago(now, kept.body_hours)
             remove = partial(bodies_remove_batch, team_id=kept.team_id, cutoff=body_cutoff, now=now, limit=limit)
             drain("bodies", remove)
+            lines = partial(batch_bodies_remove_batch, team_id=kept.team_id, cutoff=body_cutoff, now=now, limit=limit)
+            drain("batch bodies", lines)
+        drain("batches", partial(batches_prune_batch, team_id=kept.team_id, cutoff=cutoff, limit=limit))
+        drain("files", partial(files_prune_batch, team_id=kept.team_id, cutoff=cutoff, limit=limit))
     drain("usage", partial(usage_prune_batch, now=now, limit=limit))
     drain("audit", partial(audit_prune_batch, now=now, limit=limit))
     drain("webhook deliveries", partial(webhooks_prune_batch, now=now, limit=limit))

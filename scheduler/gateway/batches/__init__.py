@@ -353,6 +353,12 @@ async def message_batch_stop(request: Request, reply: Reply, batch_id: str) -> N
 async def message_batch_results(request: Request, reply: Reply, batch_id: str) -> None:
     caller = await _caller(request, MESSAGES)
     batch = await db(batch_for, team=caller.team, batch_id=batch_id, api=Batch.Api.ANTHROPIC)
+    if batch.body_removed_at is not None:
+        raise GatewayError(
+            404,
+            f"Batch {batch_id}'s results were removed by retention (its team's body_retention_hours).",
+            code="not_found_error",
+        )
     if not batch.output_file_id:
         raise GatewayError(
             404 if batch.status != Batch.Status.IN_PROGRESS else 400,

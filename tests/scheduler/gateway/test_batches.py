@@ -6,6 +6,7 @@ answered once, in the output or the error file."""
 import io
 import json
 import time
+from datetime import timedelta
 from decimal import Decimal
 
 import anthropic
@@ -13,15 +14,18 @@ import httpx
 import openai
 import pytest
 from anthropic import Anthropic
+from django.utils import timezone
 from openai import OpenAI
 
 from quotas.models import QuotaPolicy
-from scheduler.batches.models import Batch
+from scheduler.batches.models import Batch, BatchLine, StoredFile
 from scheduler.models import Job
+from scheduler.services.retention import prune_once
 from telemachus.keys.services import api_key_create
 from telemachus.models import Team
 from tests.processes import wait_until
 from tests.scheduler.gateway.conftest import WORKER_ENV, may_chat, token
+from tests.scheduler.services.test_retention import MARKER, database_holds
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -253,3 +257,51 @@ def test_batch_lines_pay_the_models_batch_price(feeding, alice):
     assert finished(client, batch.id).status == "completed"
     costs = Job.objects.filter(batch_id=batch.id).values_list("cost", flat=True)
     assert list(costs) == [Decimal("0.0013")] * 2
+
+
+def test_retention_removes_a_batchs_prompts_and_answers_then_the_batch(feeding, alice):
+    # Given two batches of team a that ended, their prompts (and a Responses line's instructions)
+    # holding a marker...
+    stack = feeding
+    stack.executor(stack.simllm, models=["m"])
+    client = sdk(stack, token(alice))
+    chats = [chat_line(f"req-{i}", messages=[{"role": "user", "content": f"{MARKER} {i}"}]) for i in range(5)]
+    respond = {
+        "custom_id": "resp",
+        "method": "POST",
+        "url": "/v1/responses",
+        "body": {"model": "m", "input": f"{MARKER} input", "instructions": f"{MARKER} instructions"},
+    }
+    created = []
+    for lines, endpoint in ((chats, "/v1/chat/completions"), ([respond], "/v1/responses")):
+        uploaded = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
+        created.append(finished(client, batch.id))
+    assert [b.status for b in created] == ["completed", "completed"]
+    assert database_holds(MARKER)
+
+    # ...when the team removes prompts and answers at once and retention passes...
+    team = Team.objects.get(slug="a")
+    Team.objects.filter(pk=team.pk).update(body_retention_hours=0)
+    prune_once()
+
+    # Then nothing of them stays in the database; the batches stay, with their counts, but no
+    # output, and their files answer 404 naming retention.
+    assert not database_holds(MARKER), database_holds(MARKER)
+    kept = client.batches.retrieve(created[0].id)
+    assert kept.status == "completed" and kept.request_counts.completed == 5 and kept.output_file_id is None
+    for file_id in (created[0].output_file_id, created[0].input_file_id):
+        with pytest.raises(openai.NotFoundError, match="retention"):
+            client.files.content(file_id)
+
+    # And once they ended longer ago than the team keeps anything, they go whole, with their
+    # jobs, lines and files, and answer 404 naming retention.
+    Team.objects.filter(pk=team.pk).update(retention_hours=1)
+    then = timezone.now() - timedelta(hours=2)
+    Batch.objects.filter(team=team).update(completed_at=then)
+    Job.objects.filter(team=team).update(finished_at=then)
+    prune_once()
+    assert not Batch.objects.filter(team=team).exists() and not Job.objects.filter(team=team).exists()
+    assert not BatchLine.objects.exists() and not StoredFile.objects.filter(team=team).exists()
+    with pytest.raises(openai.NotFoundError, match="retention"):
+        client.batches.retrieve(created[0].id)
