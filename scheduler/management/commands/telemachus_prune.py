@@ -8,11 +8,10 @@ from scheduler.services.retention import prune_once
 class Command(BaseCommand):
     help = (
         "Apply retention now, until nothing is due: finished jobs past their team's retention (with "
-        "their events), prompts and answers past their body retention, ended usage windows, old audit "
-        "events, webhook deliveries and executor events, ended batches and old files (docs/retention.md). "
-        "The workers do the same "
-        "every TELEMACHUS_PRUNE_INTERVAL_SECONDS; this is for a backlog, in the same small batches, "
-        "safe while workers and API servers run."
+        "their events), prompts and answers past their body retention, ended batches and old files, "
+        "ended usage windows, old audit events, webhook deliveries and executor events "
+        "(docs/retention.md). The workers do the same every TELEMACHUS_PRUNE_INTERVAL_SECONDS; this is "
+        "for a backlog, in the same small batches, safe while workers and API servers run."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
