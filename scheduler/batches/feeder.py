@@ -221,6 +221,7 @@ def _end(batch: Batch, *, to: str, ending: str, now: datetime) -> None:
             output_file_id=written.output.pk if written.output else "",
             error_file_id=written.errors.pk if written.errors else "",
             counts=counts,
+            ended_at=now,
             **{stamp: now},
         ):
             raise _Lost

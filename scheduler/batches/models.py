@@ -109,6 +109,8 @@ class Batch(models.Model):
     # When retention removed its prompts and answers: its lines, its input and output files
     # (scheduler/services/retention.py).
     body_removed_at = models.DateTimeField(null=True, blank=True)
+    # When it ended, however it ended (the stamp of its end is set too): retention's cut-off.
+    ended_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField()
     expires_at = models.DateTimeField()
     in_progress_at = models.DateTimeField(null=True, blank=True)
@@ -129,6 +131,10 @@ class Batch(models.Model):
             models.Index(
                 "status", name="batch_active_idx", condition=Q(status__in=["in_progress", "finalizing", "cancelling"])
             ),
+            # Retention picks a team's batches that ended before its cut-off, oldest first.
+            models.Index(fields=["team", "ended_at"], name="batch_ended_idx", condition=Q(ended_at__isnull=False)),
+            # Whether a batch under way reads a file (retention, a file's delete).
+            models.Index(fields=["input_file_id"], name="batch_input_file_idx"),
         ]
 
     def __str__(self) -> str:

@@ -95,7 +95,7 @@ def batch_create(
             batch.save(update_fields=["lines", "refused", "status", "in_progress_at"])
     except InvalidInput as invalid:
         batch.lines = batch.refused = 0
-        batch.status, batch.failed_at = Batch.Status.FAILED, now
+        batch.status, batch.failed_at, batch.ended_at = Batch.Status.FAILED, now, now
         batch.errors = {"object": "list", "data": invalid.errors}
         batch.save(force_insert=True)
     return batch

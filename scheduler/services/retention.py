@@ -248,11 +248,8 @@ def _meta_stripped(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def _batches_ended(team_id: int, cutoff: datetime) -> "QuerySet[Batch]":
-    """A team's batches that ended before `cutoff`, by the stamp of how they ended. (Batches are
-    few beside jobs: no index is kept for this.)"""
-    return Batch.objects.filter(team_id=team_id, status__in=Batch.ENDED).filter(
-        Q(completed_at__lt=cutoff) | Q(failed_at__lt=cutoff) | Q(expired_at__lt=cutoff) | Q(cancelled_at__lt=cutoff)
-    )
+    """A team's batches that ended before `cutoff`, in the shape of `batch_ended_idx`."""
+    return Batch.objects.filter(team_id=team_id, ended_at__lt=cutoff)
 
 
 def _files_delete(file_ids: list[str]) -> None:
@@ -265,8 +262,8 @@ def _files_delete(file_ids: list[str]) -> None:
 
 def _input_file_free(batch: Batch) -> bool:
     """Whether no other batch that has not ended reads `batch`'s input file."""
-    others = Batch.objects.filter(input_file_id=batch.input_file_id).exclude(pk=batch.pk)
-    return not others.exclude(status__in=Batch.ENDED).exists()
+    others = Batch.objects.filter(input_file_id=batch.input_file_id, ended_at__isnull=True)
+    return not others.exclude(pk=batch.pk).exists()
 
 
 def batches_prune_batch(*, team_id: int, cutoff: datetime, limit: int) -> int:
@@ -278,7 +275,7 @@ def batches_prune_batch(*, team_id: int, cutoff: datetime, limit: int) -> int:
     with transaction.atomic(durable=True):
         deleted = rows_prune(
             rows,
-            order=("created_at",),
+            order=("ended_at",),
             limit=limit,
             level=Level.RETAINED,
             children=((BatchLine, "batch"),),
@@ -292,7 +289,7 @@ def files_prune_batch(*, team_id: int, cutoff: datetime, limit: int) -> int:
     """Delete up to `limit` of a team's uploaded files (purpose `batch`) created before `cutoff`
     that no batch under way reads, with their bytes. Durable; locks the file rows (level 8,
     SKIP LOCKED). Returns the files."""
-    reading = Batch.objects.filter(input_file_id=OuterRef("pk")).exclude(status__in=Batch.ENDED)
+    reading = Batch.objects.filter(input_file_id=OuterRef("pk"), ended_at__isnull=True)
     rows = StoredFile.objects.filter(team_id=team_id, purpose=StoredFile.Purpose.BATCH, created_at__lt=cutoff)
     with transaction.atomic(durable=True):
         return len(
@@ -316,7 +313,7 @@ def batch_bodies_remove_batch(*, team_id: int, cutoff: datetime, now: datetime, 
     due = _batches_ended(team_id, cutoff).filter(body_removed_at__isnull=True)
     removed = 0
     with transaction.atomic(durable=True):
-        for batch in rows_lock(due, level=Level.RETAINED, skip_locked=True).order_by("created_at")[:limit]:
+        for batch in rows_lock(due, level=Level.RETAINED, skip_locked=True).order_by("ended_at")[:limit]:
             left = limit - removed
             if left <= 0:
                 break

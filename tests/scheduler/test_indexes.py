@@ -67,6 +67,8 @@ PRUNED = [
     ("quotas_usage", r"\bwindow_start\b"),
     ("telemachus_auditevent", r"\bat\b"),
     ("telemachus_webhookdelivery", r"\bcreated_at\b"),
+    ("scheduler_batch", r"\bended_at\b"),
+    ("scheduler_storedfile", r"\bcreated_at\b"),
 ]
 
 

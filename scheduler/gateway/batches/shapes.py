@@ -86,7 +86,7 @@ def batch_object(batch: Batch, counts: Counts) -> dict[str, Any]:
 
 def message_batch_object(batch: Batch, counts: Counts, *, base: str) -> dict[str, Any]:
     """Anthropic's `message_batch` object; `base` is this server's URL, for `results_url`."""
-    ended = batch.status in (Batch.Status.COMPLETED, Batch.Status.CANCELLED, Batch.Status.EXPIRED, Batch.Status.FAILED)
+    ended = batch.status in Batch.ENDED
     status = "ended" if ended else "canceling" if batch.status == Batch.Status.CANCELLING else "in_progress"
     expired = counts.canceled if batch.status == Batch.Status.EXPIRED else 0
     return {

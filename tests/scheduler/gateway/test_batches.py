@@ -298,7 +298,7 @@ def test_retention_removes_a_batchs_prompts_and_answers_then_the_batch(feeding, 
     # jobs, lines and files, and answer 404 naming retention.
     Team.objects.filter(pk=team.pk).update(retention_hours=1)
     then = timezone.now() - timedelta(hours=2)
-    Batch.objects.filter(team=team).update(completed_at=then)
+    Batch.objects.filter(team=team).update(completed_at=then, ended_at=then)
     Job.objects.filter(team=team).update(finished_at=then)
     prune_once()
     assert not Batch.objects.filter(team=team).exists() and not Job.objects.filter(team=team).exists()
