@@ -101,6 +101,8 @@ FILL_CHUNK = 50_000
 FILL_RATE_AT = 200_000
 POOL = 4096  # random prompt texts; a row number before one makes each prompt its own
 GATEWAY_BLOCKS = 4  # alternations of direct and gateway calls
+BULK_WAIT = 0.1  # the longest a due job waits for its bulk to fill, in seconds
+PRUNE_JOBS_MOST_SECONDS = 1800  # --prune-jobs' pruning ends by then, done or not
 
 POOL_SQL = """
 CREATE UNLOGGED TABLE bench_pool AS
@@ -121,9 +123,10 @@ SELECT 'chat', %(user)s, %(team)s, 0, 'done', '{"model": "m"}', 'm', 600, 500, 1
         i || ' ' || pool.text))),
     '{"choices": [{"message": {"role": "assistant", "content": "an answer of a few words"}}]}',
     1, '{}', 0, '[]', 'w1', '', true, %(executor)s
-FROM generate_series(%(low)s, %(high)s) i
+FROM generate_series(%(low)s::int8, %(high)s::int8) i
     JOIN bench_pool pool ON pool.p = i %% %(pool)s
-    CROSS JOIN LATERAL (SELECT now() - interval '2 days' - (i * interval '1 ms') AS t) s
+    CROSS JOIN LATERAL (SELECT now() - %(ago)s::float8 * interval '1 second'
+        - i * %(step)s::float8 * interval '1 microsecond' AS t) s
 RETURNING id, finished_at, executor_id
 )
 INSERT INTO scheduler_jobevent (job_id, executor_id, event, at, meta)
@@ -163,7 +166,8 @@ def child(args: argparse.Namespace) -> dict:
     results["size_empty"] = sizes(connection)
     if args.history:
         began = time.perf_counter()
-        results["fill"] = fill(connection, ids, args)
+        # Ended two days ago, a millisecond apart: all of it due under a day's retention.
+        results["fill"] = fill(connection, ids, args, n=args.history, ago=2 * 86400, step_us=1000, vacuum=args.vacuum)
         results["fill_seconds"] = round(time.perf_counter() - began, 1)
         results["size_full"] = sizes(connection)
         results["full"] = measure(args.ops, ids)
@@ -248,13 +252,13 @@ def claim_finish_loop(ops: int, *, stop_after: float | None = None) -> tuple[tup
     return (claim, finish), time.perf_counter() - began
 
 
-def fill(connection, ids: dict, args: argparse.Namespace) -> dict:
-    """Write the history server-side, in chunks of FILL_CHUNK jobs, each one committed statement,
-    on --fill-connections connections at once; print the rate once FILL_RATE_AT jobs are in, and
-    what the whole fill will take at it."""
+def fill(connection, ids: dict, args: argparse.Namespace, *, n: int, ago: float, step_us: float, vacuum: bool) -> dict:
+    """Write `n` finished jobs server-side, the newest ended `ago` seconds ago and each `step_us`
+    before the next, in chunks of FILL_CHUNK jobs, each one committed statement, on
+    --fill-connections connections at once; print the rate once FILL_RATE_AT jobs are in, and what
+    the whole fill will take at it."""
     import psycopg
 
-    n = args.history
     found: dict = {}
     with connection.cursor() as cursor:
         cursor.execute(POOL_SQL, {"chunks": max(args.prompt_bytes // 32, 1), "pool": POOL})
@@ -273,7 +277,7 @@ def fill(connection, ids: dict, args: argparse.Namespace) -> dict:
                 if low is None:
                     return
                 high = min(low + FILL_CHUNK, n) - 1
-                conn.execute(HISTORY_SQL, {**ids, "low": low, "high": high, "pool": POOL})
+                conn.execute(HISTORY_SQL, {**ids, "low": low, "high": high, "pool": POOL, "ago": ago, "step": step_us})
                 with lock:
                     written += high - low + 1
                     if "rate_at" not in found and (written >= FILL_RATE_AT or written == n):
@@ -299,7 +303,7 @@ def fill(connection, ids: dict, args: argparse.Namespace) -> dict:
         cursor.execute("DROP TABLE bench_pool")
         began = time.perf_counter()
         for table in ("scheduler_job", "scheduler_jobevent"):
-            cursor.execute(f"{'VACUUM ANALYZE' if args.vacuum else 'ANALYZE'} {table}")
+            cursor.execute(f"{'VACUUM ANALYZE' if vacuum else 'ANALYZE'} {table}")
         # The fill's gigabytes written out now, not by a checkpoint in the middle of the measures.
         cursor.execute("CHECKPOINT")
         found["analyze_checkpoint_seconds"] = round(time.perf_counter() - began, 1)
@@ -397,7 +401,10 @@ def prune_while_flowing(args: argparse.Namespace, ids: dict) -> dict:
         while not pruned() and time.perf_counter() < deadline:  # the command's start-up
             time.sleep(0.05)
         began, first = time.perf_counter(), pruned()
-        if flow is not None:
+        if flow is not None and args.prune_jobs:
+            beside = probe_claims(PRUNE_JOBS_MOST_SECONDS, queue, done=lambda: pruned() - first >= args.prune_jobs)
+            loop_s = time.perf_counter() - began
+        elif flow is not None:
             beside = probe_claims(args.prune_seconds, queue)
             loop_s = time.perf_counter() - began
         else:
@@ -428,15 +435,21 @@ def prune_while_flowing(args: argparse.Namespace, ids: dict) -> dict:
     return found
 
 
-def probe_claims(seconds: float, queue: Callable[[int], None]) -> list[float]:
-    """For `seconds`: submit a job, claim one (it or another: workers claim beside it) and finish
-    it, one at a time; the claims that took a job, timed."""
+def probe_claims(seconds: float, queue: Callable[[int], None], done: Callable[[], bool] = lambda: False) -> list[float]:
+    """For `seconds` (or until `done()`, asked once a second): submit a job, claim one (it or
+    another: workers claim beside it) and finish it, one at a time; the claims that took a job,
+    timed."""
     from scheduler.services.claim import job_claim
     from scheduler.services.finish import job_finish
 
     timed = []
     until = time.perf_counter() + seconds
+    asked = time.perf_counter()
     while time.perf_counter() < until:
+        if time.perf_counter() - asked >= 1:
+            if done():
+                break
+            asked = time.perf_counter()
         queue(1)
         t = time.perf_counter()
         claims = job_claim(worker="bench", limit=1).claims
@@ -449,7 +462,9 @@ def probe_claims(seconds: float, queue: Callable[[int], None]) -> list[float]:
 
 class Flow:
     """Jobs flowing at `rate` a second: submitted in-process on a fixed schedule by --producers
-    threads, run by --workers `scheduler_worker` processes on the sim executor, which prune with
+    threads (in bulks of up to --bulk: one-by-one submits cost about a core at 1,000 a second),
+    each with a --prompt-bytes prompt,
+    run by --workers `scheduler_worker` processes on the sim executor, which prune with
     `retention_hours` every `prune_interval` seconds."""
 
     def __init__(
@@ -468,6 +483,8 @@ class Flow:
             "TELEMACHUS_RETENTION_HOURS": repr(retention_hours),
             "TELEMACHUS_PRUNE_INTERVAL_SECONDS": repr(prune_interval),
         }
+        # Prompts of --prompt-bytes like the history's: a job's number before one of POOL random texts.
+        self.texts = [os.urandom(args.prompt_bytes // 2).hex() for _ in range(POOL)]
         self.counts = [0] * args.producers
         self.halt = threading.Event()
         self.workers: list[subprocess.Popen] = []
@@ -507,29 +524,43 @@ class Flow:
             worker.wait(timeout=120)
 
     def _produce(self, index: int) -> None:
-        """Submit on a fixed schedule, this producer's share of the rate; behind it, catch up."""
+        """Submit on a fixed schedule, this producer's share of the rate, what is due at once in
+        bulks of up to --bulk; behind it, catch up."""
         from django.contrib.auth import get_user_model
         from django.db import connection
 
-        from scheduler.services.submit import job_submit
+        from scheduler.services.submit import JobSpec, job_submit, jobs_submit
 
         user = get_user_model().objects.get(pk=self.ids["user"])
         rate = self.rate / len(self.counts)
         try:
             while not self.halt.is_set():
-                due = int(rate * (time.perf_counter() - self.began))
-                if self.counts[index] >= due:
-                    wait = (self.counts[index] + 1) / rate - (time.perf_counter() - self.began)
-                    time.sleep(min(max(wait, 0.0), 0.05))  # the next one may be due already
+                elapsed = time.perf_counter() - self.began
+                due = int(rate * elapsed)
+                waited = elapsed - (self.counts[index] + 1) / rate  # by the first job due (< 0: none is)
+                if due - self.counts[index] < self.args.bulk and waited < BULK_WAIT:
+                    until_bulk = (self.counts[index] + self.args.bulk) / rate - elapsed
+                    time.sleep(max(min(until_bulk, BULK_WAIT - waited, 0.05), 0.0))
                     continue
-                job_submit(
-                    user=user,
-                    team="bench",
-                    type="chat",
-                    requirements={"model": "m", "est_tokens": 600},
-                    input={"messages": [{"role": "user", "content": f"{self.name} {index} {self.counts[index]}"}]},
-                )
-                self.counts[index] += 1
+                specs = [
+                    JobSpec(
+                        team="bench",
+                        type="chat",
+                        requirements={"model": "m", "est_tokens": 600},
+                        input={
+                            "messages": [{"role": "user", "content": f"{index}.{number} {self.texts[number % POOL]}"}]
+                        },
+                    )
+                    for number in range(self.counts[index], min(due, self.counts[index] + self.args.bulk))
+                ]
+                if len(specs) == 1:
+                    (spec,) = specs
+                    job_submit(
+                        user=user, team=spec.team, type=spec.type, requirements=spec.requirements, input=spec.input
+                    )
+                else:
+                    jobs_submit(user=user, jobs=specs)
+                self.counts[index] += len(specs)
         except BaseException as exc:
             self.failure = exc
             self.halt.set()
@@ -561,10 +592,25 @@ def steady_state(args: argparse.Namespace, ids: dict) -> dict:
         (autovacuum,) = cursor.fetchone()
         cursor.execute("SHOW autovacuum_naptime")
         (naptime,) = cursor.fetchone()
+    prefill = None
+    if args.steady_prefill:
+        # The window as an hour of this flow would leave it: the retention's worth of jobs, the
+        # newest ended now, one every 1/rate s, so the oldest fall due as the flow starts; vacuumed,
+        # as autovacuum would have by then.
+        prefill = fill(
+            connection,
+            ids,
+            args,
+            n=round(args.steady_rate * retention),
+            ago=0,
+            step_us=1e6 / args.steady_rate,
+            vacuum=True,
+        )
+        prefill["jobs"] = round(args.steady_rate * retention)
     flow = Flow(
         args, ids, rate=args.steady_rate, retention_hours=retention / 3600, prune_interval=interval, name="steady"
     )
-    series: list[tuple[float, float, float, int, int, int]] = []
+    series: list[tuple[float, float, float, int, int, int, int]] = []
     began = time.perf_counter()
     flow.start()
     try:
@@ -573,6 +619,7 @@ def steady_state(args: argparse.Namespace, ids: dict) -> dict:
             with connection.cursor() as cursor:
                 cursor.execute(VACUUM_SQL)
                 live, dead, vacuums = cursor.fetchone()
+            queued = Job.objects.filter(status=Job.Status.QUEUED).count()
             series.append(
                 (
                     round(elapsed, 1),
@@ -581,11 +628,12 @@ def steady_state(args: argparse.Namespace, ids: dict) -> dict:
                     int(live or 0),
                     int(dead or 0),
                     int(vacuums or 0),
+                    queued,
                 )
             )
             print(
                 f"steady {elapsed:6.0f} s: jobs {series[-1][1]:8.1f} MiB, events {series[-1][2]:8.1f} MiB, "
-                f"{flow.submitted:,} submitted, jobs live {live} dead {dead}, autovacuums {vacuums}",
+                f"{flow.submitted:,} submitted, {queued:,} queued, jobs live {live} dead {dead}, autovacuums {vacuums}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -604,6 +652,7 @@ def steady_state(args: argparse.Namespace, ids: dict) -> dict:
         "prune_interval_seconds": interval,
         "scaled": scaled,
         "autovacuum": f"{autovacuum} (naptime {naptime})",
+        "prefill": prefill,
         "queued_at_end": Job.objects.filter(status=Job.Status.QUEUED).count(),
         "series": [(t, round(jobs, 1), round(events, 1), *rows) for t, jobs, events, *rows in series],
         "second_half_slope_mib_per_min": round(slope, 3),
@@ -657,6 +706,15 @@ def main() -> None:
     parser.add_argument("--sample-seconds", type=float, default=30)
     parser.add_argument("--workers", type=int, default=2, help="worker processes in the steady state")
     parser.add_argument("--producers", type=int, default=2, help="submitting threads in the steady state")
+    parser.add_argument("--bulk", type=int, default=1, help="the most jobs a producer submits at once (jobs_submit)")
+    parser.add_argument(
+        "--prune-jobs", type=int, default=0, help="with --prune-flow-rate: prune this many (0: for --prune-seconds)"
+    )
+    parser.add_argument(
+        "--steady-prefill",
+        action="store_true",
+        help="write the retention's worth of finished jobs first, as if the flow had run that long",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -710,13 +768,19 @@ def report(r: dict) -> None:
         )
         if st["scaled"]:
             print(st["scaled"])
+        if st["prefill"]:
+            pf = st["prefill"]
+            print(
+                f"prefilled: {pf['jobs']:,} finished jobs over the retention's window, {pf['jobs_per_s']:,} jobs/s, "
+                f"then VACUUM ANALYZE and CHECKPOINT {pf['analyze_checkpoint_seconds']} s"
+            )
         print(f"the server's autovacuum: {st['autovacuum']}")
         if st["autovacuum"].startswith("off"):
             print("WARNING: autovacuum is off on this server: pruned rows' space is never reused, so the size grows")
-        print("| t s | jobs MiB | events MiB | jobs live | jobs dead | autovacuums (both tables) |")
-        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
-        for t, jobs, events, live, dead, vacuums in st["series"]:
-            print(f"| {t:g} | {jobs} | {events} | {live:,} | {dead:,} | {vacuums} |")
+        print("| t s | jobs MiB | events MiB | jobs live | jobs dead | autovacuums (both tables) | queued |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for t, jobs, events, live, dead, vacuums, queued in st["series"]:
+            print(f"| {t:g} | {jobs} | {events} | {live:,} | {dead:,} | {vacuums} | {queued:,} |")
         print(
             f"second half: slope {st['second_half_slope_mib_per_min']} MiB/min, growth over it "
             f"{st['second_half_growth']} of its mean size (flat: near 0)"
