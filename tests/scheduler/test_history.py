@@ -184,6 +184,38 @@ class TestRecord:
         assert not QueueSample.objects.filter(at=old).exists()
         assert QueueSample.objects.filter(at=closed_bucket).exists()
 
+    def test_a_minute_that_ended_more_jobs_than_a_statement_takes_parameters(self, member_setup, closed_bucket):
+        """At 1,100 jobs a second a minute ends 66,000 jobs, more than a statement may name one
+        by one (PostgreSQL takes 65,535 parameters, SQLite 32,766): the bucket is written all the
+        same, each team's ended jobs and tokens counted (the recorder once failed at every close)."""
+        alice, bob, team_a, team_b, _ = member_setup
+        ended = closed_bucket + timedelta(seconds=30)
+        per_team = {team_a: (alice, 36_000), team_b: (bob, 30_000)}
+        for team, (user, n) in per_team.items():
+            jobs = Job.objects.bulk_create(
+                Job(
+                    type="chat",
+                    user=user,
+                    team=team,
+                    model="m",
+                    status=Job.Status.DONE,
+                    submitted_at=ended,
+                    started_at=ended,
+                    finished_at=ended,
+                    tokens_used=2,
+                    attempts=1,
+                )
+                for _ in range(n)
+            )
+            JobEvent.objects.bulk_create(JobEvent(job=job, event=JobEvent.Type.FINISHED, at=ended) for job in jobs)
+
+        recorder = watched(HistoryRecorder(), closed_bucket)
+        assert recorder.record(now=closed_bucket + SIZE + timedelta(seconds=0.5)) == closed_bucket
+        whole = values(at=closed_bucket, team=None, executor=None)
+        assert (whole["finished"], whole["tokens"]) == (66_000, 132_000.0)
+        assert values(at=closed_bucket, team=team_a)["finished"] == 36_000
+        assert values(at=closed_bucket, team=team_b)["tokens"] == 60_000.0
+
     def test_reads_the_gauges_every_sample_interval_and_as_each_bucket_closes(self, closed_bucket):
         recorder = HistoryRecorder()
         assert recorder.next_in(now=closed_bucket + timedelta(seconds=10)) == 2
