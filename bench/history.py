@@ -5,18 +5,18 @@ on PostgreSQL (issue #37's must-show). Prints tables and a JSON line.
                                       [--gateway-calls 500] [--prune-seconds 30] [--batch 2000]
                                       [--pace 3] [--steady-seconds 0] [--steady-rate 1000]
                                       [--steady-retention 3600] [--sample-seconds 30] [--workers 2]
-                                      [--producers 2] [--prune-flow-rate 0] [--fill-connections N]
-                                      [--vacuum]
+                                      [--producers 2] [--bulk 1] [--prune-flow-rate 0] [--prune-jobs 0]
+                                      [--steady-prefill] [--fill-connections N] [--vacuum]
 
 The full run the issue asks for, on a quiet machine (about 30 GB of disk for the history; the
 fill's rate at 200,000 jobs is printed first, with what the whole fill will take). The server
 must run autovacuum (`SHOW autovacuum`: on, its default; the output warns when it is off), or
 no pruned row's space is ever reused and the steady state's size cannot be flat; a
-`max_wal_size` of several GB keeps checkpoints out of the fill:
+`max_wal_size` of several GB keeps checkpoints out of the fill (about 100 minutes on 2 cores):
 
     .venv/bin/python bench/history.py --history 10000000 --ops 2000 --gateway-calls 1000 \
-        --prune-seconds 120 --prune-flow-rate 1000 --steady-seconds 7200 --steady-rate 1000 --steady-retention 3600 \
-        --sample-seconds 60 --workers 4
+        --prune-seconds 120 --prune-flow-rate 1000 --prune-jobs 1000000 --bulk 100 --producers 1 --workers 4 \
+        --steady-seconds 3600 --steady-rate 1000 --steady-retention 3600 --steady-prefill --sample-seconds 60
 
 and the steady state scaled (60 s of retention over 10 minutes; what is scaled is printed):
 
@@ -52,16 +52,22 @@ and a zero-latency sim executor:
      sum, no count over the table) and the claim's p99 beside pruning against it alone. With
      --prune-flow-rate R, both halves run while R jobs/s flow through --workers worker processes
      (as in 5, without their own pruning), and the claims are a probe's beside them: submit one
-     job, claim one, finish it, for --prune-seconds each;
-  5. with --steady-seconds: the job tables emptied (TRUNCATE), then jobs flow for that long at
-     --steady-rate a second (submitted in-process on a fixed schedule, run by --workers
-     `scheduler_worker` processes on the sim executor) with --steady-retention seconds of
-     retention, pruned by the workers themselves (TELEMACHUS_PRUNE_INTERVAL_SECONDS scaled with
-     the retention, at least 1 s); pg_total_relation_size of the job and event tables every
-     --sample-seconds, with the job table's live and dead rows (pg_stat_user_tables) and
-     autovacuum's visits so far: the series, and its slope over the second half (MiB/min, and as
-     a share of the mean size over the whole second half). A retention shorter than an hour is a scaled
-     run, and the output says what was scaled (autovacuum's own timing is not).
+     job, claim one, finish it, for --prune-seconds each (with --prune-jobs N, the half beside
+     pruning lasts until N jobs are pruned);
+  5. with --steady-seconds: the job tables emptied (TRUNCATE); with --steady-prefill, the
+     retention's worth of finished jobs written as in 2, the newest ended now and one every
+     1/rate s before it (so the oldest fall due as the flow starts), then VACUUM ANALYZE, as an
+     hour of the flow and autovacuum would have left the tables; then jobs flow for that long at
+     --steady-rate a second (submitted in-process on a fixed schedule in bulks of up to --bulk,
+     each with a --prompt-bytes prompt, run by --workers `scheduler_worker` processes on the
+     sim executor) with --steady-retention seconds of retention, pruned by the workers
+     themselves (TELEMACHUS_PRUNE_INTERVAL_SECONDS scaled with the retention, at least 1 s);
+     pg_total_relation_size of the job and event tables every --sample-seconds, with the job
+     table's live and dead rows (pg_stat_user_tables), autovacuum's visits so far and the jobs
+     queued (a flow the workers do not keep up with): the series, and its slope over the second
+     half (MiB/min, and as a share of the mean size over the whole second half). A retention
+     shorter than an hour is a scaled run, and the output says what was scaled (autovacuum's own
+     timing is not).
 The database's size (jobs, events, their indexes and TOAST) is printed after each stage. --history 0
 skips 2 to 4."""
 
