@@ -215,7 +215,8 @@ def _bucket_rows(*, start: datetime, end: datetime, peaks: BucketPeaks) -> list[
 
     # What happened in the bucket, found through the (event, at) index rather than a scan of jobs,
     # and added up per team by the database: a busy minute ends tens of thousands of jobs, more
-    # than one statement may name one by one (PostgreSQL takes 65,535 parameters, SQLite 32,766).
+    # than one statement may name one by one (PostgreSQL takes 65,535 parameters; SQLite builds
+    # take 32,766 or 250,000).
     # A job ends once, so each ended event is one job.
     sums = _sums()
     ended = (

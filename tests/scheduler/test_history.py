@@ -185,9 +185,10 @@ class TestRecord:
         assert QueueSample.objects.filter(at=closed_bucket).exists()
 
     def test_a_minute_that_ended_more_jobs_than_a_statement_takes_parameters(self, member_setup, closed_bucket):
-        """At 1,100 jobs a second a minute ends 66,000 jobs, more than a statement may name one
-        by one (PostgreSQL takes 65,535 parameters, SQLite 32,766): the bucket is written all the
-        same, each team's ended jobs and tokens counted (the recorder once failed at every close)."""
+        """At 1,100 jobs a second a minute ends 66,000 jobs, more than a PostgreSQL statement may
+        name one by one (65,535 parameters): the bucket is written all the same, each team's ended
+        jobs and tokens counted (the recorder once failed at every close; this SQLite build takes
+        250,000, so the failure showed on PostgreSQL only)."""
         alice, bob, team_a, team_b, _ = member_setup
         ended = closed_bucket + timedelta(seconds=30)
         per_team = {team_a: (alice, 36_000), team_b: (bob, 30_000)}
