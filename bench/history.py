@@ -469,9 +469,8 @@ def probe_claims(seconds: float, queue: Callable[[int], None], done: Callable[[]
 class Flow:
     """Jobs flowing at `rate` a second: submitted in-process on a fixed schedule by --producers
     threads (in bulks of up to --bulk: one-by-one submits cost about a core at 1,000 a second),
-    each with a --prompt-bytes prompt,
-    run by --workers `scheduler_worker` processes on the sim executor, which prune with
-    `retention_hours` every `prune_interval` seconds."""
+    each with a --prompt-bytes prompt, run by --workers `scheduler_worker` processes on the sim
+    executor, which prune with `retention_hours` every `prune_interval` seconds."""
 
     def __init__(
         self,
@@ -603,16 +602,9 @@ def steady_state(args: argparse.Namespace, ids: dict) -> dict:
         # The window as an hour of this flow would leave it: the retention's worth of jobs, the
         # newest ended now, one every 1/rate s, so the oldest fall due as the flow starts; vacuumed,
         # as autovacuum would have by then.
-        prefill = fill(
-            connection,
-            ids,
-            args,
-            n=round(args.steady_rate * retention),
-            ago=0,
-            step_us=1e6 / args.steady_rate,
-            vacuum=True,
-        )
-        prefill["jobs"] = round(args.steady_rate * retention)
+        jobs = round(args.steady_rate * retention)
+        prefill = fill(connection, ids, args, n=jobs, ago=0, step_us=1e6 / args.steady_rate, vacuum=True)
+        prefill["jobs"] = jobs
     flow = Flow(
         args, ids, rate=args.steady_rate, retention_hours=retention / 3600, prune_interval=interval, name="steady"
     )
@@ -723,6 +715,8 @@ def main() -> None:
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.prune_jobs and not args.prune_flow_rate:
+        parser.error("--prune-jobs needs --prune-flow-rate: without a flow the pruning runs for --prune-seconds")
     if args.child:
         print(json.dumps(child(args)))
         return
