@@ -28,7 +28,7 @@ from django.conf import settings
 from django.utils.module_loading import import_string
 
 from scheduler.core.prefix import prefix_place
-from scheduler.core.selectors import queue_depths, queued_heads_sent
+from scheduler.core.selectors import queue_depths, queued_heads_sent, slot_counts_sent
 from scheduler.core.state import ClaimState, ExecutorView
 from scheduler.models import Job, QueuePolicy, TeamShare
 from telemachus.db.compiled import CompiledQuery
@@ -200,12 +200,17 @@ class BaseQueuePolicy:
         """Each team's next jobs that could run now, best first by effective priority: teams and
         users at their cap or out of budget are excluded in the query, as are models no usable
         executor has room for. Also looks at each team's oldest jobs, which aging may have
-        lifted above newer, higher-priority ones."""
-        return self.eligible_heads_sent(state, limit=limit)()
+        lifted above newer, higher-priority ones. Reading them also brings the state's slot
+        counts up to date (`ClaimState.recount`), in the same round trip."""
+        with together():
+            read = self.eligible_heads_sent(state, limit=limit)
+        return read()
 
     def eligible_heads_sent(self, state: ClaimState, *, limit: int) -> Callable[[], dict[int, list[Job]]]:
         """`eligible_heads`, its statements executed now and read when the result is called:
-        inside telemachus.db.pipeline.together() they go with the block's other statements."""
+        inside telemachus.db.pipeline.together() they go with the block's other statements. The
+        slot counts are read again after the heads, and the state recounted from them before the
+        heads are returned (why: `ClaimState.recount`)."""
         wanted = {
             team_id: (state.placeable_models(team_id), int(min(limit, state.team_free(team_id))))
             for team_id in self.unblocked_teams(state)
@@ -219,9 +224,11 @@ class BaseQueuePolicy:
         read = queued_heads_sent(
             wanted=wanted, exclude_users=state.blocked_users(), now=state.now, aged_before=aged_before
         )
+        counts = slot_counts_sent()
 
         def heads() -> dict[int, list[Job]]:
             found = read()
+            state.recount(counts())
             for jobs in found.values():
                 jobs.sort(key=lambda job: (-self.effective_priority(job, state.now), *ready_order(job)))
             return found

@@ -112,6 +112,8 @@ class ClaimState:
         self.team_slugs: dict[int, str] = {}
         self._running_tokens: Counter[int] | None = None
         self._recent_work: Counter[int] | None = None
+        # The jobs this claim has placed (`take`), so a recount keeps them.
+        self.placed: list[tuple[Job, ExecutorView]] = []
 
     @classmethod
     def load(cls, *, policy: QueuePolicy, now: datetime) -> "ClaimState":
@@ -274,10 +276,32 @@ class ClaimState:
             is None
         ]
 
+    def recount(self, counts: SlotCounts) -> None:
+        """Replace the slot counts read with the claim lock by `counts`, read later in the claim,
+        and count again the jobs this claim has placed. Why: slots can only be freed while the
+        lock is held, and a job whose slot was freed after the first read (a flow's round ended
+        and went back to the queue) shows up queued in the heads read after it, still counted on
+        its old executor. Placing it counts it a second time, and its executor can look full
+        when it is not (a round sent away from the executor that holds its prefix). Counts read
+        after the heads hold no slot of any head: none can be claimed but under this lock."""
+        self.global_in_use = counts.total + len(self.placed)
+        for mine, read in ((self.team_in_use, counts.team), (self.user_in_use, counts.user)):
+            mine.clear()
+            mine.update(read)
+        for view in self.executors:
+            view.in_use, view.batch_in_use = counts.executor[view.pk], counts.batch[view.pk]
+        for job, view in self.placed:
+            self.team_in_use[job.team_id] += 1
+            self.user_in_use[job.user_id] += 1
+            view.in_use += 1
+            if job.batch_id is not None:
+                view.batch_in_use += 1
+
     def take(self, job: Job, view: ExecutorView) -> dict[str, Any] | None:
         """Count a slot just placed, at all four scopes, and reserve the job's estimate in every
         budget it counts against: the reservation, which the job keeps until the attempt ends
         (`Job.start`)."""
+        self.placed.append((job, view))
         self.global_in_use += 1
         self.team_in_use[job.team_id] += 1
         self.user_in_use[job.user_id] += 1

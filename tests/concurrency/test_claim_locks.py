@@ -1,4 +1,6 @@
-"""The claim passes over a job another transaction holds (a cancel at that moment), on PostgreSQL."""
+"""The claim under other transactions, on PostgreSQL: it passes over a job another transaction
+holds (a cancel at that moment), goes on past a worker frozen with the claim lock, and counts
+slots freed while it reads once, not twice."""
 
 import threading
 import time
@@ -8,9 +10,12 @@ from django.db import DatabaseError, connection, transaction
 
 from scheduler.connections import worker_database_settings
 from scheduler.core.locks import lock_claim
-from scheduler.models import Job
+from scheduler.core.state import ClaimState
+from scheduler.models import Job, Slot
 from scheduler.services.claim import job_claim
+from scheduler.services.rounds import round_end
 from scheduler.services.submit import job_submit
+from tests.scheduler.services.test_rounds import calling, echoed, round_start, submit_flow
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -128,3 +133,50 @@ def test_the_claims_clock_is_read_once_it_holds_the_claim_lock(member_setup):
     # Then its clock reads a time after the other released the lock, not when its statements
     # were sent.
     assert released and now > released[0]
+
+
+def test_rounds_that_end_while_a_claim_reads_go_back_to_their_executor(member_setup, make_executor, monkeypatch):
+    # Given two flows whose rounds run on x (two slots, both theirs), and y (two free slots) back
+    # in placement after they started...
+    alice, *_, shared = member_setup
+    shared.delete()
+    x = make_executor("x", max_concurrency=2)
+    y = make_executor("y", max_concurrency=2, enabled=False)
+    flows = [submit_flow(alice) for _ in range(2)]
+    claims = job_claim(worker="w", limit=2).claims
+    assert [claim.executor.name for claim in claims] == ["x", "x"]
+    starts = [round_start(claim) for claim in claims]
+    y.enabled = True
+    y.save()
+
+    # When both rounds end (slots freed, flows queued again preferring x) just after the next
+    # claim has read the slot counts with its lock, and before it reads the queue...
+    original, ended = ClaimState.load.__func__, threading.Event()
+
+    def end_rounds() -> None:
+        try:
+            for n, (claim, start) in enumerate(zip(claims, starts, strict=True), 1):
+                round_end(
+                    job_id=claim.job.pk, lease=claim.lease, round=start.round, message=calling(n), results=[echoed(n)]
+                )
+            ended.set()
+        finally:
+            connection.close()
+
+    def load(cls, **kwargs):
+        state = original(cls, **kwargs)
+        if not ended.is_set():
+            ender = threading.Thread(target=end_rounds)
+            ender.start()
+            ender.join(10)
+        return state
+
+    monkeypatch.setattr(ClaimState, "load", classmethod(load))
+    batch = job_claim(worker="w", limit=2)
+
+    # Then the claim takes both back to x, which has room for both: their freed slots are not
+    # counted against it (once as held, once as taken again).
+    assert ended.is_set()
+    assert sorted(claim.job.pk for claim in batch.claims) == sorted(flow.pk for flow in flows)
+    assert [claim.executor.name for claim in batch.claims] == ["x", "x"]
+    assert Slot.objects.filter(executor=x).count() == 2

@@ -14,11 +14,12 @@ from tests.roundtrips import round_trips
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
 # Claim: BEGIN; the claim lock; the clock, configuration version and synchronous_commit; slot counts;
-# the queue's heads; team shares; the job marked running; its slot with its events (and their notice);
-# fair share's entry charge; COMMIT.
-CLAIM = 10
-# ...in 7 round trips: the lock, the clock and the slot counts go together, and so do the charge and
-# the COMMIT (telemachus/db/pipeline.py).
+# the queue's heads; the slot counts again (read after the heads: ClaimState.recount); team shares;
+# the job marked running; its slot with its events (and their notice); fair share's entry charge;
+# COMMIT.
+CLAIM = 11
+# ...in 6 round trips: the lock, the clock and the slot counts go together, so do the heads, the
+# counts again and the shares, and so do the charge and the COMMIT (telemachus/db/pipeline.py).
 CLAIM_ROUND_TRIPS = 6
 # Finish: BEGIN; the job locked (with its executor's failures); its end with its event (and the
 # event's notice); its slot freed (waking the workers); fair share; COMMIT. (A call that costs
