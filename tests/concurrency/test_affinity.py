@@ -5,6 +5,7 @@ and go elsewhere at once (or after `affinity_wait_ms`) when it is full."""
 import uuid
 from collections import Counter
 from datetime import timedelta
+from pprint import pformat
 
 import pytest
 from django.db import transaction
@@ -53,6 +54,11 @@ def round_executors(job: Job) -> dict[int, int]:
     return dict(JobEvent.objects.filter(job=job, event="round_started").values_list("meta__round", "executor_id"))
 
 
+def story(job: Job) -> list[tuple]:
+    """The job's events in order: what each was, on which executor, when, and its details."""
+    return list(JobEvent.objects.filter(job=job).order_by("id").values_list("event", "executor_id", "at", "meta"))
+
+
 def round_waits(job: Job) -> dict[int, float]:
     """Round number -> seconds from its `queued` event (the previous round's requeue) to its start."""
     waits, queued = {}, None
@@ -94,12 +100,16 @@ def test_with_room_a_flows_rounds_stay_on_one_executor(processes, member_setup, 
         assert sum(calls.values()) == 20
         shares.append(max(calls.values()) / 20)
         per_server.update(calls)
-    # (On failure: where each flow's rounds ran, and what the executors went through meanwhile:
-    # health or breaker changes take an executor out of placement, which is not "room".)
-    assert min(shares) >= 0.95, (
-        shares,
-        {flow.pk: round_executors(flow) for flow in flows},
-        list(JobEvent.objects.filter(job__isnull=True).values_list("executor__name", "event", "meta")),
+    # (On failure, in full: each flow that moved, its events in order (a retry goes elsewhere),
+    # and what the executors went through meanwhile: health or breaker changes take an executor
+    # out of placement, which is not "room".)
+    assert min(shares) >= 0.95, pformat(
+        {
+            "shares": shares,
+            "moved": {flow.pk: story(flow) for flow, share in zip(flows, shares, strict=True) if share < 0.95},
+            "executors": list(JobEvent.objects.filter(job__isnull=True).values_list("executor__name", "event", "meta")),
+        },
+        width=160,
     )
     assert len(+per_server) == 2, per_server
     assert not Slot.objects.exists()
