@@ -146,3 +146,23 @@ def test_no_pruning_statement_reads_a_table_through(prune_statements):
         if node["Node Type"] == "Seq Scan"
     ]
     assert scans == []
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_autovacuum_visits_the_pruned_tables_at_two_percent_dead():
+    # Retention deletes their oldest rows all the time; their space is reused once autovacuum
+    # has visited (migration 0026). The job table's TOAST table holds the prompts: it counts its
+    # dead rows on its own, so it needs the setting too.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT c.relname, c.reloptions, t.reloptions FROM pg_class c JOIN pg_class t ON t.oid = c.reltoastrelid"
+            " WHERE c.relname = ANY(%s) ORDER BY c.relname",
+            [[Job._meta.db_table, JobEvent._meta.db_table]],
+        )
+        found = {name: (table or [], toast or []) for name, table, toast in cursor.fetchall()}
+
+    assert found == {
+        "scheduler_job": (["autovacuum_vacuum_scale_factor=0.02"], ["autovacuum_vacuum_scale_factor=0.02"]),
+        "scheduler_jobevent": (["autovacuum_vacuum_scale_factor=0.02"], []),
+    }
