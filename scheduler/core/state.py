@@ -278,10 +278,10 @@ class ClaimState:
 
     def recount(self, counts: SlotCounts) -> None:
         """Replace the slot counts read with the claim lock by `counts`, read later in the claim,
-        and count again the jobs this claim has placed. Why: slots can only be freed while the
-        lock is held, and a job whose slot was freed after the first read (a flow's round ended
-        and went back to the queue) shows up queued in the heads read after it, still counted on
-        its old executor. Placing it counts it a second time, and its executor can look full
+        and count again the jobs this claim has placed. Why: while the lock is held slots can be
+        freed but not taken, and a job whose slot was freed after the first read (a flow's round
+        ended and went back to the queue) shows up queued in the heads read after it, still
+        counted on its old executor. Placing it counts it a second time, and its executor can look full
         when it is not (a round sent away from the executor that holds its prefix). Counts read
         after the heads hold no slot of any head: none can be claimed but under this lock."""
         self.global_in_use = counts.total + len(self.placed)
